@@ -1,0 +1,13 @@
+"""Benchmarks: ``python -m astrai.bench <name> [key=value ...]``.
+
+Each benchmark is a module with ``DEFAULTS`` (its options), ``main(overrides) -> report`` and
+optionally ``format_report(report) -> str``; :data:`BENCHMARKS` maps names to modules, which
+are imported only when run.
+"""
+
+BENCHMARKS: dict[str, str] = {
+    "data": "astrai.bench.data",
+    "engine": "astrai.bench.engine",
+}
+
+__all__ = ["BENCHMARKS"]

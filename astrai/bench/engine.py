@@ -1,0 +1,244 @@
+"""Engine benchmark: astrai's engine vs `transformers.generate` on the same weights.
+
+Workload (defaults follow issue #4): `requests` prompts of `prompt_min..prompt_max`
+random tokens, each asking for `output_min..output_max` new tokens, greedy, EOS ignored,
+all arriving at t=0. `transformers` runs our HF export with left padding at several batch
+sizes and the best is reported; its useful tokens are the ones each request asked for
+(padding rows that keep generating for the longest request in a batch do not count).
+A second workload shares 90% of every prompt and compares TTFT with and without the
+radix prefix cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import tempfile
+import time
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from astrai.inference import InferenceEngine
+from astrai.model import Transformer, preset
+from astrai.tokenizer import AutoTokenizer
+
+logger = logging.getLogger(__name__)
+
+DEFAULTS: dict[str, Any] = {
+    "model": "astrai-30m",
+    "requests": 64,
+    "prompt_min": 16,
+    "prompt_max": 256,
+    "output_min": 16,
+    "output_max": 256,
+    "hf_batch_sizes": "1,8,all",
+    "max_batch_size": 64,
+    "prefix_requests": 32,
+    "prefix_len": 512,
+    "seed": 0,
+    "threads": 0,
+    "device": "cpu",
+    "skip_hf": False,
+}
+
+
+def _pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
+
+
+def _tokenizer(vocab: int) -> AutoTokenizer:
+    """A byte-level BPE trained on a little stdlib text; only its special ids matter here."""
+    import sysconfig
+    from pathlib import Path
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts = [p.read_text(errors="ignore") for p in sorted(stdlib.glob("*.py"))[:40]]
+    return AutoTokenizer.train(texts, vocab_size=min(vocab, 2048))
+
+
+def _workload(cfg: dict[str, Any], vocab: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(cfg["seed"])
+    return [
+        (
+            [
+                rng.randrange(16, vocab)
+                for _ in range(rng.randint(cfg["prompt_min"], cfg["prompt_max"]))
+            ],
+            rng.randint(cfg["output_min"], cfg["output_max"]),
+        )
+        for _ in range(cfg["requests"])
+    ]
+
+
+def run_astrai(
+    model: Transformer,
+    tokenizer: AutoTokenizer,
+    work: list[tuple[list[int], int]],
+    **engine_kw: Any,
+) -> dict[str, float]:
+    max_len = max(len(p) + n for p, n in work) + 1
+    with InferenceEngine(model, tokenizer, max_seq_len=max_len, **engine_kw) as eng:
+        eng.generate([[1, 2, 3]], max_tokens=2, temperature=0.0)  # warm-up
+        start = time.perf_counter()
+        results = [eng.submit(p, max_tokens=n, temperature=0.0, ignore_eos=True) for p, n in work]
+        for r in tqdm(results, desc="astrai", leave=False):
+            r.wait_completion()
+        wall = time.perf_counter() - start
+        ttft = [r.task.first_token_at - start for r in results]
+        tokens = sum(len(r.token_ids) for r in results)
+        stats = eng.get_stats()
+    return {
+        "tokens": tokens,
+        "seconds": wall,
+        "tokens_per_s": tokens / wall,
+        "ttft_p50": _pct(ttft, 0.5),
+        "ttft_p99": _pct(ttft, 0.99),
+        "cached_prompt_tokens": stats["cached_prompt_tokens"],
+    }
+
+
+def run_hf(
+    hf_model: Any, work: list[tuple[list[int], int]], batch_size: int, pad_id: int
+) -> dict[str, float]:
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class FirstToken(LogitsProcessor):
+        def __init__(self) -> None:
+            self.first: float | None = None
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            if self.first is None:
+                self.first = time.perf_counter()
+            return scores
+
+    start = time.perf_counter()
+    ttft, useful = [], 0
+    for i in tqdm(
+        range(0, len(work), batch_size), desc=f"transformers bs={batch_size}", leave=False
+    ):
+        chunk = work[i : i + batch_size]
+        width = max(len(p) for p, _ in chunk)
+        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for j, (p, _) in enumerate(chunk):
+            ids[j, width - len(p) :] = torch.tensor(p)
+            mask[j, width - len(p) :] = 1
+        marker = FirstToken()
+        new = max(n for _, n in chunk)
+        with torch.no_grad():
+            out = hf_model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=pad_id,
+                logits_processor=LogitsProcessorList([marker]),
+            )
+        assert out.shape[1] == width + new
+        ttft += [marker.first - start] * len(chunk)
+        useful += sum(n for _, n in chunk)
+    wall = time.perf_counter() - start
+    return {
+        "tokens": useful,
+        "seconds": wall,
+        "tokens_per_s": useful / wall,
+        "ttft_p50": _pct(ttft, 0.5),
+        "ttft_p99": _pct(ttft, 0.99),
+    }
+
+
+def main(overrides: dict[str, Any]) -> dict[str, Any]:
+    cfg = {**DEFAULTS, **overrides}
+    if cfg["threads"]:
+        torch.set_num_threads(int(cfg["threads"]))
+    torch.manual_seed(cfg["seed"])
+    device = torch.device(cfg["device"])
+    model_cfg = preset(cfg["model"])
+    with device:
+        model = Transformer(model_cfg).eval()
+    tokenizer = _tokenizer(model_cfg.vocab_size)
+    report: dict[str, Any] = {
+        "model": cfg["model"],
+        "parameters": model.num_parameters(),
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+    }
+    work = _workload(cfg, model_cfg.vocab_size)
+    report["astrai"] = run_astrai(
+        model, tokenizer, work, max_batch_size=cfg["max_batch_size"], cache_mode="contiguous"
+    )
+    logger.info("astrai: %s", report["astrai"])
+
+    if not cfg["skip_hf"]:
+        import transformers
+
+        with tempfile.TemporaryDirectory() as tmp:
+            model.save_pretrained(tmp, hf_format=True)
+            hf = transformers.AutoModelForCausalLM.from_pretrained(tmp).to(device).eval()
+        sizes = [
+            len(work) if s.strip() == "all" else int(s)
+            for s in str(cfg["hf_batch_sizes"]).split(",")
+        ]
+        report["transformers"] = {}
+        for bs in sizes:
+            report["transformers"][f"bs={bs}"] = run_hf(hf, work, bs, pad_id=0)
+            logger.info("transformers bs=%d: %s", bs, report["transformers"][f"bs={bs}"])
+        best = max(report["transformers"].values(), key=lambda r: r["tokens_per_s"])
+        report["speedup_vs_transformers"] = report["astrai"]["tokens_per_s"] / best["tokens_per_s"]
+
+    # Shared-prefix workload: 90% of each prompt is common.
+    rng = random.Random(cfg["seed"] + 1)
+    shared_len = int(cfg["prefix_len"] * 0.9)
+    shared = [rng.randrange(16, model_cfg.vocab_size) for _ in range(shared_len)]
+    tail = cfg["prefix_len"] - shared_len
+    prefix_work = [
+        (shared + [rng.randrange(16, model_cfg.vocab_size) for _ in range(tail)], 1)
+        for _ in range(cfg["prefix_requests"])
+    ]
+    report["prefix"] = {}
+    for name, radix in (("no_cache", False), ("radix", True)):
+        kw = dict(cache_mode="paged", page_size=16, max_batch_size=cfg["max_batch_size"])
+        with InferenceEngine(
+            model, tokenizer, max_seq_len=cfg["prefix_len"] + 32, start=False, **kw
+        ) as eng:
+            if not radix:
+                eng.pool.radix = None
+            eng.run_batch([prefix_work[0][0]], max_tokens=1, temperature=0.0)  # warm the cache
+            ttft = []
+            for prompt, _ in tqdm(prefix_work[1:], desc=f"prefix {name}", leave=False):
+                # A lone request's time to its first token: prefill plus one sample.
+                t0 = time.perf_counter()
+                eng.run_batch([prompt], max_tokens=1, temperature=0.0)
+                ttft.append(time.perf_counter() - t0)
+        report["prefix"][name] = {"ttft_p50": _pct(ttft, 0.5), "ttft_p99": _pct(ttft, 0.99)}
+    report["prefix"]["ttft_ratio"] = (
+        report["prefix"]["no_cache"]["ttft_p50"] / report["prefix"]["radix"]["ttft_p50"]
+    )
+    return report
+
+
+def format_report(report: dict[str, Any]) -> str:
+    lines = [
+        f"model {report['model']} ({report['parameters'] / 1e6:.1f}M params) on {report['device']}, {report['threads']} threads"
+    ]
+    a = report["astrai"]
+    lines.append(
+        f"astrai        {a['tokens_per_s']:8.1f} tok/s  TTFT p50 {a['ttft_p50']:.2f}s p99 {a['ttft_p99']:.2f}s  ({a['tokens']} tokens in {a['seconds']:.1f}s)"
+    )
+    for name, r in report.get("transformers", {}).items():
+        lines.append(
+            f"transformers {name:>7} {r['tokens_per_s']:8.1f} tok/s  TTFT p50 {r['ttft_p50']:.2f}s p99 {r['ttft_p99']:.2f}s"
+        )
+    if "speedup_vs_transformers" in report:
+        lines.append(
+            f"ratio astrai / best transformers: {report['speedup_vs_transformers']:.2f}x (target >= 2.0x)"
+        )
+    p = report["prefix"]
+    lines.append(
+        f"shared prefix TTFT p50: no cache {p['no_cache']['ttft_p50'] * 1e3:.1f} ms, radix {p['radix']['ttft_p50'] * 1e3:.1f} ms -> {p['ttft_ratio']:.2f}x lower (target >= 3x)"
+    )
+    return "\n".join(lines)

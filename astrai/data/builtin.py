@@ -1,0 +1,277 @@
+"""Data that ships with every Python installation or is generated: nothing is downloaded.
+
+- :func:`stdlib_corpus`: the Python standard library's own ``.py`` sources, a real (code)
+  text corpus present on every machine, split into train / val by a hash of the file path.
+- :func:`arithmetic_problems`: seeded arithmetic questions with exact answers, and builders
+  for SFT chats, preference pairs (correct vs. wrong answer) and GRPO prompts. Train and val
+  problems are disjoint (split by a hash of the expression), so evaluation never sees a
+  training question.
+
+Everything is reproducible from its arguments. ``python -m astrai.data.prepare`` reads these
+directly with ``input=builtin:stdlib/train``, ``builtin:arithmetic/sft``, ... (see
+:func:`builtin_records`), or write them to JSONL with :func:`write_builtin_jsonl`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from astrai.data.rewards import format_answer
+from astrai.data.storage import write_jsonl
+
+SKIP_DIRS = frozenset(
+    {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
+)
+SPLITS = ("train", "val")
+
+
+def _hash_fraction(text: str) -> float:
+    """A stable number in [0, 1) per string (Python's hash() is salted per process)."""
+    return int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:8], "big") / 2**64
+
+
+def _in_split(key: str, split: str | None, val_fraction: float) -> bool:
+    if split is None:
+        return True
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS} or None, got {split!r}")
+    is_val = _hash_fraction(key) < val_fraction
+    return is_val if split == "val" else not is_val
+
+
+# -------------------------------------------------------------------------------- stdlib corpus
+
+
+def stdlib_root() -> Path:
+    """The standard library directory of the running interpreter."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_files(
+    split: str | None = "train",
+    *,
+    val_fraction: float = 0.05,
+    max_files: int | None = None,
+    max_bytes: int | None = None,
+) -> list[tuple[str, Path]]:
+    """``(relative path, path)`` of the stdlib ``.py`` files of a split, sorted by path.
+
+    Test suites, site-packages and caches are skipped. ``max_files`` / ``max_bytes`` cap the
+    count and the total size (in sorted order) for quick experiments.
+    """
+    root = stdlib_root()
+    if not root.is_dir():
+        raise FileNotFoundError(f"standard library not found at {root} (sysconfig 'stdlib')")
+    found: list[tuple[str, Path]] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS and not d.startswith("."))
+        for name in filenames:
+            if name.endswith(".py"):
+                path = Path(dirpath) / name
+                found.append((path.relative_to(root).as_posix(), path))
+    found.sort()
+    out: list[tuple[str, Path]] = []
+    total = 0
+    for rel, path in found:
+        if not _in_split(rel, split, val_fraction):
+            continue
+        size = path.stat().st_size
+        if max_bytes is not None and total + size > max_bytes and out:
+            break
+        out.append((rel, path))
+        total += size
+        if max_files is not None and len(out) >= max_files:
+            break
+    return out
+
+
+def stdlib_records(split: str | None = "train", **kwargs: Any) -> Iterator[dict[str, str]]:
+    """``{"text", "path"}`` per stdlib source file (see :func:`stdlib_files`)."""
+    for rel, path in stdlib_files(split, **kwargs):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if text.strip():
+            yield {"text": text, "path": rel}
+
+
+def stdlib_corpus(split: str | None = "train", **kwargs: Any) -> Iterator[str]:
+    """Texts of the stdlib source files of a split (see :func:`stdlib_files`)."""
+    for record in stdlib_records(split, **kwargs):
+        yield record["text"]
+
+
+# ---------------------------------------------------------------------------------- arithmetic
+
+
+def _evaluate(terms: list[int], ops: list[str]) -> int:
+    """Value of ``t0 op0 t1 op1 t2 ...`` with the usual precedence (``*`` first)."""
+    values, pending = [terms[0]], []
+    for op, term in zip(ops, terms[1:]):
+        if op == "*":
+            values[-1] *= term
+        else:
+            pending.append(op)
+            values.append(term)
+    result = values[0]
+    for op, value in zip(pending, values[1:]):
+        result = result + value if op == "+" else result - value
+    return result
+
+
+def arithmetic_problems(
+    n: int,
+    seed: int = 0,
+    *,
+    split: str | None = "train",
+    val_fraction: float = 0.1,
+    max_operand: int = 100,
+    max_terms: int = 2,
+    ops: str = "+-*",
+) -> list[dict[str, Any]]:
+    """``n`` records ``{"id", "prompt", "expression", "answer"}`` (answer as a string).
+
+    Expressions have 2..``max_terms`` operands in [0, ``max_operand``]; problems are assigned
+    to ``train`` / ``val`` by a hash of the expression, so the two never share a question.
+    """
+    if n < 0 or max_terms < 2 or max_operand < 1 or not ops or set(ops) - set("+-*"):
+        raise ValueError(
+            f"arithmetic_problems: need n >= 0, max_terms >= 2, max_operand >= 1 and ops from "
+            f"'+-*' (got n={n}, max_terms={max_terms}, max_operand={max_operand}, ops={ops!r})"
+        )
+    rng = random.Random(seed)
+    records: list[dict[str, Any]] = []
+    attempts = 0
+    while len(records) < n:
+        attempts += 1
+        if attempts > 1000 * (n + 10):
+            raise ValueError("arithmetic_problems: cannot draw enough distinct-split problems")
+        k = rng.randint(2, max_terms)
+        terms = [rng.randint(0, max_operand) for _ in range(k)]
+        chosen_ops = [rng.choice(ops) for _ in range(k - 1)]
+        expression = " ".join(
+            [str(terms[0])] + [f"{op} {t}" for op, t in zip(chosen_ops, terms[1:])]
+        )
+        if not _in_split(expression, split, val_fraction):
+            continue
+        records.append(
+            {
+                "id": f"arith-{split or 'all'}-{seed}-{len(records)}",
+                "prompt": f"What is {expression}?",
+                "expression": expression,
+                "answer": str(_evaluate(terms, chosen_ops)),
+            }
+        )
+    return records
+
+
+def solution_text(expression: str, answer: Any) -> str:
+    """The worked answer the SFT data teaches: ``<expr> = <value>. The answer is <value>.``"""
+    return f"{expression} = {answer}. {format_answer(answer)}"
+
+
+def wrong_answer(answer: str, rng: random.Random) -> str:
+    """A plausible but wrong answer (off by 1..10)."""
+    delta = rng.choice([d for d in range(-10, 11) if d != 0])
+    return str(int(answer) + delta)
+
+
+def sft_records(problems: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Chat records (``messages``) whose assistant turn solves the problem."""
+    return [
+        {
+            "id": p["id"],
+            "messages": [
+                {"role": "user", "content": p["prompt"]},
+                {"role": "assistant", "content": solution_text(p["expression"], p["answer"])},
+            ],
+            "answer": p["answer"],
+        }
+        for p in problems
+    ]
+
+
+def preference_records(problems: list[dict[str, Any]], seed: int = 0) -> list[dict[str, Any]]:
+    """``{"prompt", "chosen", "rejected"}``: the correct solution against a wrong one."""
+    rng = random.Random(seed)
+    out = []
+    for p in problems:
+        wrong = wrong_answer(p["answer"], rng)
+        out.append(
+            {
+                "id": p["id"],
+                "prompt": p["prompt"],
+                "chosen": solution_text(p["expression"], p["answer"]),
+                "rejected": solution_text(p["expression"], wrong),
+                "answer": p["answer"],
+            }
+        )
+    return out
+
+
+def prompt_records(problems: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """GRPO prompts with the reference ``answer`` the rewards check against."""
+    return [{"id": p["id"], "prompt": p["prompt"], "answer": p["answer"]} for p in problems]
+
+
+# ----------------------------------------------------------------------------------- by name
+
+BUILTIN_NAMES = (
+    "stdlib/train",
+    "stdlib/val",
+    "arithmetic/sft",
+    "arithmetic/preference",
+    "arithmetic/prompt",
+)
+
+
+def builtin_records(
+    name: str,
+    *,
+    split: str | None = None,
+    n: int = 1000,
+    seed: int = 0,
+    **options: Any,
+) -> Iterator[dict[str, Any]]:
+    """Records of a built-in source by name, e.g. ``stdlib/val`` or ``arithmetic/sft/val``.
+
+    Arithmetic names take an optional split suffix (``/train`` default, ``/val``); ``n``,
+    ``seed`` and further ``options`` go to :func:`arithmetic_problems` or
+    :func:`stdlib_files`.
+    """
+    parts = name.strip("/").split("/")
+    source = parts[0]
+    if source == "stdlib" and len(parts) <= 2:
+        split = parts[1] if len(parts) == 2 else (split or "train")
+        allowed = {"val_fraction", "max_files", "max_bytes"}
+        yield from stdlib_records(split, **{k: v for k, v in options.items() if k in allowed})
+        return
+    if source == "arithmetic" and 2 <= len(parts) <= 3:
+        task = parts[1]
+        split = parts[2] if len(parts) == 3 else (split or "train")
+        allowed = {"val_fraction", "max_operand", "max_terms", "ops"}
+        problems = arithmetic_problems(
+            n, seed, split=split, **{k: v for k, v in options.items() if k in allowed}
+        )
+        if task == "sft":
+            yield from sft_records(problems)
+            return
+        if task == "preference":
+            yield from preference_records(problems, seed=seed)
+            return
+        if task == "prompt":
+            yield from prompt_records(problems)
+            return
+    raise ValueError(
+        f"unknown builtin data {name!r}; available: {', '.join(BUILTIN_NAMES)} "
+        f"(arithmetic names accept a /train or /val suffix)"
+    )
+
+
+def write_builtin_jsonl(name: str, path: str | os.PathLike, **kwargs: Any) -> int:
+    """Write :func:`builtin_records` to a JSONL file (atomically); returns the count."""
+    return write_jsonl(builtin_records(name, **kwargs), path)

@@ -1,0 +1,264 @@
+"""LightningDataModule whose checkpointed state is the position in the training data.
+
+Lightning saves ``datamodule.state_dict()`` in every checkpoint and calls ``load_state_dict``
+when resuming (``trainer.fit(..., ckpt_path=...)``), before it builds the dataloaders. The state
+is the :class:`ResumableSampler` position counted in samples the training loop actually
+*received*: Lightning fetches one batch ahead and workers prefetch several, so counting drawn
+indices would skip data on resume. Under a trainer the count is taken in
+``on_before_batch_transfer`` (called once per batch handed to ``training_step``); without one,
+the dataloader's iterator counts the batches it yields.
+
+Lightning runs only one implementation of each batch-transfer hook: if the LightningModule
+also overrides ``on_before_batch_transfer``, the datamodule's wins (Lightning warns). Put batch
+transforms in ``on_after_batch_transfer`` or ``training_step`` instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import lightning as L
+from torch.utils.data import DataLoader, Dataset
+
+from astrai.data.sampler import ResumableSampler
+
+log = logging.getLogger(__name__)
+
+
+class _TrainLoader(DataLoader):
+    """DataLoader that tells its datamodule when an epoch starts and each batch it yields.
+
+    Its ``state_dict`` / ``load_state_dict`` are the datamodule's, which makes it resumable in
+    Lightning's eyes too (Lightning then stores the same position with the loop state and
+    does not warn that a mid-epoch checkpoint cannot be resumed exactly).
+    """
+
+    _datamodule: AstraiDataModule | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._datamodule.state_dict() if self._datamodule is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self._datamodule is not None:
+            self._datamodule.load_state_dict(state_dict)
+
+    def __iter__(self) -> Iterator[Any]:
+        dm = self._datamodule
+        if dm is not None:
+            dm._on_train_iter_start()
+        for batch in super().__iter__():
+            if dm is not None and dm._count_in_loader():
+                dm._delivered_batches += 1
+            yield batch
+
+
+class AstraiDataModule(L.LightningDataModule):
+    """Train / val / test datasets with a resumable, rank-sharded training order.
+
+    Args:
+        train, val, test: a ``Dataset``, or a config mapping with ``_target_`` (instantiated
+            with Hydra in ``setup``), or ``None``.
+        batch_size: per-rank batch size; ``val_batch_size`` defaults to it.
+        num_workers, pin_memory, persistent_workers, prefetch_factor: passed to DataLoader.
+        seed, shuffle: the training order (see :class:`ResumableSampler`).
+        drop_last: drop incomplete training batches (and the uneven tail across ranks).
+        collate_fn: overrides the datasets' own ``collate``.
+    """
+
+    def __init__(
+        self,
+        train: Dataset | Mapping[str, Any] | None = None,
+        val: Dataset | Mapping[str, Any] | None = None,
+        test: Dataset | Mapping[str, Any] | None = None,
+        *,
+        batch_size: int = 8,
+        val_batch_size: int | None = None,
+        num_workers: int = 0,
+        seed: int = 0,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        pin_memory: bool = False,
+        persistent_workers: bool = False,
+        prefetch_factor: int | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+    ) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"AstraiDataModule: batch_size must be >= 1, got {batch_size}")
+        self._specs = {"train": train, "val": val, "test": test}
+        self.datasets: dict[str, Dataset | None] = {}
+        self.batch_size = batch_size
+        self.val_batch_size = val_batch_size or batch_size
+        self.num_workers = num_workers
+        self.seed = seed
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self.pin_memory = pin_memory
+        self.persistent_workers = persistent_workers and num_workers > 0
+        self.prefetch_factor = prefetch_factor
+        self.collate_fn = collate_fn
+        self.sampler: ResumableSampler | None = None
+        self._pending_state: dict[str, Any] | None = None
+        self._start_consumed = 0
+        self._delivered_batches = 0
+        self._iter_epoch = 0
+
+    # -- datasets -----------------------------------------------------------------------------
+    def setup(self, stage: str | None = None) -> None:
+        for split, spec in self._specs.items():
+            if split not in self.datasets:
+                self.datasets[split] = self._build(spec)
+
+    @staticmethod
+    def _build(spec: Any) -> Dataset | None:
+        if spec is None or isinstance(spec, Dataset):
+            return spec
+        if isinstance(spec, Mapping) or hasattr(spec, "_target_"):
+            from hydra.utils import instantiate
+
+            return instantiate(spec, _convert_="all")
+        if callable(spec):
+            return spec()
+        raise TypeError(f"AstraiDataModule: cannot build a dataset from {type(spec).__name__}")
+
+    def _dataset(self, split: str) -> Dataset:
+        if split not in self.datasets:
+            self.setup()
+        ds = self.datasets.get(split)
+        if ds is None:
+            raise ValueError(f"AstraiDataModule: no {split!r} dataset configured")
+        return ds
+
+    def _collate(self, ds: Dataset) -> Callable[[list[Any]], Any] | None:
+        return self.collate_fn or getattr(ds, "collate", None)
+
+    def _rank_world(self) -> tuple[int, int]:
+        trainer = self._trainer_or_none()
+        if trainer is None:
+            return 0, 1
+        return int(trainer.global_rank), int(trainer.world_size)
+
+    def _trainer_or_none(self) -> Any:
+        return getattr(self, "trainer", None)
+
+    def _loader_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {
+            "num_workers": self.num_workers,
+            "pin_memory": self.pin_memory,
+            "persistent_workers": self.persistent_workers,
+        }
+        if self.num_workers > 0 and self.prefetch_factor is not None:
+            kwargs["prefetch_factor"] = self.prefetch_factor
+        return kwargs
+
+    # -- dataloaders --------------------------------------------------------------------------
+    def train_sampler(self) -> ResumableSampler:
+        """The training sampler for this rank, created once (re-created if ranks change)."""
+        ds = self._dataset("train")
+        rank, world = self._rank_world()
+        s = self.sampler
+        if s is None or s.rank != rank or s.world_size != world:
+            state = self.state_dict() if s is not None else None
+            s = ResumableSampler(
+                len(ds),
+                seed=self.seed,
+                shuffle=self.shuffle,
+                rank=rank,
+                world_size=world,
+                drop_last=self.drop_last,
+            )
+            if state is not None:
+                s.load_state_dict(state)
+            self.sampler = s
+        if self._pending_state is not None:
+            s.load_state_dict(self._pending_state)
+            self._pending_state = None
+        return s
+
+    def train_dataloader(self) -> DataLoader:
+        ds = self._dataset("train")
+        loader = _TrainLoader(
+            ds,
+            batch_size=self.batch_size,
+            sampler=self.train_sampler(),
+            drop_last=self.drop_last,
+            collate_fn=self._collate(ds),
+            **self._loader_kwargs(),
+        )
+        loader._datamodule = self
+        return loader
+
+    def _eval_loader(self, split: str) -> DataLoader | list:
+        if split not in self.datasets:
+            self.setup()
+        ds = self.datasets.get(split)
+        if ds is None:  # Lightning skips the loop on an empty list
+            log.info("no %s dataset configured; skipping %s", split, split)
+            return []
+        return DataLoader(
+            ds,
+            batch_size=self.val_batch_size,
+            shuffle=False,
+            collate_fn=self._collate(ds),
+            **self._loader_kwargs(),
+        )
+
+    def val_dataloader(self) -> DataLoader | list:
+        return self._eval_loader("val")
+
+    def test_dataloader(self) -> DataLoader | list:
+        return self._eval_loader("test")
+
+    # -- position tracking --------------------------------------------------------------------
+    def _on_train_iter_start(self) -> None:
+        assert self.sampler is not None
+        s = self.sampler
+        if self._iter_epoch == s.epoch:
+            # a previous iteration of this epoch stopped early: continue after what it yielded,
+            # not after what its workers had prefetched
+            s.consumed = self.state_dict()["consumed"]
+        if s.consumed >= s.num_samples_total:  # the sampler will move to the next epoch
+            s.set_epoch(s.epoch + 1)
+        self._iter_epoch = s.epoch
+        self._start_consumed = s.consumed
+        self._delivered_batches = 0
+
+    def _count_in_loader(self) -> bool:
+        return self._trainer_or_none() is None
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        trainer = self._trainer_or_none()
+        if trainer is not None and trainer.training:
+            self._delivered_batches += 1
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """Position in the training data: ``{"epoch", "consumed", "seed", "world_size",
+        "num_samples"}``, ``consumed`` in samples of the epoch received by all ranks."""
+        if self.sampler is None:
+            return dict(self._pending_state or {})
+        s = self.sampler
+        state = s.state_dict()
+        if self._iter_epoch == s.epoch:
+            per_rank = self._delivered_batches * self.batch_size
+            consumed = self._start_consumed + per_rank * s.world_size
+            state["consumed"] = min(consumed, s.num_samples_total)
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume at the first sample not yet received (applied when the sampler is built)."""
+        if not state_dict:
+            return
+        self._pending_state = dict(state_dict)
+        self._delivered_batches = 0
+        self._start_consumed = int(state_dict.get("consumed", 0))
+        self._iter_epoch = int(state_dict.get("epoch", 0))
+        if self.sampler is not None:
+            self.train_sampler()
+        log.info(
+            "data position restored: epoch %s, %s samples consumed",
+            state_dict.get("epoch"),
+            state_dict.get("consumed"),
+        )

@@ -1,0 +1,333 @@
+"""Map-style datasets over storages, and the collate functions that batch them.
+
+Every training sample is already shifted: ``labels[t]`` is the token that should follow
+``input_ids[t]`` (``IGNORE_INDEX`` where no loss is taken), so a strategy computes
+``cross_entropy(logits.flatten(0, 1), labels.flatten())`` without shifting again.
+
+Batches are dicts of ``[B, S]`` tensors:
+
+- pretrain / sft: ``input_ids``, ``labels``, ``attention_mask`` (1 = real token),
+  ``position_ids`` (restart at 0 for every packed document), sft also ``loss_mask``.
+- preference: the same keys prefixed with ``chosen_`` and ``rejected_``, both padded to one
+  length so that a strategy may concatenate them into one ``[2B, S]`` forward.
+- prompt (GRPO): ``input_ids`` and ``attention_mask`` *left*-padded for generation, plus
+  ``prompt_ids`` (list of lists, unpadded) and ``records`` (the raw records, for rewards).
+
+Each dataset exposes ``collate`` (picklable, for DataLoader workers).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from astrai.data.storage import DataError, Storage, open_storage
+
+IGNORE_INDEX = -100
+
+
+class _StorageDataset(Dataset):
+    """Opens the storage lazily per process and checks keys and tokenizer fingerprint."""
+
+    required_keys: tuple[str, ...] = ()
+
+    def __init__(
+        self,
+        source: Any,
+        *,
+        tokenizer_fingerprint: Any = None,
+        pad_id: int | None = None,
+        skip_bad_lines: bool = False,
+    ) -> None:
+        kwargs: dict[str, Any] = {
+            "keys": self.required_keys,
+            "tokenizer_fingerprint": tokenizer_fingerprint,
+        }
+        if isinstance(source, str) and source.endswith((".json", ".jsonl")):
+            kwargs["skip_bad_lines"] = skip_bad_lines
+        self.storage: Storage = open_storage(source, **kwargs)
+        if len(self.storage) == 0:
+            raise DataError(f"{self.storage.path}: storage holds no documents")
+        if pad_id is None:  # the tokenizer's pad id, recorded by prepare
+            attrs = getattr(self.storage, "attrs", {})
+            pad_id = int(attrs.get("pad_token_id", -1))
+            pad_id = pad_id if pad_id >= 0 else 0
+        self.pad_id = pad_id
+
+    def __len__(self) -> int:
+        return len(self.storage)
+
+    def _doc(self, key: str, index: int) -> np.ndarray:
+        return self.storage.get(key, index)
+
+
+# ------------------------------------------------------------------------------------ pretrain
+
+
+class PretrainDataset(_StorageDataset):
+    """Windows over the concatenated token stream: sample i covers tokens
+    ``[i * stride, i * stride + window_size + 1)``; inputs are the first ``window_size``
+    tokens, labels the last ``window_size``.
+
+    The tail that does not fill a whole window is not used (as in litgpt / nanoGPT); with
+    ``stride < window_size`` windows overlap. ``reset_position_ids`` restarts positions at
+    every document start, for models trained on packed documents.
+    """
+
+    def __init__(
+        self,
+        source: Any,
+        window_size: int,
+        stride: int | None = None,
+        *,
+        key: str = "input_ids",
+        reset_position_ids: bool = False,
+        tokenizer_fingerprint: Any = None,
+        pad_id: int | None = None,
+    ) -> None:
+        self.required_keys = (key,)
+        super().__init__(source, tokenizer_fingerprint=tokenizer_fingerprint, pad_id=pad_id)
+        if window_size < 1:
+            raise ValueError(f"PretrainDataset: window_size must be >= 1, got {window_size}")
+        self.key = key
+        self.window_size = window_size
+        self.stride = window_size if stride is None else stride
+        if self.stride < 1:
+            raise ValueError(f"PretrainDataset: stride must be >= 1, got {self.stride}")
+        self.reset_position_ids = reset_position_ids
+        self.total_tokens = self.storage.num_tokens(key)
+        if self.total_tokens < window_size + 1:
+            raise DataError(
+                f"{self.storage.path}: window_size={window_size} needs {window_size + 1} tokens "
+                f"(inputs plus the shifted target) but the corpus has {self.total_tokens}; "
+                f"use a smaller window_size or more data"
+            )
+        self._len = (self.total_tokens - window_size - 1) // self.stride + 1
+        self.collate = functools.partial(collate_lm, pad_id=self.pad_id)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def window_start(self, index: int) -> int:
+        if index < 0:
+            index += self._len
+        if not 0 <= index < self._len:
+            raise IndexError(f"window {index} out of range ({self._len} windows)")
+        return index * self.stride
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        start = self.window_start(index)
+        tokens = torch.from_numpy(self.storage.slice(self.key, start, start + self.window_size + 1))
+        item = {"input_ids": tokens[:-1], "labels": tokens[1:]}
+        if self.reset_position_ids:
+            offsets = self.storage.offsets(self.key)
+            pos = np.arange(start, start + self.window_size)
+            doc_start = offsets[np.searchsorted(offsets, pos, side="right") - 1]
+            item["position_ids"] = torch.from_numpy(pos - np.maximum(doc_start, start))
+        return item
+
+
+# ----------------------------------------------------------------------------------------- sft
+
+
+def _shifted(
+    ids: np.ndarray, mask: np.ndarray, pos: np.ndarray | None, prefix: str = ""
+) -> dict[str, torch.Tensor]:
+    ids_t = torch.from_numpy(ids)
+    mask_t = torch.from_numpy(mask.astype(np.bool_))
+    labels = ids_t[1:].masked_fill(~mask_t[1:], IGNORE_INDEX)
+    position = torch.from_numpy(pos[:-1]) if pos is not None else torch.arange(len(ids) - 1)
+    return {
+        f"{prefix}input_ids": ids_t[:-1],
+        f"{prefix}labels": labels,
+        f"{prefix}loss_mask": mask_t[1:],
+        f"{prefix}position_ids": position,
+    }
+
+
+class SFTDataset(_StorageDataset):
+    """Chat documents with a loss mask on assistant tokens (``input_ids``, ``loss_mask``, and
+    ``position_ids`` when prepared with packing). ``max_length`` truncates at load time."""
+
+    required_keys = ("input_ids", "loss_mask")
+
+    def __init__(
+        self,
+        source: Any,
+        *,
+        max_length: int | None = None,
+        tokenizer_fingerprint: Any = None,
+        pad_id: int | None = None,
+    ) -> None:
+        super().__init__(source, tokenizer_fingerprint=tokenizer_fingerprint, pad_id=pad_id)
+        self.max_length = max_length
+        self.has_positions = "position_ids" in self.storage.keys
+        self.collate = functools.partial(collate_lm, pad_id=self.pad_id)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        ids = self._doc("input_ids", index)
+        mask = self._doc("loss_mask", index)
+        pos = self._doc("position_ids", index) if self.has_positions else None
+        if self.max_length is not None:
+            end = self.max_length + 1
+            ids, mask = ids[:end], mask[:end]
+            pos = pos[:end] if pos is not None else None
+        if len(ids) < 2:
+            raise DataError(f"{self.storage.path}: document {index} has fewer than 2 tokens")
+        return _shifted(ids, mask, pos)
+
+
+# ---------------------------------------------------------------------------------- preference
+
+
+class PreferenceDataset(_StorageDataset):
+    """Pairs of the same prompt with a chosen and a rejected answer, each with its loss mask."""
+
+    required_keys = ("chosen_ids", "chosen_mask", "rejected_ids", "rejected_mask")
+
+    def __init__(
+        self,
+        source: Any,
+        *,
+        max_length: int | None = None,
+        tokenizer_fingerprint: Any = None,
+        pad_id: int | None = None,
+    ) -> None:
+        super().__init__(source, tokenizer_fingerprint=tokenizer_fingerprint, pad_id=pad_id)
+        self.max_length = max_length
+        self.collate = functools.partial(collate_preference, pad_id=self.pad_id)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        item: dict[str, torch.Tensor] = {}
+        for side in ("chosen", "rejected"):
+            ids = self._doc(f"{side}_ids", index)
+            mask = self._doc(f"{side}_mask", index)
+            if self.max_length is not None:
+                ids, mask = ids[: self.max_length + 1], mask[: self.max_length + 1]
+            item.update(_shifted(ids, mask, None, prefix=f"{side}_"))
+        return item
+
+
+# -------------------------------------------------------------------------------------- prompt
+
+
+class PromptDataset(_StorageDataset):
+    """GRPO prompts: rendered prompt ids (generation prompt included) plus the raw record, whose
+    fields (e.g. ``answer``) the reward functions read."""
+
+    required_keys = ("prompt_ids", "records")
+
+    def __init__(
+        self, source: Any, *, tokenizer_fingerprint: Any = None, pad_id: int | None = None
+    ) -> None:
+        super().__init__(source, tokenizer_fingerprint=tokenizer_fingerprint, pad_id=pad_id)
+        self.collate = functools.partial(collate_prompt, pad_id=self.pad_id)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        record = self.storage.get("records", index)
+        if isinstance(record, str):
+            record = json.loads(record)
+        return {"prompt_ids": torch.from_numpy(self._doc("prompt_ids", index)), "record": record}
+
+
+# ------------------------------------------------------------------------------------- collate
+
+
+def _pad_right(
+    seqs: Sequence[torch.Tensor], length: int, value: int, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    dtype = dtype or seqs[0].dtype
+    out = torch.full((len(seqs), length), value, dtype=dtype)
+    for i, s in enumerate(seqs):
+        out[i, : len(s)] = s
+    return out
+
+
+def _target_length(lengths: Sequence[int], pad_to_multiple_of: int | None) -> int:
+    n = max(lengths)
+    if pad_to_multiple_of:
+        n = -(-n // pad_to_multiple_of) * pad_to_multiple_of
+    return n
+
+
+def collate_lm(
+    batch: Sequence[dict[str, torch.Tensor]],
+    *,
+    pad_id: int = 0,
+    pad_to_multiple_of: int | None = None,
+    prefix: str = "",
+    length: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """Right-pad ``input_ids`` (``pad_id``), ``labels`` (``IGNORE_INDEX``), ``loss_mask``
+    (False) and ``position_ids`` (continuing, so padded rows stay monotone); add
+    ``attention_mask``."""
+    ids = [b[f"{prefix}input_ids"] for b in batch]
+    n = length or _target_length([len(s) for s in ids], pad_to_multiple_of)
+    out = {
+        f"{prefix}input_ids": _pad_right(ids, n, pad_id, torch.long),
+        f"{prefix}labels": _pad_right([b[f"{prefix}labels"] for b in batch], n, IGNORE_INDEX),
+        f"{prefix}attention_mask": _pad_right(
+            [torch.ones(len(s), dtype=torch.long) for s in ids], n, 0
+        ),
+    }
+    out[f"{prefix}labels"] = out[f"{prefix}labels"].long()
+    if f"{prefix}loss_mask" in batch[0]:
+        out[f"{prefix}loss_mask"] = _pad_right([b[f"{prefix}loss_mask"] for b in batch], n, 0)
+    if f"{prefix}position_ids" in batch[0]:
+        pos = torch.arange(n).repeat(len(batch), 1)
+        for i, b in enumerate(batch):
+            p = b[f"{prefix}position_ids"].long()
+            pos[i, : len(p)] = p
+            if len(p) < n:
+                last = int(p[-1]) if len(p) else -1
+                pos[i, len(p) :] = torch.arange(last + 1, last + 1 + n - len(p))
+        out[f"{prefix}position_ids"] = pos
+    else:
+        out[f"{prefix}position_ids"] = torch.arange(n).repeat(len(batch), 1)
+    return out
+
+
+def collate_preference(
+    batch: Sequence[dict[str, torch.Tensor]],
+    *,
+    pad_id: int = 0,
+    pad_to_multiple_of: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """Pad chosen and rejected to one common length (one ``[2B, S]`` forward is possible)."""
+    lengths = [len(b[f"{side}_input_ids"]) for b in batch for side in ("chosen", "rejected")]
+    n = _target_length(lengths, pad_to_multiple_of)
+    out: dict[str, torch.Tensor] = {}
+    for side in ("chosen", "rejected"):
+        out.update(collate_lm(batch, pad_id=pad_id, prefix=f"{side}_", length=n))
+    return out
+
+
+def collate_prompt(batch: Sequence[dict[str, Any]], *, pad_id: int = 0) -> dict[str, Any]:
+    """Left-pad prompts for batched generation; keep unpadded ids and the records."""
+    prompts = [b["prompt_ids"].long() for b in batch]
+    n = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), n), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(prompts), n), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, n - len(p) :] = p
+        attn[i, n - len(p) :] = 1
+    return {
+        "input_ids": ids,
+        "attention_mask": attn,
+        "prompt_ids": [p.tolist() for p in prompts],
+        "records": [b["record"] for b in batch],
+    }
+
+
+DATASETS: dict[str, type[_StorageDataset]] = {
+    "pretrain": PretrainDataset,
+    "sft": SFTDataset,
+    "preference": PreferenceDataset,
+    "prompt": PromptDataset,
+}

@@ -1,0 +1,32 @@
+"""Attention for inference: one policy entry point over interchangeable backends.
+
+`attention(q, k, v, kv_cache, layer_id, scale=...)` writes the step's K/V into the paged
+cache and attends. Backends: triton (default on GPU, kernels pending), flash (when flash-attn
+is installed), torch_native (SDPA; always available). Select one strictly with
+`with attn_backend("torch_native"):` or `ASTR_BACKEND=...`; otherwise the first capable
+backend serves each call.
+"""
+
+from astrai.extension.backend import (
+    ATTN_BACKEND,
+    AttentionBackend,
+    BackendUnavailable,
+    apply_rotary_emb,
+    attention,
+    attn_backend,
+    get_backend,
+    selected_backend,
+)
+from astrai.extension.kv_cache import KVCache
+
+__all__ = [
+    "ATTN_BACKEND",
+    "AttentionBackend",
+    "BackendUnavailable",
+    "KVCache",
+    "apply_rotary_emb",
+    "attention",
+    "attn_backend",
+    "get_backend",
+    "selected_backend",
+]

@@ -1,0 +1,60 @@
+"""The contract every attention backend implements, and the error raised when one cannot serve.
+
+A backend owns both halves of a step's attention: writing the new tokens' K/V into the
+cache and attending over each request's cached keys. Capability checks (`supports`) are
+separate from the work (`forward`) so that the policy in `selection` can decide per call,
+without trying and catching.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from astrai.extension.kv_cache import KVCache
+
+
+class BackendUnavailable(RuntimeError):
+    """A backend cannot serve this call (missing kernels or package, wrong device/dtype/shape)."""
+
+
+class AttentionBackend(ABC):
+    """Packed-token attention over a paged KV cache.
+
+    Shapes: `q` is `[num_tokens, n_heads, head_dim]`, `k`/`v` are
+    `[num_tokens, n_kv_heads, head_dim]` for this step's new tokens (RoPE already applied),
+    and the result is `[num_tokens, n_heads, head_dim]`.
+    """
+
+    name: str
+
+    @abstractmethod
+    def supports(self, q: torch.Tensor, kv_cache: KVCache) -> str | None:
+        """None if this backend can serve the call, else a short human-readable reason.
+
+        Called once per layer per step, so it must be cheap and must not sync the device.
+        """
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache,
+        layer_id: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """Write `k`/`v` at `kv_cache.out_cache_loc` of layer `layer_id`, then attend causally."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, layer_id: int) -> None:
+    """Store this step's K/V at their slots; shared by the backends that gather afterwards."""
+    loc = kv_cache.out_cache_loc
+    k_buf, v_buf = kv_cache.k_buffer[layer_id], kv_cache.v_buffer[layer_id]
+    k_buf[loc] = k.to(k_buf.dtype)
+    v_buf[loc] = v.to(v_buf.dtype)

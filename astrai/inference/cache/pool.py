@@ -1,0 +1,289 @@
+"""KV storage, the request-to-token table, and `PagePool`, which ties them to the allocator
+and the radix prefix cache and hands the scheduler one `KVCache` per step."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal
+
+import torch
+
+from astrai.extension import KVCache
+from astrai.inference.cache.allocator import Allocator
+from astrai.inference.cache.radix import RadixCache
+
+logger = logging.getLogger(__name__)
+
+
+class KVStorage:
+    """`k_buffer` / `v_buffer` of shape `[n_layers, size + 1, n_kv_heads, head_dim]`.
+
+    The extra last slot is scratch: padded batch rows (CUDA-graph decode) write there, so
+    they never touch a real token's KV.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        shape = (num_layers, size + 1, num_kv_heads, head_dim)
+        self.size = size
+        self.scratch_slot = size
+        self.k_buffer = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_buffer = torch.zeros(shape, dtype=dtype, device=device)
+
+    @staticmethod
+    def bytes_per_token(
+        num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+
+class ReqToTokenPool:
+    """Rows of `req_to_token[num_reqs, max_ctx_len]`: position -> physical KV slot."""
+
+    def __init__(self, num_reqs: int, max_ctx_len: int, device: torch.device) -> None:
+        self.req_to_token = torch.zeros((num_reqs, max_ctx_len), dtype=torch.int32, device=device)
+        self._free = list(range(num_reqs - 1, -1, -1))
+        self.num_reqs = num_reqs
+        self.max_ctx_len = max_ctx_len
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def free(self, row: int) -> None:
+        self._free.append(row)
+
+
+def available_memory(device: torch.device) -> int:
+    """Free bytes on `device` (CUDA: driver free memory; CPU: MemAvailable)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    raise RuntimeError("cannot determine free memory; give the KV budget in tokens (kv_tokens)")
+
+
+class PagePool:
+    """The KV cache system: storage + request table + allocator + radix prefix cache.
+
+    `contiguous` (default): each request row owns `max_seq_len` fixed slots; no dynamic
+    allocation, no prefix sharing. `paged`: a shared pool of pages of `page_size` tokens,
+    allocated on demand, with ref counts, LRU eviction and (by default when
+    `page_size > 1`) radix prefix sharing. The paged budget is `kv_tokens`, or
+    `memory_fraction` of the device's free memory.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        max_batch_size: int = 32,
+        max_seq_len: int = 2048,
+        mode: Literal["contiguous", "paged"] = "contiguous",
+        page_size: int = 16,
+        kv_tokens: int | None = None,
+        memory_fraction: float | None = None,
+        enable_radix: bool | None = None,
+    ) -> None:
+        if mode not in ("contiguous", "paged"):
+            raise ValueError(f"cache mode must be 'contiguous' or 'paged', got {mode!r}")
+        if max_batch_size <= 0 or max_seq_len <= 0:
+            raise ValueError("max_batch_size and max_seq_len must be positive")
+        device = torch.device(device)
+        self.mode = mode
+        self.device = device
+        self.max_seq_len = max_seq_len
+        self.page_size = page_size if mode == "paged" else max_seq_len
+        if mode == "paged" and page_size <= 0:
+            raise ValueError(f"page_size must be positive, got {page_size}")
+        per_token = KVStorage.bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
+        if mode == "contiguous":
+            size = max_batch_size * max_seq_len
+        else:
+            if kv_tokens is None and memory_fraction is not None:
+                if not 0 < memory_fraction <= 1:
+                    raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+                kv_tokens = int(available_memory(device) * memory_fraction) // per_token
+            if kv_tokens is None:
+                kv_tokens = max_batch_size * max_seq_len
+            if kv_tokens < page_size:
+                raise ValueError(f"kv_tokens={kv_tokens} is smaller than one page ({page_size})")
+            size = kv_tokens // page_size * page_size
+        self.storage = KVStorage(num_layers, size, num_kv_heads, head_dim, dtype, device)
+        self.req_pool = ReqToTokenPool(max_batch_size, max_seq_len, device)
+        self.allocator: Allocator | None = None
+        self.radix: RadixCache | None = None
+        if mode == "contiguous":
+            rows = torch.arange(max_batch_size, device=device)[:, None] * max_seq_len
+            self.req_pool.req_to_token.copy_(rows + torch.arange(max_seq_len, device=device))
+        else:
+            self.allocator = Allocator(size // page_size)
+            if enable_radix if enable_radix is not None else page_size > 1:
+                self.radix = RadixCache(self.allocator, page_size)
+        self._pages: dict[int, list[int]] = {}
+        self._num_shared: dict[int, int] = {}
+        logger.info(
+            "KV cache: %s, %d tokens (%.1f MiB), page_size=%d, radix=%s",
+            mode,
+            size,
+            size * per_token / 2**20,
+            self.page_size,
+            self.radix is not None,
+        )
+
+    # ------------------------------------------------------------------ capacity
+    @property
+    def capacity_tokens(self) -> int:
+        return self.storage.size
+
+    @property
+    def used_tokens(self) -> int:
+        if self.allocator is None:
+            return (self.req_pool.num_reqs - self.req_pool.num_free) * self.max_seq_len
+        return (self.allocator.num_used - self.allocator.num_evictable) * self.page_size
+
+    @property
+    def cached_tokens(self) -> int:
+        return 0 if self.radix is None else self.radix.num_pages * self.page_size
+
+    def all_free(self) -> bool:
+        """True when no request holds any KV (prefix-cached pages count as reclaimable)."""
+        if self._pages or self.req_pool.num_free != self.req_pool.num_reqs:
+            return False
+        return self.allocator is None or self.allocator.num_used == self.allocator.num_evictable
+
+    def can_hold(self, num_tokens: int, reserve_pages: int = 0) -> bool:
+        """Could a new request of `num_tokens` be admitted now, keeping `reserve_pages` spare?"""
+        if num_tokens > self.max_seq_len or self.req_pool.num_free == 0:
+            return False
+        if self.allocator is None:
+            return True
+        need = -(-num_tokens // self.page_size) + reserve_pages
+        return need <= self.allocator.num_available
+
+    # ------------------------------------------------------------------ per-request lifecycle
+    def alloc_task(self, token_ids: list[int]) -> tuple[int, int] | None:
+        """A request row plus the number of leading tokens whose KV is already cached."""
+        row = self.req_pool.alloc()
+        if row is None:
+            return None
+        self._pages[row] = []
+        self._num_shared[row] = 0
+        if self.radix is None or len(token_ids) < 2:
+            return row, 0
+        # Match all but the last token, so at least one prompt token is computed and no
+        # request ever writes into a shared page.
+        pages = self.radix.match(token_ids[:-1])
+        if pages:
+            self.allocator.ref(pages)
+            self._pages[row] = list(pages)
+            self._num_shared[row] = len(pages)
+            self._write_rows(row, 0, pages)
+        return row, len(pages) * self.page_size
+
+    def ensure(self, row: int, length: int) -> bool:
+        """Back positions `[0, length)` of `row` with KV slots; False if memory ran out."""
+        if length > self.max_seq_len:
+            return False
+        if self.allocator is None:
+            return True
+        pages = self._pages[row]
+        need = -(-length // self.page_size) - len(pages)
+        if need <= 0:
+            return True
+        new = self.allocator.alloc(need)
+        if new is None:
+            return False
+        self._write_rows(row, len(pages), new)
+        pages.extend(new)
+        return True
+
+    def _write_rows(self, row: int, first_page: int, pages: list[int]) -> None:
+        ps = self.page_size
+        start = first_page * ps
+        slots = (torch.tensor(pages, dtype=torch.int32)[:, None] * ps + torch.arange(ps)).flatten()
+        end = min(start + slots.numel(), self.max_seq_len)
+        self.req_pool.req_to_token[row, start:end] = slots[: end - start].to(self.device)
+
+    def cache_task(self, row: int, token_ids: list[int]) -> None:
+        """Index the complete pages of `token_ids` (tokens whose KV is materialised)."""
+        if self.radix is not None:
+            self.radix.insert(token_ids, self._pages[row])
+
+    def free_task(self, row: int) -> None:
+        pages = self._pages.pop(row)
+        self._num_shared.pop(row)
+        if self.allocator is not None and pages:
+            # Leaf pages first, so they are older in the LRU than the prefix they extend.
+            self.allocator.unref(pages[::-1])
+        self.req_pool.free(row)
+
+    def invalidate_prefix_cache(self) -> None:
+        if self.radix is not None:
+            self.radix.reset()
+
+    # ------------------------------------------------------------------ per-step view
+    def bind_tasks(self, rows: list[int], seq_lens: list[int], q_lens: list[int]) -> KVCache:
+        """The `KVCache` for one forward: request `i` writes its last `q_lens[i]` positions."""
+        device = self.device
+        row_t = torch.tensor(rows, dtype=torch.int64)
+        q_t = torch.tensor(q_lens, dtype=torch.int64)
+        seq_t = torch.tensor(seq_lens, dtype=torch.int64)
+        token_rows = torch.repeat_interleave(row_t, q_t)
+        offsets = torch.arange(int(q_t.sum())) - torch.repeat_interleave(q_t.cumsum(0) - q_t, q_t)
+        token_pos = torch.repeat_interleave(seq_t - q_t, q_t) + offsets
+        zero = torch.zeros(1, dtype=torch.int64)
+        table = self.req_pool.req_to_token
+        if device.type == "cpu":
+            out_loc = table[token_rows, token_pos].to(torch.int64)
+        else:
+            out_loc = table[token_rows.to(device), token_pos.to(device)].to(torch.int64)
+        return KVCache(
+            k_buffer=self.storage.k_buffer,
+            v_buffer=self.storage.v_buffer,
+            req_to_token=table,
+            req_pool_indices=row_t.to(device),
+            seq_lens=seq_t.to(torch.int32).to(device),
+            out_cache_loc=out_loc,
+            kv_indptr=torch.cat([zero, seq_t.cumsum(0)]).to(torch.int32).to(device),
+            qo_indptr=torch.cat([zero, q_t.cumsum(0)]).to(torch.int32).to(device),
+            max_len=max(seq_lens),
+            max_q_len=max(q_lens),
+            seq_lens_host=tuple(seq_lens),
+            q_lens_host=tuple(q_lens),
+            req_pool_indices_host=tuple(rows),
+            row_stride=self.max_seq_len if self.mode == "contiguous" else None,
+        )
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "cache_mode": self.mode,
+            "page_size": self.page_size,
+            "kv_capacity_tokens": self.capacity_tokens,
+            "kv_used_tokens": self.used_tokens,
+            "kv_usage": self.used_tokens / max(self.capacity_tokens, 1),
+        }
+        if self.radix is not None:
+            queried = self.radix.queried_tokens
+            out["prefix_cached_tokens"] = self.cached_tokens
+            out["prefix_hit_rate"] = self.radix.hit_tokens / queried if queried else 0.0
+        return out

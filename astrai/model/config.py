@@ -1,0 +1,305 @@
+"""Model hyper-parameters, their JSON form (`config.json`) and named presets."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
+# Fields each RoPE scaling type needs, beyond `rope_type`.
+_ROPE_REQUIRED = {
+    "default": (),
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+    "yarn": (),
+}
+
+
+class ConfigError(ValueError):
+    """A model configuration that cannot describe a valid model; the message names the field."""
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of a Llama/Qwen-family decoder.
+
+    Field names follow Hugging Face's so that their `config.json` files translate with few
+    renames. `attention_bias` puts a bias on the q/k/v projections (the Qwen2 convention);
+    `o_proj_bias` on the output projection (Llama's `attention_bias=True` sets both).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    o_proj_bias: bool = False
+    qk_norm: bool = False
+    initializer_range: float = 0.02
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    # The HF architecture a checkpoint came from (llama, qwen2, qwen3, mistral); HF export
+    # writes it back when it can represent the model, so a Mistral stays a Mistral.
+    hf_model_type: str | None = None
+
+    def __post_init__(self) -> None:
+        self._check_types()
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None and self.num_attention_heads:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.rope_scaling is not None:
+            self.rope_scaling = dict(self.rope_scaling)
+            kind = self.rope_scaling.pop("type", None)
+            self.rope_scaling.setdefault("rope_type", kind or "default")
+        self.validate()
+
+    # ------------------------------------------------------------------ validation
+    def _check_types(self) -> None:
+        hints = typing.get_type_hints(ModelConfig)
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not _type_ok(value, hints[f.name]):
+                raise ConfigError(
+                    f"ModelConfig.{f.name}: expected {_type_name(hints[f.name])}, "
+                    f"got {type(value).__name__} ({value!r})"
+                )
+
+    def validate(self) -> None:
+        """Check types and cross-field constraints; raise `ConfigError` naming the field."""
+        self._check_types()
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            if getattr(self, name) <= 0:
+                raise ConfigError(
+                    f"ModelConfig.{name}: must be positive, got {getattr(self, name)}"
+                )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                "ModelConfig.num_key_value_heads: must divide num_attention_heads "
+                f"({self.num_attention_heads} % {self.num_key_value_heads} != 0)"
+            )
+        if self.head_dim % 2:
+            raise ConfigError(f"ModelConfig.head_dim: must be even for RoPE, got {self.head_dim}")
+        if self.rms_norm_eps <= 0:
+            raise ConfigError(
+                f"ModelConfig.rms_norm_eps: must be positive, got {self.rms_norm_eps}"
+            )
+        if self.rope_theta <= 0:
+            raise ConfigError(f"ModelConfig.rope_theta: must be positive, got {self.rope_theta}")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type")
+            if kind not in ROPE_TYPES:
+                raise ConfigError(
+                    f"ModelConfig.rope_scaling.rope_type: {kind!r} is not one of {list(ROPE_TYPES)}"
+                )
+            for key in _ROPE_REQUIRED[kind]:
+                if key not in self.rope_scaling:
+                    raise ConfigError(f"ModelConfig.rope_scaling.{key}: required for {kind!r}")
+            factor = self.rope_scaling.get("factor")
+            if factor is not None and (not isinstance(factor, int | float) or factor <= 0):
+                raise ConfigError(f"ModelConfig.rope_scaling.factor: must be > 0, got {factor!r}")
+
+    # ------------------------------------------------------------------ serialisation
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, source: str = "config") -> ModelConfig:
+        """Build from a plain dict; unknown or missing fields are errors that name them."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source}: expected a JSON object, got {type(data).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names - {"model_type", "architectures", "astrai_version"})
+        if unknown:
+            raise ConfigError(
+                f"{source}: unknown field(s) {unknown}; known fields: {sorted(names)}"
+            )
+        required = [
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        ]
+        missing = [name for name in required if name not in data]
+        if missing:
+            raise ConfigError(f"{source}: missing required field(s) {missing}")
+        kwargs = {k: v for k, v in data.items() if k in names}
+        try:
+            return cls(**kwargs)
+        except ConfigError as err:
+            raise ConfigError(f"{source}: {err}") from None
+
+    def to_json(self) -> str:
+        return json.dumps({"model_type": "astrai", **self.to_dict()}, indent=2, sort_keys=False)
+
+    @classmethod
+    def from_json(cls, text: str, *, source: str = "config.json") -> ModelConfig:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{source}: not valid JSON ({err})") from None
+        return cls.from_dict(data, source=source)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write `config.json` atomically so a crash never leaves a half-written file."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(self.to_json() + "\n")
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> ModelConfig:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"model config not found: {path}")
+        return cls.from_json(path.read_text(), source=str(path))
+
+    # ------------------------------------------------------------------ derived sizes
+    @property
+    def num_kv_groups(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    def num_parameters(self) -> int:
+        """Parameter count computed from the shapes alone (no tensors are created)."""
+        h, d = self.hidden_size, self.head_dim
+        q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
+        attn = h * q + 2 * h * kv + q * h
+        if self.attention_bias:
+            attn += q + 2 * kv
+        if self.o_proj_bias:
+            attn += h
+        if self.qk_norm:
+            attn += 2 * d
+        block = attn + 3 * h * self.intermediate_size + 2 * h
+        embed = self.vocab_size * h
+        head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        return embed + self.num_hidden_layers * block + h + head
+
+
+def _type_ok(value: Any, hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, arg) for arg in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is bool:
+        return isinstance(value, bool)
+    if origin is dict:
+        return isinstance(value, dict)
+    if origin is list:
+        (arg,) = typing.get_args(hint)
+        return isinstance(value, list) and all(_type_ok(v, arg) for v in value)
+    return isinstance(value, hint)
+
+
+def _type_name(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(hint))
+    if hint is type(None):
+        return "null"
+    return getattr(hint, "__name__", str(hint))
+
+
+# ---------------------------------------------------------------------- presets
+PRESETS: dict[str, dict[str, Any]] = {
+    # For unit tests: a forward pass takes milliseconds on a CPU.
+    "tiny": dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+    ),
+    # A few million parameters: the default CPU experiment finishes in minutes.
+    "astrai-5m": dict(
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    ),
+    # About 30M parameters: the CPU engine benchmark model.
+    "astrai-30m": dict(
+        vocab_size=8192,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    ),
+    "astrai-1b": dict(
+        vocab_size=100000,
+        hidden_size=1536,
+        intermediate_size=6912,
+        num_hidden_layers=24,
+        num_attention_heads=24,
+        num_key_value_heads=4,
+        head_dim=64,
+        max_position_embeddings=32768,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+    ),
+    # Qwen3-0.6B's shape (random weights in benchmarks; real weights load from an HF directory).
+    "qwen3-0.6b": dict(
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        qk_norm=True,
+    ),
+}
+
+
+def preset(name: str, **overrides: Any) -> ModelConfig:
+    """A named configuration, optionally with some fields replaced."""
+    if name not in PRESETS:
+        raise KeyError(f"unknown model preset {name!r}; available: {sorted(PRESETS)}")
+    return ModelConfig.from_dict({**PRESETS[name], **overrides}, source=f"preset {name!r}")
+
+
+__all__ = ["PRESETS", "ROPE_TYPES", "ConfigError", "ModelConfig", "preset"]

@@ -1,0 +1,409 @@
+"""Model directories: `config.json` + safetensors weights (+ tokenizer files).
+
+Weights are always stored under Hugging Face's Llama names (`model.layers.0.self_attn...`),
+so our directories differ from HF's only in `config.json`. `from_pretrained` reads ours
+and HF Llama, Qwen2, Qwen3 and Mistral directories; `save_pretrained(hf_format=True)`
+writes one that `transformers.AutoModelForCausalLM` loads. Nothing here uses pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from astrai.model.config import ConfigError, ModelConfig
+from astrai.model.transformer import Transformer
+
+if TYPE_CHECKING:
+    from astrai.tokenizer import AutoTokenizer
+
+logger = logging.getLogger(__name__)
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_SIZE = 2 * 1024**3
+
+HF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
+# Old HF checkpoints sometimes carry these non-parameter buffers.
+_IGNORED_KEYS = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory or file that does not match the model; names the file/tensor."""
+
+
+# ---------------------------------------------------------------------- key names
+def to_hf_key(name: str) -> str:
+    return name if name.startswith("lm_head.") else f"model.{name}"
+
+
+def from_hf_key(name: str) -> str:
+    return name[len("model.") :] if name.startswith("model.") else name
+
+
+# ---------------------------------------------------------------------- config translation
+def config_from_hf(data: dict[str, Any], *, source: str = CONFIG_NAME) -> ModelConfig:
+    """Translate an HF Llama / Qwen2 / Qwen3 / Mistral `config.json` dict."""
+    model_type = data.get("model_type")
+    if model_type not in HF_ARCHITECTURES:
+        raise ConfigError(
+            f"{source}: model_type {model_type!r} is not supported; "
+            f"expected 'astrai' or one of {sorted(HF_ARCHITECTURES)}"
+        )
+    if data.get("mlp_bias"):
+        raise ConfigError(f"{source}: mlp_bias=true is not supported")
+    rope_params = dict(data.get("rope_parameters") or {})
+    if rope_params and all(isinstance(v, dict) for v in rope_params.values()):
+        raise ConfigError(f"{source}: per-layer rope_parameters are not supported")
+    partial = rope_params.get("partial_rotary_factor", data.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ConfigError(f"{source}: partial_rotary_factor={partial} is not supported")
+    theta = rope_params.pop("rope_theta", None) or data.get("rope_theta") or 10000.0
+    rope_params.pop("partial_rotary_factor", None)
+    scaling = data.get("rope_scaling") or rope_params or None
+    if scaling is not None:
+        scaling = dict(scaling)
+        kind = scaling.pop("type", None) or scaling.get("rope_type") or "default"
+        scaling["rope_type"] = kind
+        if kind == "default":
+            scaling = None
+    window = data.get("sliding_window")
+    if window and (model_type == "mistral" or data.get("use_sliding_window")):
+        logger.warning(
+            "%s: sliding_window=%s is ignored; sequences longer than it attend fully",
+            source,
+            window,
+        )
+    if model_type == "qwen2":
+        qkv_bias, o_bias = True, False
+    elif model_type == "mistral":
+        qkv_bias = o_bias = False
+    else:
+        qkv_bias = o_bias = bool(data.get("attention_bias", False))
+    fields = dict(
+        vocab_size=data.get("vocab_size"),
+        hidden_size=data.get("hidden_size"),
+        intermediate_size=data.get("intermediate_size"),
+        num_hidden_layers=data.get("num_hidden_layers"),
+        num_attention_heads=data.get("num_attention_heads"),
+        num_key_value_heads=data.get("num_key_value_heads"),
+        head_dim=data.get("head_dim"),
+        rms_norm_eps=data.get("rms_norm_eps", 1e-6),
+        rope_theta=float(theta),
+        rope_scaling=scaling,
+        max_position_embeddings=data.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
+        attention_bias=qkv_bias,
+        o_proj_bias=o_bias,
+        qk_norm=model_type == "qwen3",
+        initializer_range=data.get("initializer_range", 0.02),
+        bos_token_id=data.get("bos_token_id"),
+        eos_token_id=data.get("eos_token_id"),
+        pad_token_id=data.get("pad_token_id"),
+        hf_model_type=model_type,
+    )
+    missing = [k for k, v in fields.items() if v is None and k in _HF_REQUIRED]
+    if missing:
+        raise ConfigError(f"{source}: missing required field(s) {missing}")
+    return ModelConfig.from_dict({k: v for k, v in fields.items() if v is not None}, source=source)
+
+
+_HF_REQUIRED = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
+
+
+def hf_model_type(config: ModelConfig) -> str:
+    """The HF architecture that represents `config` exactly, or a ConfigError saying why none does.
+
+    The architecture the checkpoint came from wins when it fits (Mistral and Llama compute
+    the same function, but users expect to get back what they loaded).
+    """
+    plain = not (config.qk_norm or config.attention_bias or config.o_proj_bias)
+    if config.hf_model_type == "mistral" and plain:
+        return "mistral"
+    if config.qk_norm:
+        if config.attention_bias != config.o_proj_bias:
+            raise ConfigError("qk_norm with attention_bias != o_proj_bias has no HF equivalent")
+        return "qwen3"
+    if config.attention_bias and not config.o_proj_bias:
+        return "qwen2"
+    if config.attention_bias != config.o_proj_bias:
+        raise ConfigError("o_proj_bias without attention_bias has no HF equivalent")
+    return "llama"
+
+
+def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    model_type = hf_model_type(config)
+    rope_parameters = {"rope_type": "default", "rope_theta": config.rope_theta}
+    if config.rope_scaling:
+        rope_parameters.update(config.rope_scaling)
+    data: dict[str, Any] = {
+        "architectures": [HF_ARCHITECTURES[model_type]],
+        "model_type": model_type,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_position_embeddings,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": dict(config.rope_scaling) if config.rope_scaling else None,
+        "rope_parameters": rope_parameters,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "attention_dropout": 0.0,
+        "initializer_range": config.initializer_range,
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": config.eos_token_id,
+        "pad_token_id": config.pad_token_id,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "use_cache": True,
+    }
+    if model_type in ("llama", "qwen3"):
+        data["attention_bias"] = config.attention_bias
+    if model_type == "llama":
+        data["mlp_bias"] = False
+    if model_type in ("qwen2", "qwen3"):
+        data["use_sliding_window"] = False
+        data["sliding_window"] = None
+    return data
+
+
+def read_config(path: str | os.PathLike) -> ModelConfig:
+    """Read `config.json` of an astrai or HF directory."""
+    file = Path(path) / CONFIG_NAME
+    if not file.is_file():
+        raise FileNotFoundError(f"no {CONFIG_NAME} in model directory {path}")
+    try:
+        data = json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{file}: not valid JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{file}: expected a JSON object")
+    if data.get("model_type", "astrai") == "astrai":
+        return ModelConfig.from_dict(data, source=str(file))
+    return config_from_hf(data, source=str(file))
+
+
+# ---------------------------------------------------------------------- weights
+def weight_files(path: str | os.PathLike) -> list[Path]:
+    """The safetensors files of a directory, single or sharded."""
+    path = Path(path)
+    index = path / INDEX_NAME
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({err!r})") from None
+        files = sorted({path / name for name in weight_map.values()})
+        absent = [str(f) for f in files if not f.is_file()]
+        if absent:
+            raise CheckpointError(f"{index}: shard file(s) missing: {absent}")
+        return files
+    single = path / WEIGHTS_NAME
+    if single.is_file():
+        return [single]
+    if any(path.glob("*.bin")) or any(path.glob("*.pt")):
+        raise CheckpointError(
+            f"{path}: only pickle-based weights (*.bin / *.pt) found; astrai never unpickles "
+            "checkpoints. Convert them to safetensors first."
+        )
+    raise FileNotFoundError(f"no {WEIGHTS_NAME} or {INDEX_NAME} in {path}")
+
+
+def read_state_dict(
+    path: str | os.PathLike, device: str | torch.device = "cpu"
+) -> dict[str, torch.Tensor]:
+    """All tensors of a directory under their stored (HF) names."""
+    tensors: dict[str, torch.Tensor] = {}
+    for file in weight_files(path):
+        try:
+            with safe_open(str(file), framework="pt", device=str(device)) as f:
+                for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                    tensors[key] = f.get_tensor(key)
+        except (SafetensorError, OSError, RuntimeError) as err:
+            raise CheckpointError(
+                f"{file}: corrupt or truncated safetensors file ({err})"
+            ) from None
+    return tensors
+
+
+def _list(names: list[str], limit: int = 20) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+def load_pretrained(
+    path: str | os.PathLike,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+) -> Transformer:
+    """Build a model from a directory; missing, unexpected or misshapen tensors are errors.
+
+    `dtype=None` keeps the stored dtype (what an inference server wants); the model is
+    built on the meta device and the tensors are assigned, so nothing is allocated twice.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory not found: {path}")
+    config = read_config(path)
+    with torch.device("meta"):
+        model = Transformer(config)
+    expected = {to_hf_key(k): v for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    stored = read_state_dict(path, device)
+    stored = {k: v for k, v in stored.items() if not _IGNORED_KEYS.search(k)}
+    if config.tie_word_embeddings:
+        stored.pop("lm_head.weight", None)
+    missing = sorted(set(expected) - set(stored))
+    unexpected = sorted(set(stored) - set(expected))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing tensors: {_list(missing)}")
+        if unexpected:
+            parts.append(f"unexpected tensors: {_list(unexpected)}")
+        raise CheckpointError(f"{path}: weights do not match config.json; " + "; ".join(parts))
+    for key, ref in expected.items():
+        if tuple(stored[key].shape) != tuple(ref.shape):
+            raise CheckpointError(
+                f"{path}: tensor {key} has shape {tuple(stored[key].shape)}, "
+                f"config.json implies {tuple(ref.shape)}"
+            )
+    state = {from_hf_key(k): (v.to(dtype) if dtype is not None else v) for k, v in stored.items()}
+    model.load_state_dict(state, strict=not config.tie_word_embeddings, assign=True)
+    model.tie_weights()
+    model.rotary.materialize(torch.device(device))
+    return model.eval()
+
+
+# ---------------------------------------------------------------------- saving
+def _parse_size(size: int | str) -> int:
+    if isinstance(size, int):
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?)i?B?\s*", str(size), re.IGNORECASE)
+    if not match:
+        raise ValueError(f"max_shard_size: cannot parse {size!r} (use bytes or e.g. '2GB')")
+    scale = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3}[match.group(2).upper()]
+    return int(float(match.group(1)) * scale)
+
+
+def _atomic_write_text(file: Path, text: str) -> None:
+    tmp = file.with_name(f".{file.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, file)
+
+
+def save_pretrained(
+    model: Transformer,
+    path: str | os.PathLike,
+    *,
+    tokenizer: AutoTokenizer | None = None,
+    hf_format: bool = False,
+    dtype: torch.dtype | None = None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+) -> Path:
+    """Write `config.json`, safetensors weights (sharded above `max_shard_size`) and tokenizer.
+
+    Each file is written under a temporary name and renamed into place, and weight files
+    of an earlier save are removed only after the new ones are complete, so an interrupted
+    save never leaves a directory whose weights and config disagree.
+    """
+    if any("lora_" in name for name, _ in model.named_parameters()):
+        raise ValueError(
+            "save_pretrained: the model has unmerged LoRA adapters; call "
+            "astrai.model.lora.merge_lora(model) first, or save the adapter with save_lora()"
+        )
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = model.config
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if config.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        t = tensor.detach()
+        if dtype is not None:
+            t = t.to(dtype)
+        state[to_hf_key(name)] = t.to("cpu").contiguous()
+    stored_dtype = next(iter(state.values())).dtype
+
+    limit = _parse_size(max_shard_size)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key in sorted(state):
+        nbytes = state[key].numel() * state[key].element_size()
+        if shards[-1] and size + nbytes > limit:
+            shards.append({})
+            size = 0
+        shards[-1][key] = state[key]
+        size += nbytes
+
+    names = (
+        [WEIGHTS_NAME]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+    for name, shard in zip(names, shards):
+        tmp = path / f".{name}.tmp"
+        save_file(shard, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, path / name)
+    if len(shards) > 1:
+        index = {
+            "metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+            "weight_map": {key: name for name, shard in zip(names, shards) for key in shard},
+        }
+        _atomic_write_text(path / INDEX_NAME, json.dumps(index, indent=2))
+    elif (path / INDEX_NAME).exists():
+        (path / INDEX_NAME).unlink()
+    for old in path.glob("model*.safetensors"):
+        if old.name not in names:
+            old.unlink()
+
+    if hf_format:
+        data = config_to_hf(config, stored_dtype)
+        generation = {k: data[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+        _atomic_write_text(path / "generation_config.json", json.dumps(generation, indent=2))
+        _atomic_write_text(path / CONFIG_NAME, json.dumps(data, indent=2))
+    else:
+        _atomic_write_text(path / CONFIG_NAME, config.to_json())
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    logger.info("saved model (%d tensors, %d file(s)) to %s", len(state), len(names), path)
+    return path
+
+
+class AutoModel:
+    """Entry point mirroring `transformers.AutoModel`: `AutoModel.from_pretrained(path)`."""
+
+    @staticmethod
+    def from_pretrained(path: str | os.PathLike, **kwargs: Any) -> Transformer:
+        return load_pretrained(path, **kwargs)
+
+    @staticmethod
+    def from_config(config: ModelConfig, *, device: str | torch.device = "cpu") -> Transformer:
+        with torch.device(device):
+            return Transformer(config)

@@ -1,0 +1,245 @@
+"""Building blocks shared by training and inference: RMSNorm, RoPE, attention projections, MLP.
+
+Training and serving run these same modules, which is why log-probs agree between them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from astrai.extension import KVCache, apply_rotary_emb, attention
+from astrai.model.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in fp32 (as Llama/Qwen do) and cast back."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+# ---------------------------------------------------------------------- rotary embedding
+def rope_inv_freq(config: ModelConfig, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and cos/sin scale for the configured RoPE variant.
+
+    Formulas follow the published methods (and Hugging Face's implementation of them), so
+    that HF checkpoints produce identical logits. `seq_len` only matters for dynamic NTK.
+    """
+    dim = config.head_dim
+    base = config.rope_theta
+    scaling = config.rope_scaling or {"rope_type": "default"}
+    kind = scaling["rope_type"]
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
+
+    if kind == "default":
+        return 1.0 / (base**exponents), 1.0
+    if kind == "linear":
+        return 1.0 / (base**exponents) / scaling["factor"], 1.0
+    if kind == "dynamic":
+        factor = scaling["factor"]
+        max_pos = config.max_position_embeddings
+        seq_len = max(seq_len or max_pos, max_pos)
+        base = base * ((factor * seq_len / max_pos) - (factor - 1)) ** (dim / (dim - 2))
+        return 1.0 / (base**exponents), 1.0
+    if kind == "llama3":
+        inv_freq = 1.0 / (base**exponents)
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_ctx = scaling.get("original_max_position_embeddings", config.max_position_embeddings)
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled), 1.0
+    if kind == "yarn":
+        return _yarn_inv_freq(config, scaling, exponents)
+    raise ValueError(f"rope_scaling.rope_type: unsupported {kind!r}")
+
+
+def _yarn_inv_freq(
+    config: ModelConfig, scaling: dict, exponents: torch.Tensor
+) -> tuple[torch.Tensor, float]:
+    dim, base = config.head_dim, config.rope_theta
+    original = scaling.get("original_max_position_embeddings", config.max_position_embeddings)
+    factor = scaling.get("factor") or config.max_position_embeddings / original
+
+    def get_mscale(scale: float, mscale: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = get_mscale(factor)
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(torch.float32) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    keep = 1 - ramp
+    return interpolation * (1 - keep) + extrapolation * keep, float(attention_factor)
+
+
+class RotaryEmbedding(nn.Module):
+    """fp32 cos/sin table indexed by position id (half-split "rotate_half" convention).
+
+    The table grows on demand, so long positions never index out of range. Dynamic NTK
+    recomputes frequencies from the longest position in the call, as Hugging Face does.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.dynamic = (config.rope_scaling or {}).get("rope_type") == "dynamic"
+        _, self.attention_scaling = rope_inv_freq(config)
+        self.register_buffer("cos_cached", torch.empty(0), persistent=False)
+        self.register_buffer("sin_cached", torch.empty(0), persistent=False)
+
+    def materialize(self, device: torch.device) -> None:
+        """Give the (non-persistent) table buffers real storage after a meta-device build."""
+        self.cos_cached = torch.empty(0, device=device)
+        self.sin_cached = torch.empty(0, device=device)
+
+    def _table(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cos_cached.shape[0] < length or self.cos_cached.device != device:
+            size = max(length, min(self.config.max_position_embeddings, 8192))
+            # A plain tensor even when first built under inference mode, so training can use it.
+            with torch.inference_mode(False), torch.no_grad():
+                inv_freq, _ = rope_inv_freq(self.config)
+                pos = torch.arange(size, device=device, dtype=torch.float32)
+                freqs = torch.outer(pos, inv_freq.to(device))
+                self.cos_cached = freqs.cos() * self.attention_scaling
+                self.sin_cached = freqs.sin() * self.attention_scaling
+        return self.cos_cached, self.sin_cached
+
+    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape `position_ids.shape + (head_dim // 2,)`, fp32."""
+        if self.dynamic:
+            max_len = int(position_ids.max()) + 1
+            if max_len > self.config.max_position_embeddings:
+                inv_freq, _ = rope_inv_freq(self.config, seq_len=max_len)
+                freqs = position_ids.to(torch.float32)[..., None] * inv_freq.to(position_ids.device)
+                return freqs.cos(), freqs.sin()
+        if position_ids.device.type == "meta":
+            shape = (*position_ids.shape, self.config.head_dim // 2)
+            return torch.empty(shape, device="meta"), torch.empty(shape, device="meta")
+        cos, sin = self._table(int(position_ids.max()) + 1, position_ids.device)
+        return cos[position_ids], sin[position_ids]
+
+
+# RoPE itself lives in the extension layer, which dispatches to a fused kernel when one
+# can serve the call; training and serving therefore rotate through the same function.
+apply_rotary = apply_rotary_emb
+
+
+# ---------------------------------------------------------------------- attention and MLP
+class Attention(nn.Module):
+    """Grouped-query self-attention with optional q/k norm (Qwen3) and biases (Qwen2)."""
+
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim**-0.5
+        h, q, kv = (
+            config.hidden_size,
+            self.num_heads * self.head_dim,
+            self.num_kv_heads * self.head_dim,
+        )
+        self.q_proj = nn.Linear(h, q, bias=config.attention_bias)
+        self.k_proj = nn.Linear(h, kv, bias=config.attention_bias)
+        self.v_proj = nn.Linear(h, kv, bias=config.attention_bias)
+        self.o_proj = nn.Linear(q, h, bias=config.o_proj_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v as `[..., heads, head_dim]`, with q/k norm and RoPE already applied."""
+        lead = x.shape[:-1]
+        q = self.q_proj(x).view(*lead, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Dense `[B, S, H]` path; `attn_mask` is a boolean `[B, 1, S, S]` or None for causal."""
+        b, s, _ = x.shape
+        q, k, v = self.project(x, cos, sin)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=attn_mask,
+            is_causal=attn_mask is None,
+            scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+    def forward_cached(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache
+    ) -> torch.Tensor:
+        """Packed `[T, H]` inference path: K/V go to the cache, attention reads it back."""
+        q, k, v = self.project(x, cos, sin)
+        out = attention(q, k, v, kv_cache, self.layer_id, scale=self.scale)
+        return self.o_proj(out.reshape(x.shape[0], -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

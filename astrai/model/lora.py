@@ -1,0 +1,214 @@
+"""Low-rank adapters (LoRA) for the projections of a `Transformer`.
+
+The adapter files use PEFT's layout (`adapter_model.safetensors` with
+`base_model.model.<hf name>.lora_A.weight` keys, and `adapter_config.json`), so adapters
+trained here load in the PEFT ecosystem and vice versa.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from astrai.model.hub import CheckpointError, to_hf_key
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+_PEFT_PREFIX = "base_model.model."
+
+
+@dataclass
+class LoRAConfig:
+    """Rank, scale and which linear layers (by name suffix) get adapters."""
+
+    r: int = 8
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
+    )
+    use_rslora: bool = False
+
+    def __post_init__(self) -> None:
+        if self.r <= 0:
+            raise ValueError(f"LoRAConfig.r: must be positive, got {self.r}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ValueError(f"LoRAConfig.lora_dropout: must be in [0, 1), got {self.lora_dropout}")
+        if not self.target_modules:
+            raise ValueError("LoRAConfig.target_modules: must name at least one module")
+        self.target_modules = list(self.target_modules)
+
+    @property
+    def scaling(self) -> float:
+        return self.lora_alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
+
+    def to_peft(self) -> dict:
+        return {
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "r": self.r,
+            "lora_alpha": self.lora_alpha,
+            "lora_dropout": self.lora_dropout,
+            "target_modules": self.target_modules,
+            "use_rslora": self.use_rslora,
+            "bias": "none",
+        }
+
+    @classmethod
+    def from_peft(cls, data: dict, *, source: str = ADAPTER_CONFIG) -> LoRAConfig:
+        if data.get("peft_type", "LORA") != "LORA":
+            raise ValueError(f"{source}: peft_type {data.get('peft_type')!r} is not LORA")
+        names = {f.name for f in dataclasses.fields(cls)}
+        try:
+            return cls(**{k: v for k, v in data.items() if k in names})
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{source}: {err}") from None
+
+
+class LoRALinear(nn.Module):
+    """`base(x) + scaling * B(A(dropout(x)))` with the base layer frozen; B starts at zero."""
+
+    def __init__(self, base_layer: nn.Linear, config: LoRAConfig) -> None:
+        super().__init__()
+        self.base_layer = base_layer
+        self.scaling = config.scaling
+        factory = {"device": base_layer.weight.device, "dtype": base_layer.weight.dtype}
+        self.lora_A = nn.Linear(base_layer.in_features, config.r, bias=False, **factory)
+        self.lora_B = nn.Linear(config.r, base_layer.out_features, bias=False, **factory)
+        self.dropout = nn.Dropout(config.lora_dropout) if config.lora_dropout else nn.Identity()
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B.weight)
+        for p in self.base_layer.parameters():
+            p.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base_layer(x) + self.lora_B(self.lora_A(self.dropout(x))) * self.scaling
+
+    @torch.no_grad()
+    def merged(self) -> nn.Linear:
+        """The base layer with the low-rank update folded into its weight."""
+        delta = (self.lora_B.weight.float() @ self.lora_A.weight.float()) * self.scaling
+        self.base_layer.weight += delta.to(self.base_layer.weight.dtype)
+        return self.base_layer
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+
+
+def inject_lora(model: nn.Module, config: LoRAConfig) -> nn.Module:
+    """Wrap every `nn.Linear` whose name ends in a target with a `LoRALinear`; freeze the rest."""
+    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    chosen = [
+        n for n in linears if n.rsplit(".", 1)[-1] in config.target_modules and "lora_" not in n
+    ]
+    if not chosen:
+        suffixes = sorted({n.rsplit(".", 1)[-1] for n in linears})
+        raise ValueError(
+            f"LoRAConfig.target_modules {config.target_modules} match no linear layer; "
+            f"available: {suffixes}"
+        )
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for name in chosen:
+        _replace(model, name, LoRALinear(model.get_submodule(name), config))
+    model.lora_config = config
+    return model
+
+
+def merge_lora(model: nn.Module) -> nn.Module:
+    """Fold every adapter into its base weight and restore plain `nn.Linear` layers."""
+    names = [n for n, m in model.named_modules() if isinstance(m, LoRALinear)]
+    for name in names:
+        _replace(model, name, model.get_submodule(name).merged())
+    for p in model.parameters():
+        p.requires_grad_(True)
+    if hasattr(model, "lora_config"):
+        del model.lora_config
+    return model
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach() for n, p in model.named_parameters() if ".lora_" in n}
+
+
+def save_lora(model: nn.Module, path: str | os.PathLike) -> Path:
+    """Write `adapter_model.safetensors` + `adapter_config.json` (PEFT layout)."""
+    config = getattr(model, "lora_config", None)
+    if config is None:
+        raise ValueError("save_lora: the model has no LoRA adapters (call inject_lora first)")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {
+        _PEFT_PREFIX + to_hf_key(n).replace(".base_layer", ""): t.to("cpu").contiguous()
+        for n, t in lora_state_dict(model).items()
+    }
+    tmp = path / f".{ADAPTER_WEIGHTS}.tmp"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, path / ADAPTER_WEIGHTS)
+    tmp = path / f".{ADAPTER_CONFIG}.tmp"
+    tmp.write_text(json.dumps(config.to_peft(), indent=2))
+    os.replace(tmp, path / ADAPTER_CONFIG)
+    return path
+
+
+def load_lora(model: nn.Module, path: str | os.PathLike) -> nn.Module:
+    """Inject adapters described by `adapter_config.json` and load their weights."""
+    path = Path(path)
+    cfg_file, weights = path / ADAPTER_CONFIG, path / ADAPTER_WEIGHTS
+    for file in (cfg_file, weights):
+        if not file.is_file():
+            raise FileNotFoundError(f"LoRA adapter file not found: {file}")
+    try:
+        config = LoRAConfig.from_peft(json.loads(cfg_file.read_text()), source=str(cfg_file))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{cfg_file}: not valid JSON ({err})") from None
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            stored = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(f"{weights}: corrupt or truncated safetensors file ({err})") from None
+    if getattr(model, "lora_config", None) is None:
+        inject_lora(model, config)
+    expected = {}
+    for name, param in lora_state_dict(model).items():
+        key = _PEFT_PREFIX + to_hf_key(name).replace(".base_layer", "")
+        expected[key] = (name, param)
+    missing = sorted(set(expected) - set(stored))
+    unexpected = sorted(set(stored) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{weights}: adapter does not match the model; missing: {missing[:10]}, "
+            f"unexpected: {unexpected[:10]}"
+        )
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for key, (name, param) in expected.items():
+            if stored[key].shape != param.shape:
+                raise CheckpointError(
+                    f"{weights}: tensor {key} has shape {tuple(stored[key].shape)}, "
+                    f"expected {tuple(param.shape)}"
+                )
+            params[name].copy_(stored[key])
+    return model
+
+
+__all__ = [
+    "LoRAConfig",
+    "LoRALinear",
+    "inject_lora",
+    "load_lora",
+    "lora_state_dict",
+    "merge_lora",
+    "save_lora",
+]

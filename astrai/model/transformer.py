@@ -1,0 +1,202 @@
+"""The decoder-only Transformer (Llama / Qwen2 / Qwen3 / Mistral family)."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from astrai.extension import KVCache
+from astrai.model.config import ModelConfig
+from astrai.model.layers import MLP, Attention, RMSNorm, RotaryEmbedding
+
+if TYPE_CHECKING:
+    from astrai.tokenizer import AutoTokenizer
+
+
+class DecoderBlock(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_id)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_cached(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache
+    ) -> torch.Tensor:
+        x = x + self.self_attn.forward_cached(self.input_layernorm(x), cos, sin, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def document_mask(
+    position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None
+) -> torch.Tensor | None:
+    """Boolean `[B, 1, S, S]` mask for packed documents and/or padding; None when causal suffices.
+
+    A new document starts wherever a position id is not its predecessor plus one, so tokens
+    never attend across the boundary of packed documents. Padding keys are masked; every
+    query keeps its own key so that no row is fully masked (which would give NaN).
+    """
+    starts = None
+    if position_ids is not None:
+        starts = torch.zeros_like(position_ids, dtype=torch.bool)
+        starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+        if not bool(starts.any()):
+            starts = None
+    padded = attention_mask is not None and not bool(attention_mask.all())
+    if starts is None and not padded:
+        return None
+    ref = position_ids if position_ids is not None else attention_mask
+    s = ref.shape[-1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=ref.device).tril()
+    mask = causal.expand(ref.shape[0], s, s).clone()
+    if starts is not None:
+        doc = starts.cumsum(-1)
+        mask &= doc[:, :, None] == doc[:, None, :]
+    if padded:
+        mask &= attention_mask.bool()[:, None, :]
+        mask |= torch.eye(s, dtype=torch.bool, device=ref.device)
+    return mask[:, None]
+
+
+class Transformer(nn.Module):
+    """Decoder-only language model.
+
+    Parameter names mirror Hugging Face's Llama layout (minus the `model.` prefix), so
+    importing and exporting HF checkpoints is a rename, never a permutation.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderBlock(config, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.gradient_checkpointing = False
+        self.tie_weights()
+        if self.embed_tokens.weight.device.type != "meta":
+            self.init_weights()
+
+    # ------------------------------------------------------------------ parameters
+    def tie_weights(self) -> None:
+        """Share the output head with the embedding when the config asks for it."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """Normal(0, initializer_range) for matrices, zeros for biases, ones for norms."""
+        std = self.config.initializer_range
+        for module in self.modules():
+            if isinstance(module, nn.Linear | nn.Embedding):
+                module.weight.normal_(0.0, std, generator=generator)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+            elif isinstance(module, RMSNorm):
+                module.reset_parameters()
+
+    def num_parameters(self, trainable_only: bool = False) -> int:
+        """Unique parameters (a tied head counts once); works on the meta device."""
+        params = {id(p): p for p in self.parameters() if p.requires_grad or not trainable_only}
+        return sum(p.numel() for p in params.values())
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        return_hidden: bool = False,
+    ) -> torch.Tensor:
+        """Logits `[B, S, vocab]` for dense `[B, S]` ids.
+
+        `position_ids` may restart inside a row (packed documents); attention then stays
+        within each document. `attention_mask` is 1 for real tokens, 0 for padding.
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(
+                f"input_ids: expected shape [batch, seq], got {tuple(input_ids.shape)}"
+            )
+        b, s = input_ids.shape
+        if position_ids is None:
+            positions = torch.arange(s, device=input_ids.device).expand(b, s)
+        else:
+            if position_ids.shape != input_ids.shape:
+                raise ValueError(
+                    f"position_ids: shape {tuple(position_ids.shape)} does not match "
+                    f"input_ids {tuple(input_ids.shape)}"
+                )
+            positions = position_ids
+        mask = document_mask(position_ids, attention_mask)
+        cos, sin = self.rotary(positions)
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                x = checkpoint(layer, x, cos, sin, mask, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, mask)
+        x = self.norm(x)
+        return x if return_hidden else self.lm_head(x)
+
+    def forward_packed(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVCache,
+        logits_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Inference forward over packed `[T]` tokens of many requests (prefill, extend, decode).
+
+        K/V of every new token are written to `kv_cache`; logits are computed only for
+        `logits_indices` (the rows that sample), which keeps the vocab projection cheap.
+        """
+        cos, sin = self.rotary(positions)
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer.forward_cached(x, cos, sin, kv_cache)
+        if logits_indices is not None:
+            x = x[logits_indices]
+        return self.lm_head(self.norm(x))
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_pretrained(
+        self,
+        path: str | os.PathLike,
+        *,
+        tokenizer: AutoTokenizer | None = None,
+        hf_format: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        """Write a model directory (see `astrai.model.hub.save_pretrained`)."""
+        from astrai.model.hub import save_pretrained
+
+        save_pretrained(self, path, tokenizer=tokenizer, hf_format=hf_format, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, **kwargs: Any) -> Transformer:
+        """Load an astrai or HF Llama/Qwen2/Qwen3/Mistral directory (see `astrai.model.hub`)."""
+        from astrai.model.hub import load_pretrained
+
+        return load_pretrained(path, **kwargs)

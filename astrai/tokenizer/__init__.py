@@ -1,0 +1,13 @@
+"""Tokenization for astrai: byte-level BPE over HF ``tokenizers``, sandboxed chat templates,
+streaming detokenization, and HF-compatible save/load."""
+
+from astrai.tokenizer.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate, TemplateError
+from astrai.tokenizer.tokenizer import AutoTokenizer, StreamDecoder
+
+__all__ = [
+    "DEFAULT_CHAT_TEMPLATE",
+    "AutoTokenizer",
+    "ChatTemplate",
+    "StreamDecoder",
+    "TemplateError",
+]
