@@ -130,7 +130,8 @@ class InferenceEngine:
 
     `cache_mode="contiguous"` (default) gives every batch slot `max_seq_len` fixed KV
     slots; `"paged"` shares a pool of `page_size`-token pages (budget `kv_tokens` or
-    `memory_fraction` of free memory) with radix prefix sharing when `page_size > 1`.
+    `memory_fraction` of free memory) with radix prefix sharing when `page_size > 1`
+    (`prefix_cache=False` turns it off, `True` forces it on).
     """
 
     def __init__(
@@ -144,11 +145,14 @@ class InferenceEngine:
         page_size: int = 16,
         kv_tokens: int | None = None,
         memory_fraction: float | None = None,
+        prefix_cache: bool | None = None,
         max_prefill_tokens: int = 2048,
         max_queue: int | None = None,
         start: bool = True,
     ) -> None:
-        self.model = model.eval()
+        # No .eval() here: GRPO shares the live policy module, whose mode Lightning owns. The
+        # model has no dropout; the scheduler runs it under inference_mode.
+        self.model = model
         self.tokenizer = tokenizer
         param = next(model.parameters())
         cfg = model.config
@@ -169,6 +173,7 @@ class InferenceEngine:
             page_size=page_size,
             kv_tokens=kv_tokens,
             memory_fraction=memory_fraction,
+            enable_radix=prefix_cache,
         )
         self.scheduler = InferenceScheduler(
             model,
