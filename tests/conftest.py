@@ -10,6 +10,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest
 import torch
 
+# Triton kernels run on CPU tensors only in Triton's interpreter, which must be chosen
+# before anything imports triton (transformers does). Auto backend selection never picks
+# it on the CPU; tests that want the Triton path select it explicitly.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

@@ -32,6 +32,11 @@ class KVCache:
     # Set when request row r owns the fixed slots `r * row_stride + position` (contiguous
     # mode): backends may then read K/V through a strided view instead of gathering.
     row_stride: int | None = None
+    # Decode workspace buffers at fixed addresses (CUDA graphs); a backend that can write
+    # its split-KV partials and output there does, instead of allocating.
+    attn_out: torch.Tensor | None = None  # [>= batch, n_heads, head_dim]
+    partial_out: torch.Tensor | None = None  # [>= batch, n_heads, splits, head_dim] fp32
+    partial_lse: torch.Tensor | None = None  # [>= batch, n_heads, splits] fp32
 
     @property
     def batch_size(self) -> int:

@@ -15,9 +15,16 @@ from typing import Any, Literal
 import torch
 
 from astrai.inference.cache import PagePool
+from astrai.inference.graph import (
+    CUDAGraphRunner,
+    DecodeGraphRunner,
+    StandInGraphRunner,
+    capture_sizes,
+)
 from astrai.inference.sampling import SamplingParams
 from astrai.inference.scheduler import InferenceScheduler
 from astrai.inference.task import Task
+from astrai.inference.workspace import InferenceWorkspace
 from astrai.model import Transformer
 from astrai.tokenizer import AutoTokenizer
 
@@ -148,6 +155,7 @@ class InferenceEngine:
         prefix_cache: bool | None = None,
         max_prefill_tokens: int = 2048,
         max_queue: int | None = None,
+        decode_graphs: bool | str | None = None,
         start: bool = True,
     ) -> None:
         # No .eval() here: GRPO shares the live policy module, whose mode Lightning owns. The
@@ -183,9 +191,50 @@ class InferenceEngine:
             stop_ids=tokenizer.stop_ids,
             max_queue=max_queue,
         )
+        self.graph_runner = self._build_graph_runner(decode_graphs, max_batch_size)
         self._closed = False
         if start:
             self.scheduler.start()
+
+    def _build_graph_runner(
+        self, mode: bool | str | None, max_batch_size: int
+    ) -> DecodeGraphRunner | None:
+        """CUDA graphs for decode by default on CUDA; `"stand-in"` for CPU tests; False: eager."""
+        device = self.pool.device
+        if mode is None:
+            mode = device.type == "cuda"
+        if not mode:
+            return None
+        cfg = self.model.config
+        if (cfg.rope_scaling or {}).get("rope_type") == "dynamic":
+            logger.warning("decode graphs disabled: dynamic RoPE depends on the step's length")
+            return None
+        batch = min(max_batch_size, self.pool.req_pool.num_reqs)
+        workspace = InferenceWorkspace(
+            self.pool,
+            max_batch_size=batch,
+            n_heads=cfg.num_attention_heads,
+            head_dim=cfg.head_dim,
+            dtype=next(self.model.parameters()).dtype,
+        )
+        sizes = capture_sizes(batch)
+        if mode == "stand-in":
+            runner: DecodeGraphRunner = StandInGraphRunner(self.model, workspace, sizes)
+        elif device.type != "cuda":
+            raise ValueError(f"decode_graphs=True needs a CUDA model, got {device}")
+        else:
+            try:
+                runner = CUDAGraphRunner(self.model, workspace, sizes)
+            except Exception as err:  # fall back to eager decode, loudly
+                logger.warning("CUDA graph capture failed, decoding eagerly: %s", err)
+                return None
+        self.scheduler.workspace = workspace
+        self.scheduler.graph_runner = runner
+        return runner
+
+    @property
+    def cuda_graph_enabled(self) -> bool:
+        return isinstance(self.graph_runner, CUDAGraphRunner)
 
     # ------------------------------------------------------------------ lifecycle
     @property

@@ -21,8 +21,10 @@ import torch
 
 from astrai.extension import BackendUnavailable, attn_backend, selected_backend
 from astrai.inference.cache import PagePool
+from astrai.inference.graph import DecodeGraphRunner
 from astrai.inference.sampling import SamplingParams, sample_batch
 from astrai.inference.task import Task, TaskState
+from astrai.inference.workspace import InferenceWorkspace
 from astrai.model import Transformer
 
 logger = logging.getLogger(__name__)
@@ -71,6 +73,10 @@ class InferenceScheduler:
         self._thread: threading.Thread | None = None
         self._crashed: str | None = None
         self._generators: dict[int, torch.Generator] = {}
+        # Set by the engine when decode steps replay captured graphs (see graph.py).
+        self.graph_runner: DecodeGraphRunner | None = None
+        self.workspace: InferenceWorkspace | None = None
+        self._last_sampled: torch.Tensor | None = None
 
         self.total_tasks = 0
         self.total_tokens = 0
@@ -380,13 +386,34 @@ class InferenceScheduler:
                 sampling.append(t)
         if not batch:
             return budget
-        kv_cache = self.pool.bind_tasks(rows, seq_lens, q_lens)
-        ends = torch.tensor(q_lens).cumsum(0) - 1
-        sample_rows = [i for i, (t, _) in enumerate(batch) if t in sampling]
-        ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        logits_idx = ends[sample_rows].to(self.device)
-        logits = self.model.forward_packed(ids, pos, kv_cache, logits_idx)
+        runner = self.graph_runner
+        padded = None
+        if runner is not None and max(q_lens) == 1 and len(sampling) == len(batch):
+            padded = runner.padded_size(len(batch))
+        if padded is not None:  # pure decode: replay a captured graph on the workspace
+            ws = self.workspace
+            same = self._last_sampled is not None and ws.last_rows == tuple(rows)
+            ws.prepare(
+                rows,
+                seq_lens,
+                None if same else token_ids,
+                padded,
+                device_tokens=self._last_sampled if same else None,
+            )
+            logits = runner.run(padded, len(batch))
+        else:
+            if self.workspace is not None:
+                self.workspace.last_rows = None
+            kv_cache = self.pool.bind_tasks(rows, seq_lens, q_lens)
+            ends = torch.tensor(q_lens).cumsum(0) - 1
+            sample_rows = [i for i, (t, _) in enumerate(batch) if t in sampling]
+            ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
+            pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+            logits_idx = ends[sample_rows].to(self.device)
+            logits = self.model.forward_packed(
+                ids, pos, kv_cache, logits_idx, max_position=max(positions)
+            )
+        self._last_sampled = None
         for t, n in batch:
             t.computed += n
         self.num_steps += 1
@@ -398,6 +425,8 @@ class InferenceScheduler:
             generated=[t.output_ids for t in sampling],
             generators=[self._generators.get(t.id) for t in sampling],
         )
+        if padded is not None:
+            self._last_sampled = new_tokens
         now = time.perf_counter()
         for t, tok, lp in zip(sampling, new_tokens.tolist(), logprobs.tolist()):
             t.output_ids.append(tok)

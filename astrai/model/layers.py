@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from astrai.extension import KVCache, apply_rotary_emb, attention
+from astrai.extension import KVCache, apply_rotary_emb, apply_rotary_qk, attention
 from astrai.model.config import ModelConfig
 
 
@@ -144,18 +144,25 @@ class RotaryEmbedding(nn.Module):
                 self.sin_cached = freqs.sin() * self.attention_scaling
         return self.cos_cached, self.sin_cached
 
-    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape `position_ids.shape + (head_dim // 2,)`, fp32."""
-        if self.dynamic:
-            max_len = int(position_ids.max()) + 1
-            if max_len > self.config.max_position_embeddings:
-                inv_freq, _ = rope_inv_freq(self.config, seq_len=max_len)
-                freqs = position_ids.to(torch.float32)[..., None] * inv_freq.to(position_ids.device)
-                return freqs.cos(), freqs.sin()
+    def forward(
+        self, position_ids: torch.Tensor, max_position: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape `position_ids.shape + (head_dim // 2,)`, fp32.
+
+        `max_position` (an upper bound of the ids, known on the host) spares the device
+        sync of computing it; the inference hot path always passes it.
+        """
         if position_ids.device.type == "meta":
             shape = (*position_ids.shape, self.config.head_dim // 2)
             return torch.empty(shape, device="meta"), torch.empty(shape, device="meta")
-        cos, sin = self._table(int(position_ids.max()) + 1, position_ids.device)
+        if max_position is None:
+            max_position = int(position_ids.max())
+        max_len = max_position + 1
+        if self.dynamic and max_len > self.config.max_position_embeddings:
+            inv_freq, _ = rope_inv_freq(self.config, seq_len=max_len)
+            freqs = position_ids.to(torch.float32)[..., None] * inv_freq.to(position_ids.device)
+            return freqs.cos(), freqs.sin()
+        cos, sin = self._table(max_len, position_ids.device)
         return cos[position_ids], sin[position_ids]
 
 
@@ -200,7 +207,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+        q, k = apply_rotary_qk(q, k, cos, sin)
+        return q, k, v
 
     def forward(
         self,

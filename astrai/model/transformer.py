@@ -166,13 +166,15 @@ class Transformer(nn.Module):
         positions: torch.Tensor,
         kv_cache: KVCache,
         logits_indices: torch.Tensor | None = None,
+        max_position: int | None = None,
     ) -> torch.Tensor:
         """Inference forward over packed `[T]` tokens of many requests (prefill, extend, decode).
 
         K/V of every new token are written to `kv_cache`; logits are computed only for
         `logits_indices` (the rows that sample), which keeps the vocab projection cheap.
+        `max_position` bounds `positions` from the host, so nothing waits for the device.
         """
-        cos, sin = self.rotary(positions)
+        cos, sin = self.rotary(positions, max_position)
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
             x = layer.forward_cached(x, cos, sin, kv_cache)

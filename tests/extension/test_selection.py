@@ -23,6 +23,8 @@ from astrai.extension.backend import resolve_backend
 @pytest.fixture(autouse=True)
 def no_env(monkeypatch):
     monkeypatch.delenv("ASTR_BACKEND", raising=False)
+    # Without the interpreter, CPU tensors are something triton cannot serve.
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
 
 
 @pytest.fixture
@@ -44,8 +46,15 @@ def test_auto_order_is_triton_flash_torch_native():
 def test_auto_takes_first_capable_backend(case, monkeypatch):
     """Were triton able to serve, auto must take it over torch_native."""
     triton = get_backend("triton")
-    monkeypatch.setattr(type(triton), "supports", lambda self, q, kv: None)
+    monkeypatch.setattr(type(triton), "auto_reason", lambda self, q, kv: None)
     assert resolve_backend(case.q, case.cache) is triton
+
+
+def test_auto_never_picks_the_triton_interpreter_on_cpu(case, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    triton = get_backend("triton")
+    assert triton.supports(case.q, case.cache) is None  # servable when chosen explicitly
+    assert resolve_backend(case.q, case.cache).name == "torch_native"
 
 
 def test_names_and_cuda_alias():
@@ -62,7 +71,10 @@ def test_names_and_cuda_alias():
 @pytest.mark.parametrize("name", ["triton", "cuda", ATTN_BACKEND.TRITON])
 def test_explicit_triton_context_is_strict(case, name):
     before = case.cache.k_buffer.clone()
-    with attn_backend(name), pytest.raises(BackendUnavailable, match=r"'triton'.*not built"):
+    with (
+        attn_backend(name),
+        pytest.raises(BackendUnavailable, match=r"'triton'.*(CUDA|TRITON_INTERPRET)"),
+    ):
         attention(case.q, case.k, case.v, case.cache, LAYER, scale=0.25)
     # Refused before anything was written.
     assert torch.equal(case.cache.k_buffer, before)

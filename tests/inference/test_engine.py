@@ -225,8 +225,12 @@ def test_weight_updates_only_when_idle(model, tokenizer):
             sched.update_weights(4)
 
 
-def test_backend_chosen_by_the_submitting_thread_is_strict_and_isolated(model, tokenizer):
+def test_backend_chosen_by_the_submitting_thread_is_strict_and_isolated(
+    model, tokenizer, monkeypatch
+):
     from astrai.extension import attn_backend
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # CPU tensors: triton cannot serve them
 
     with InferenceEngine(model, tokenizer) as eng:
         with attn_backend("triton"):  # not servable on CPU: that request fails, loudly

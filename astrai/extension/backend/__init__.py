@@ -6,7 +6,7 @@ tests and for code that must name one directly.
 
 from astrai.extension.backend.base import AttentionBackend, BackendUnavailable
 from astrai.extension.backend.flash import FlashAttnBackend
-from astrai.extension.backend.rotary import apply_rotary_emb
+from astrai.extension.backend.rotary import apply_rotary_emb, apply_rotary_qk
 from astrai.extension.backend.selection import (
     ATTN_BACKEND,
     attention,
@@ -26,6 +26,7 @@ __all__ = [
     "TorchNativeBackend",
     "TritonBackend",
     "apply_rotary_emb",
+    "apply_rotary_qk",
     "attention",
     "attn_backend",
     "get_backend",

@@ -36,6 +36,11 @@ class AttentionBackend(ABC):
         Called once per layer per step, so it must be cheap and must not sync the device.
         """
 
+    def auto_reason(self, q: torch.Tensor, kv_cache: KVCache) -> str | None:
+        """Like `supports`, for automatic selection, which may be stricter than an explicit
+        choice (e.g. an interpreter path that is correct but far too slow to pick by default)."""
+        return self.supports(q, kv_cache)
+
     @abstractmethod
     def forward(
         self,

@@ -1,14 +1,16 @@
-"""Rotary embedding dispatch shared by every attention backend.
+"""Rotary embedding dispatch shared by training and every attention backend.
 
-Half-split ("rotate_half") convention in fp32, exactly as `astrai.model.layers.apply_rotary`,
-so training and serving rotate identically. Only the torch path exists today; a fused Triton
-kernel (from `astrai.extension.ops`, for CUDA inputs with grad disabled) will be dispatched
-from `apply_rotary_emb` when it lands, and the torch path stays for autograd and CPU.
+Half-split ("rotate_half") convention in fp32. `apply_rotary_qk` rotates q and k in one
+fused Triton launch when that kernel can serve the call (CUDA tensors, packed
+`[tokens, heads, head_dim]`, no autograd, i.e. inference); otherwise, and always during
+training, the differentiable torch path runs.
 """
 
 from __future__ import annotations
 
 import torch
+
+from astrai.extension.ops import unusable
 
 
 def rotary_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -22,5 +24,25 @@ def rotary_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Apply RoPE to `x[..., heads, head_dim]`; cos/sin are `[..., head_dim // 2]`, broadcast
     over heads. Differentiable; returns x's dtype."""
-    # Seam: the Triton rotary kernel is selected here once astrai.extension.ops provides it.
     return rotary_torch(x, cos, sin)
+
+
+def _fused_ok(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor) -> bool:
+    return (
+        q.is_cuda
+        and q.dim() == 3
+        and cos.dim() == 2
+        and not torch.is_grad_enabled()
+        and unusable(q, k) is None
+    )
+
+
+def apply_rotary_qk(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE for q and k together: the fused kernel at inference on CUDA, torch otherwise."""
+    if _fused_ok(q, k, cos):
+        from astrai.extension.ops import rotary_qk
+
+        return rotary_qk(q, k, cos, sin)
+    return rotary_torch(q, cos, sin), rotary_torch(k, cos, sin)

@@ -133,7 +133,7 @@ def resolve_backend(q: torch.Tensor, kv_cache: KVCache) -> AttentionBackend:
     reasons = []
     for choice in AUTO_ORDER:
         backend = _BACKENDS[choice]
-        reason = backend.supports(q, kv_cache)
+        reason = backend.auto_reason(q, kv_cache)
         if reason is None:
             return backend
         reasons.append(f"{choice.value}: {reason}")

@@ -1,0 +1,160 @@
+"""Ragged prefill / extend attention over packed queries.
+
+Request `b` owns query rows `qo_indptr[b]:qo_indptr[b+1]` (its newest `q_len` positions)
+and `seq_lens[b]` keys read through `req_to_token`: full attention over the cached prefix,
+causal among the new tokens. One program per (request, query head, block of query rows).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from astrai.extension.ops._common import check, launching, next_pow2
+
+
+@triton.jit
+def _extend_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    ReqToToken,
+    ReqIdx,
+    SeqLens,
+    QoIndptr,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_rt,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    mblk = tl.program_id(2)
+    q_start = tl.load(QoIndptr + b)
+    q_len = tl.load(QoIndptr + b + 1) - q_start
+    seq_len = tl.load(SeqLens + b)
+    prefix = seq_len - q_len
+    row = tl.load(ReqIdx + b).to(tl.int64)
+    kvh = h // GROUP
+
+    offs_m = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < q_len
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    q = tl.load(
+        Q + (q_start + offs_m)[:, None].to(tl.int64) * stride_qt + h * stride_qh + offs_d[None, :],
+        mask=mask_m[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # Keys visible to the last row of this block; a block past q_len computes nothing.
+    end = tl.minimum(seq_len, prefix + (mblk + 1) * BLOCK_M)
+    end = tl.where(mblk * BLOCK_M < q_len, end, 0)
+    for n0 in range(0, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        slots = tl.load(ReqToToken + row * stride_rt + offs_n, mask=mask_n, other=0).to(tl.int64)
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(
+            K + slots[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        visible = mask_n[None, :] & (offs_n[None, :] <= prefix + offs_m[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # Rows that saw no key yet keep m = -inf; exp(-inf - -inf) would be NaN.
+        alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp(m_i - m_new))
+        p = tl.where(visible, tl.exp(s - m_new[:, None]), 0.0)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            V + slots[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    out_ptr = (
+        Out + (q_start + offs_m)[:, None].to(tl.int64) * stride_ot + h * stride_oh + offs_d[None, :]
+    )
+    tl.store(
+        out_ptr,
+        (acc / l_safe[:, None]).to(Out.dtype.element_ty),
+        mask=mask_m[:, None] & mask_d[None, :],
+    )
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    max_q_len: int,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Packed `q [T, H, D]` over one layer's `k/v_buffer [size, Hkv, D]` (already written)."""
+    check(q, k_buffer, v_buffer, req_to_token)
+    num_tokens, n_heads, head_dim = q.shape
+    n_kv_heads = k_buffer.shape[1]
+    if n_heads % n_kv_heads or k_buffer.shape[2] != head_dim:
+        raise ValueError(
+            f"extend_attention: q heads/dim {(n_heads, head_dim)} do not fit K/V "
+            f"{tuple(k_buffer.shape[1:])}"
+        )
+    if out is None:
+        out = torch.empty_like(q)
+    batch = seq_lens.shape[0]
+    if num_tokens == 0 or batch == 0:
+        return out
+    block_m = 32 if max_q_len > 16 else 16
+    with launching():
+        _extend_kernel[(batch, n_heads, triton.cdiv(max_q_len, block_m))](
+            q,
+            k_buffer,
+            v_buffer,
+            out,
+            req_to_token,
+            req_pool_indices,
+            seq_lens,
+            qo_indptr,
+            scale,
+            q.stride(0),
+            q.stride(1),
+            k_buffer.stride(0),
+            k_buffer.stride(1),
+            v_buffer.stride(0),
+            v_buffer.stride(1),
+            out.stride(0),
+            out.stride(1),
+            req_to_token.stride(0),
+            GROUP=n_heads // n_kv_heads,
+            HEAD_DIM=head_dim,
+            BLOCK_D=max(16, next_pow2(head_dim)),
+            BLOCK_M=block_m,
+            BLOCK_N=32,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        )
+    return out

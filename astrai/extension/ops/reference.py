@@ -1,0 +1,55 @@
+"""Plain-torch references for every Triton kernel, written for clarity, not speed.
+
+The kernel tests compare against these; they share no code with the kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def store_kv_ref(k, v, k_buffer, v_buffer, out_cache_loc) -> None:
+    k_buffer[out_cache_loc] = k.to(k_buffer.dtype)
+    v_buffer[out_cache_loc] = v.to(v_buffer.dtype)
+
+
+def _attend(q, keys, values, visible, scale):
+    """q [n, H, D], keys/values [L, Hkv, D], visible [n, L] -> [n, H, D] in float64."""
+    group = q.shape[1] // keys.shape[1]
+    keys = keys.double().repeat_interleave(group, dim=1)
+    values = values.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("nhd,lhd->hnl", q.double(), keys) * scale
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), values)
+
+
+def extend_attention_ref(
+    q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, qo_indptr, scale
+) -> torch.Tensor:
+    out = torch.empty_like(q)
+    for b in range(seq_lens.shape[0]):
+        start, stop = int(qo_indptr[b]), int(qo_indptr[b + 1])
+        n, length = stop - start, int(seq_lens[b])
+        slots = req_to_token[int(req_pool_indices[b]), :length].long()
+        pos = (length - n) + torch.arange(n)[:, None]
+        visible = torch.arange(length)[None, :] <= pos
+        out[start:stop] = _attend(
+            q[start:stop], k_buffer[slots], v_buffer[slots], visible, scale
+        ).to(q.dtype)
+    return out
+
+
+def decode_attention_ref(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, scale):
+    qo_indptr = torch.arange(q.shape[0] + 1)
+    return extend_attention_ref(
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, qo_indptr, scale
+    )
+
+
+def rotary_qk_ref(q, k, cos, sin):
+    def rotate(x):
+        x1, x2 = x.double().chunk(2, dim=-1)
+        c, s = cos.double()[:, None], sin.double()[:, None]
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+    return rotate(q), rotate(k)
