@@ -41,6 +41,10 @@ DEFAULTS: dict[str, Any] = {
     "seed": 0,
     "threads": 0,
     "device": "cpu",
+    "dtype": "float32",
+    "cache_mode": "contiguous",
+    "page_size": 16,
+    "kv_tokens": 0,
     "skip_hf": False,
     "repeats": 1,
 }
@@ -160,8 +164,9 @@ def main(overrides: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(cfg["seed"])
     device = torch.device(cfg["device"])
     model_cfg = preset(cfg["model"])
+    dtype = getattr(torch, cfg["dtype"])
     with device:
-        model = Transformer(model_cfg).eval()
+        model = Transformer(model_cfg).to(dtype).eval()
     tokenizer = _tokenizer(model_cfg.vocab_size)
     report: dict[str, Any] = {
         "config": cfg,
@@ -171,13 +176,25 @@ def main(overrides: dict[str, Any]) -> dict[str, Any]:
         "threads": torch.get_num_threads(),
     }
     work = _workload(cfg, model_cfg.vocab_size)
+    kw: dict[str, Any] = dict(
+        max_batch_size=cfg["max_batch_size"],
+        cache_mode=cfg["cache_mode"],
+        page_size=cfg["page_size"],
+        kv_tokens=cfg["kv_tokens"] or None,
+    )
     runs = [
         run_astrai(
-            model, tokenizer, work, max_batch_size=cfg["max_batch_size"], cache_mode="contiguous"
+            model, tokenizer, work, decode_graphs=None if device.type == "cuda" else False, **kw
         )
         for _ in range(cfg["repeats"])
     ]
     report["astrai"] = max(runs, key=lambda r: r["tokens_per_s"])
+    if device.type == "cuda":  # the same engine with decode CUDA graphs off
+        runs = [
+            run_astrai(model, tokenizer, work, decode_graphs=False, **kw)
+            for _ in range(cfg["repeats"])
+        ]
+        report["astrai_eager_decode"] = max(runs, key=lambda r: r["tokens_per_s"])
     logger.info("astrai: %s", report["astrai"])
 
     if not cfg["skip_hf"]:
@@ -185,7 +202,8 @@ def main(overrides: dict[str, Any]) -> dict[str, Any]:
 
         with tempfile.TemporaryDirectory() as tmp:
             model.save_pretrained(tmp, hf_format=True)
-            hf = transformers.AutoModelForCausalLM.from_pretrained(tmp).to(device).eval()
+            hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype)
+            hf = hf.to(device).eval()
         sizes = [
             len(work) if s.strip() == "all" else int(s)
             for s in str(cfg["hf_batch_sizes"]).split(",")
@@ -228,7 +246,8 @@ def main(overrides: dict[str, Any]) -> dict[str, Any]:
 
 def format_report(report: dict[str, Any]) -> str:
     lines = [
-        f"model {report['model']} ({report['parameters'] / 1e6:.1f}M params) on {report['device']}, {report['threads']} threads"
+        f"model {report['model']} ({report['parameters'] / 1e6:.1f}M params) on "
+        f"{report['device']}, {report['threads']} threads"
     ]
     a = report["astrai"]
     lines.append(
@@ -237,6 +256,12 @@ def format_report(report: dict[str, Any]) -> str:
     for name, r in report.get("transformers", {}).items():
         lines.append(
             f"transformers {name:>7} {r['tokens_per_s']:8.1f} tok/s  TTFT p50 {r['ttft_p50']:.2f}s p99 {r['ttft_p99']:.2f}s"
+        )
+    if "astrai_eager_decode" in report:
+        e = report["astrai_eager_decode"]
+        lines.append(
+            f"astrai, no CUDA graphs {e['tokens_per_s']:8.1f} tok/s "
+            f"(graphs: {a['tokens_per_s'] / e['tokens_per_s']:.2f}x)"
         )
     if "speedup_vs_transformers" in report:
         lines.append(
