@@ -118,7 +118,8 @@ class InferenceScheduler:
         if task.backend is None:
             task.backend = selected_backend()
         reason = self._rejection(task)
-        self.total_tasks += 1
+        with self._lock:
+            self.total_tasks += 1
         if reason is not None:
             self._finish(task, "rejected", reason)
             return task
