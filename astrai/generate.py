@@ -1,0 +1,139 @@
+"""Batch generation: `python -m astrai.generate model=<dir> input=<jsonl> output=<jsonl>`.
+
+Each input line is a JSON object with `prompt` (raw text) or `messages` (a chat, rendered
+with the model's chat template and a generation prompt); optional per-line `max_tokens`,
+`temperature`, `top_p`, `top_k`, `seed` override the config. All lines are submitted to one
+`InferenceEngine` at once (continuous batching), and the output holds exactly one line per
+input line, in order: the input's fields plus `completion`, `finish_reason` and token
+counts, or `error` naming what was wrong with that line. A bad line never stops the others.
+The output is written to a temporary file and renamed when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig
+from tqdm import tqdm
+
+from astrai.inference import GenerateResult, InferenceEngine
+from astrai.model import AutoModel
+from astrai.tokenizer import AutoTokenizer
+
+logger = logging.getLogger(__name__)
+
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+PER_LINE = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed")
+
+
+def _prompt_of(record: Any, tokenizer: AutoTokenizer) -> str | list[int]:
+    if not isinstance(record, dict):
+        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+    if "messages" in record:
+        return tokenizer.apply_chat_template(
+            record["messages"], tools=record.get("tools"), add_generation_prompt=True
+        )
+    if "prompt" in record:
+        if not isinstance(record["prompt"], str) or not record["prompt"]:
+            raise ValueError("field 'prompt' must be a non-empty string")
+        return record["prompt"]
+    raise ValueError("missing field: each line needs 'prompt' or 'messages'")
+
+
+def generate_file(
+    engine: InferenceEngine,
+    input_path: str | os.PathLike,
+    output_path: str | os.PathLike,
+    sampling: dict[str, Any],
+    *,
+    progress: bool = True,
+) -> dict[str, int]:
+    """Generate for every line of `input_path` into `output_path`; returns counts."""
+    input_path, output_path = Path(input_path), Path(output_path)
+    if not input_path.is_file():
+        raise FileNotFoundError(f"input file not found: {input_path}")
+    lines = input_path.read_text(encoding="utf-8").splitlines()
+    entries: list[tuple[dict | None, GenerateResult | str]] = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            entries.append((None, f"line {number}: empty line"))
+            continue
+        try:
+            record = json.loads(line)
+            prompt = _prompt_of(record, engine.tokenizer)
+            kwargs = {**sampling, **{k: record[k] for k in PER_LINE if k in record}}
+            entries.append((record, engine.submit(prompt, **kwargs)))
+        except (json.JSONDecodeError, ValueError, TypeError) as err:
+            logger.warning("%s line %d: %s", input_path, number, err)
+            entries.append((None, f"line {number}: {err}"))
+    counts = {"lines": len(lines), "ok": 0, "errors": 0, "completion_tokens": 0}
+    tmp = output_path.with_name(f".{output_path.name}.tmp")
+    output_path.parent.mkdir(parents=True, exist_ok=True)
+    with tmp.open("w", encoding="utf-8") as out:
+        for number, (record, result) in enumerate(
+            tqdm(entries, desc="generate", disable=not progress), start=1
+        ):
+            if isinstance(result, str):
+                row: dict[str, Any] = {"line": number, "error": result}
+            else:
+                try:
+                    text = result.wait_completion()
+                    row = {
+                        **record,
+                        "completion": text,
+                        "finish_reason": result.finish_reason,
+                        "prompt_tokens": len(result.task.prompt_ids),
+                        "completion_tokens": len(result.token_ids),
+                    }
+                    counts["completion_tokens"] += len(result.token_ids)
+                except ValueError as err:  # rejected by the engine (e.g. prompt too long)
+                    row = {"line": number, "error": f"line {number}: {err}"}
+            counts["errors" if "error" in row else "ok"] += 1
+            out.write(json.dumps(row, ensure_ascii=False) + "\n")
+    os.replace(tmp, output_path)
+    return counts
+
+
+def _run(cfg: DictConfig) -> None:
+    model_dir = Path(cfg.model_path)
+    if not model_dir.is_dir():
+        raise SystemExit(f"model directory not found: {model_dir} (pass model=<dir>)")
+    model = AutoModel.from_pretrained(model_dir, device=cfg.device)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    sampling = {
+        "max_tokens": cfg.max_tokens,
+        "temperature": cfg.temperature,
+        "top_p": cfg.top_p,
+        "top_k": cfg.top_k,
+    }
+    if cfg.seed is not None:
+        sampling["seed"] = cfg.seed
+    with InferenceEngine(
+        model,
+        tokenizer,
+        max_batch_size=cfg.max_batch_size,
+        cache_mode=cfg.cache_mode,
+        page_size=cfg.page_size,
+    ) as engine:
+        counts = generate_file(engine, cfg.input, cfg.output, sampling, progress=cfg.progress)
+    print(
+        f"generated {counts['ok']} of {counts['lines']} lines "
+        f"({counts['errors']} errors, {counts['completion_tokens']} tokens) -> {cfg.output}"
+    )
+
+
+def main() -> None:
+    # `model=<dir>` is the documented spelling, but `model` is also a config group of the
+    # training configs in conf/, which Hydra would try to select: rename it before parsing.
+    sys.argv[1:] = ["model_path=" + a[6:] if a.startswith("model=") else a for a in sys.argv[1:]]
+    hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="generate")(_run)()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""`python -m astrai.generate`: one output line per input line, in order; bad lines reported."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from astrai.generate import generate_file
+from astrai.inference import InferenceEngine
+from astrai.model import ModelConfig, Transformer
+from astrai.tokenizer import AutoTokenizer
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    texts = ["def add(a, b):\n    return a + b\n" * 20, "hello world, the answer is 42\n" * 20]
+    tok = AutoTokenizer.train(texts, vocab_size=300)
+    cfg = ModelConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        max_position_embeddings=256,
+    )
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("model")
+    Transformer(cfg).save_pretrained(path, tokenizer=tok)
+    return path
+
+
+def write_input(path):
+    lines = [
+        json.dumps({"prompt": "def add", "id": 1}),
+        "{not json",
+        json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}),
+        json.dumps({"text": "no prompt field"}),
+        json.dumps({"prompt": "hello", "temperature": -1}),
+        json.dumps({"prompt": "hello", "seed": 3, "temperature": 1.0}),
+    ]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_generate_file_keeps_order_and_reports_bad_lines(model_dir, tmp_path):
+    from astrai.model import AutoModel
+
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_input(src)
+    model = AutoModel.from_pretrained(model_dir)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    with InferenceEngine(model, tok, max_batch_size=4) as eng:
+        counts = generate_file(eng, src, dst, {"max_tokens": 5, "temperature": 0.0}, progress=False)
+        greedy = eng.generate("def add", max_tokens=5, temperature=0.0)
+    rows = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert len(rows) == 6 and counts == {
+        "lines": 6,
+        "ok": 3,
+        "errors": 3,
+        "completion_tokens": counts["completion_tokens"],
+    }
+    assert rows[0]["id"] == 1 and rows[0]["completion"] == greedy
+    assert rows[1]["error"].startswith("line 2:")
+    assert rows[2]["completion_tokens"] <= 3
+    assert "line 4" in rows[3]["error"] and "prompt" in rows[3]["error"]
+    assert "line 5" in rows[4]["error"] and "temperature" in rows[4]["error"]
+    assert "completion" in rows[5]
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_cli(model_dir, tmp_path):
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_input(src)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "astrai.generate",
+            f"model={model_dir}",
+            f"input={src}",
+            f"output={dst}",
+            "max_tokens=4",
+            "progress=false",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "generated 3 of 6 lines" in run.stdout
+    assert len(dst.read_text().splitlines()) == 6
+
+
+def test_missing_input_is_named(model_dir, tmp_path):
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "astrai.generate",
+            f"model={model_dir}",
+            f"input={tmp_path / 'nope.jsonl'}",
+            f"output={tmp_path / 'o.jsonl'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode != 0 and "nope.jsonl" in run.stderr
+    assert not (tmp_path / "o.jsonl").exists()
