@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ import hydra
 from omegaconf import DictConfig
 from tqdm import tqdm
 
+from astrai.cli import model_arg_to_model_path
 from astrai.inference import GenerateResult, InferenceEngine
 from astrai.model import AutoModel
 from astrai.tokenizer import AutoTokenizer
@@ -129,9 +129,7 @@ def _run(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    # `model=<dir>` is the documented spelling, but `model` is also a config group of the
-    # training configs in conf/, which Hydra would try to select: rename it before parsing.
-    sys.argv[1:] = ["model_path=" + a[6:] if a.startswith("model=") else a for a in sys.argv[1:]]
+    model_arg_to_model_path()
     hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="generate")(_run)()
 
 

@@ -1,0 +1,226 @@
+"""Serving benchmark: output tokens/s through HTTP streaming vs the offline engine.
+
+One engine, one workload, one run. `requests` chat prompts of `prompt_min..prompt_max`
+words each ask for `output_min..output_max` tokens, greedy, all sent at t=0 (saturation).
+The stop tokens get a logit bias of -100, a plain OpenAI request field, so every request
+runs to its `max_tokens` on both paths and the token counts are identical. The offline
+side submits the same prompt ids straight to the engine; the HTTP side streams
+`/v1/chat/completions` from a client in a separate process (so the client's SSE parsing
+does not compete with the server for the GIL). Reported: tokens/s of both, their ratio
+(target >= 0.9) and TTFT p50/p99 (HTTP TTFT: request sent to first content chunk, seen by
+the client; and request parsed to first token, seen by the server).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import multiprocessing
+import random
+import time
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+DEFAULTS: dict[str, Any] = {
+    "model": "astrai-30m",
+    "requests": 64,
+    "prompt_min": 16,
+    "prompt_max": 256,
+    "output_min": 16,
+    "output_max": 128,
+    "max_batch_size": 64,
+    "cache_mode": "contiguous",
+    "seed": 0,
+    "threads": 0,
+    "device": "cpu",
+    "repeats": 1,
+}
+
+
+def _pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
+
+
+async def _stream_all(url: str, bodies: list[dict[str, Any]]) -> dict[str, Any]:
+    import httpx
+
+    limits = httpx.Limits(max_connections=len(bodies) + 8)
+    async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
+
+        async def one(body: dict[str, Any]) -> tuple[float | None, int, str | None]:
+            t0 = time.perf_counter()
+            first, tokens, error = None, 0, None
+            async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+                if r.status_code != 200:
+                    return None, 0, f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    data = json.loads(line[6:])
+                    if "error" in data:
+                        error = data["error"]["message"]
+                    for c in data.get("choices", ()):
+                        if first is None and c["delta"].get("content"):
+                            first = time.perf_counter() - t0
+                    if data.get("usage") and not data["choices"]:
+                        tokens = data["usage"]["completion_tokens"]
+            return first, tokens, error
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(one(b) for b in bodies))
+        wall = time.perf_counter() - start
+    errors = [e for _, _, e in results if e]
+    ttft = [t for t, _, _ in results if t is not None]
+    tokens = sum(n for _, n, _ in results)
+    return {
+        "tokens": tokens,
+        "seconds": wall,
+        "tokens_per_s": tokens / wall,
+        "ttft_p50": _pct(ttft, 0.5) if ttft else None,
+        "ttft_p99": _pct(ttft, 0.99) if ttft else None,
+        "errors": len(errors),
+        "first_error": errors[0] if errors else None,
+    }
+
+
+def _client(url: str, bodies: list[dict[str, Any]]) -> dict[str, Any]:
+    """Runs in a spawned process: all requests at once, SSE parsed with plain httpx."""
+    return asyncio.run(_stream_all(url, bodies))
+
+
+def main(overrides: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    from astrai.bench.engine import _tokenizer
+    from astrai.inference import InferenceEngine
+    from astrai.model import Transformer, preset
+    from astrai.serve import ServerThread, ServeSettings, create_app
+
+    cfg = {**DEFAULTS, **overrides}
+    if cfg["threads"]:
+        torch.set_num_threads(int(cfg["threads"]))
+    torch.manual_seed(cfg["seed"])
+    device = torch.device(cfg["device"])
+    model_cfg = preset(cfg["model"])
+    with device:
+        model = Transformer(model_cfg).eval()
+    tokenizer = _tokenizer(model_cfg.vocab_size)
+
+    rng = random.Random(cfg["seed"])
+    words = [w for w in tokenizer.decode(range(300, 1200)).split() if w.isalpha()] or ["word"]
+    prompts = [
+        " ".join(
+            rng.choice(words) for _ in range(rng.randint(cfg["prompt_min"], cfg["prompt_max"]))
+        )
+        for _ in range(cfg["requests"])
+    ]
+    outputs = [rng.randint(cfg["output_min"], cfg["output_max"]) for _ in prompts]
+    bias = {t: -100.0 for t in tokenizer.stop_ids}
+    ids = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True
+        )
+        for p in prompts
+    ]
+    max_len = max(len(p) + n for p, n in zip(ids, outputs)) + 1
+    engine = InferenceEngine(
+        model,
+        tokenizer,
+        max_batch_size=cfg["max_batch_size"],
+        max_seq_len=max_len,
+        cache_mode=cfg["cache_mode"],
+    )
+    report: dict[str, Any] = {
+        "config": cfg,
+        "model": cfg["model"],
+        "parameters": model.num_parameters(),
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "workload": {
+            "requests": len(prompts),
+            "prompt_tokens": sum(map(len, ids)),
+            "output_tokens": sum(outputs),
+        },
+    }
+
+    def offline() -> dict[str, Any]:
+        start = time.perf_counter()
+        results = [
+            engine.submit(p, max_tokens=n, temperature=0.0, logit_bias=bias)
+            for p, n in zip(ids, outputs)
+        ]
+        for r in results:
+            r.wait_completion()
+        wall = time.perf_counter() - start
+        ttft = [r.task.first_token_at - start for r in results]
+        tokens = sum(len(r.token_ids) for r in results)
+        return {
+            "tokens": tokens,
+            "seconds": wall,
+            "tokens_per_s": tokens / wall,
+            "ttft_p50": _pct(ttft, 0.5),
+            "ttft_p99": _pct(ttft, 0.99),
+        }
+
+    bodies = [
+        {
+            "messages": [{"role": "user", "content": p}],
+            "max_tokens": n,
+            "temperature": 0,
+            "logit_bias": {str(t): b for t, b in bias.items()},
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        for p, n in zip(prompts, outputs)
+    ]
+    try:
+        engine.generate("warm up", max_tokens=2, temperature=0.0)
+        app = create_app(engine, ServeSettings(model_name=cfg["model"]))
+        with (
+            ServerThread(app) as server,
+            multiprocessing.get_context("spawn").Pool(1) as pool,
+        ):
+            pool.apply(_client, (server.url, bodies[:2]))  # warm up the client and the server
+            offline_runs, http_runs = [], []
+            for i in range(cfg["repeats"]):
+                offline_runs.append(offline())
+                logger.info("offline run %d: %s", i, offline_runs[-1])
+                app.state.astrai.ttfts.clear()
+                http_runs.append(pool.apply(_client, (server.url, bodies)))
+                server_side = app.state.astrai.stats()
+                http_runs[-1]["server_ttft_p50"] = server_side["ttft_p50"]
+                http_runs[-1]["server_ttft_p99"] = server_side["ttft_p99"]
+                logger.info("http run %d: %s", i, http_runs[-1])
+    finally:
+        engine.shutdown()
+    report["offline"] = max(offline_runs, key=lambda r: r["tokens_per_s"])
+    report["http"] = max(http_runs, key=lambda r: r["tokens_per_s"])
+    report["ratio"] = report["http"]["tokens_per_s"] / report["offline"]["tokens_per_s"]
+    return report
+
+
+def format_report(report: dict[str, Any]) -> str:
+    w = report["workload"]
+    lines = [
+        f"model {report['model']} ({report['parameters'] / 1e6:.1f}M params) on "
+        f"{report['device']}, {report['threads']} threads; {w['requests']} requests, "
+        f"{w['prompt_tokens']} prompt / {w['output_tokens']} output tokens, all at t=0"
+    ]
+    for name in ("offline", "http"):
+        r = report[name]
+        lines.append(
+            f"{name:8} {r['tokens_per_s']:8.1f} tok/s  TTFT p50 {r['ttft_p50']:.2f}s "
+            f"p99 {r['ttft_p99']:.2f}s  ({r['tokens']} tokens in {r['seconds']:.1f}s)"
+        )
+    h = report["http"]
+    lines.append(
+        f"         HTTP TTFT measured in the server (request parsed -> first token): "
+        f"p50 {h['server_ttft_p50']:.2f}s p99 {h['server_ttft_p99']:.2f}s"
+    )
+    if report["http"].get("errors"):
+        lines.append(f"HTTP errors: {report['http']['errors']} ({report['http']['first_error']})")
+    lines.append(f"ratio http / offline: {report['ratio']:.3f} (target >= 0.9)")
+    return "\n".join(lines)

@@ -1,0 +1,129 @@
+"""`create_app(engine, settings)`: the FastAPI application."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from typing import TYPE_CHECKING
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from astrai.serve.anthropic_builder import AnthropicResponseBuilder
+from astrai.serve.errors import APIError, error_body, kind_for_status
+from astrai.serve.handler import ProtocolHandler, ServerState
+from astrai.serve.openai_builder import OpenAIResponseBuilder
+from astrai.serve.parsing import tool_call_format
+from astrai.serve.schemas import ChatCompletionRequest, MessagesRequest
+from astrai.serve.settings import ServeSettings
+
+if TYPE_CHECKING:
+    from astrai.inference import InferenceEngine
+
+logger = logging.getLogger("astrai.serve")
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """First few pydantic errors as 'field: message', and the first field's dotted path."""
+    parts, param = [], None
+    for err in exc.errors()[:3]:
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if err.get("type") == "json_invalid":
+            parts.append(f"invalid JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}")
+            continue
+        field = ".".join(loc) or "body"
+        param = param or field
+        parts.append(f"{field}: {err.get('msg')}")
+    return "; ".join(parts) or "invalid request", param
+
+
+def _error_response(request: Request, err: APIError) -> JSONResponse:
+    return JSONResponse(
+        error_body(request.url.path, err), status_code=err.status, headers=err.headers
+    )
+
+
+def create_app(engine: InferenceEngine, settings: ServeSettings | None = None) -> FastAPI:
+    """An app serving `engine`; the caller owns the engine (and shuts it down).
+
+    `app.state.astrai` is the `ServerState`; `begin_shutdown()` on it ends open streams
+    cleanly (the `astrai.serve.server.Server` calls it when uvicorn is asked to stop).
+    """
+    settings = settings or ServeSettings()
+    state = ServerState(engine, settings, tool_call_format(settings.tool_call_format))
+    app = FastAPI(title="astrai", version="1", docs_url=None, redoc_url=None)
+    app.state.astrai = state
+    openai = ProtocolHandler(state, OpenAIResponseBuilder())
+    anthropic = ProtocolHandler(state, AnthropicResponseBuilder())
+
+    async def check_key(request: Request) -> None:
+        if settings.api_key is None:
+            return
+        given = request.headers.get("x-api-key")
+        auth = request.headers.get("authorization", "")
+        if given is None and auth.lower().startswith("bearer "):
+            given = auth[7:].strip()
+        if given is None or not hmac.compare_digest(given.encode(), settings.api_key.encode()):
+            raise APIError(
+                401, "invalid or missing API key", kind="authentication", code="invalid_api_key"
+            )
+
+    auth = [Depends(check_key)]
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        if exc.status >= 500:
+            logger.warning("%s %s -> %d: %s", request.method, request.url.path, exc.status, exc)
+        return _error_response(request, exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return _error_response(request, APIError(400, message, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err = APIError(exc.status_code, str(exc.detail), kind=kind_for_status(exc.status_code))
+        return _error_response(request, err)
+
+    @app.exception_handler(Exception)
+    async def _crash(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return _error_response(request, APIError(500, "internal server error", kind="server"))
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await openai.handle(body, request)
+
+    @app.post("/v1/messages", dependencies=auth)
+    async def messages(body: MessagesRequest, request: Request) -> Response:
+        return await anthropic.handle(body, request)
+
+    @app.get("/v1/models", dependencies=auth)
+    async def models() -> dict:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": settings.model_name,
+                    "object": "model",
+                    "created": int(state.started),
+                    "owned_by": "astrai",
+                }
+            ],
+        }
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok = engine.ready and not state.draining
+        body = {"status": "ok" if ok else "unavailable", "model_loaded": engine.ready}
+        headers = {} if ok else {"retry-after": str(settings.retry_after_s)}
+        return JSONResponse(body, status_code=200 if ok else 503, headers=headers)
+
+    @app.get("/stats", dependencies=auth)
+    async def stats() -> dict:
+        return {**engine.get_stats(), **state.stats()}
+
+    return app

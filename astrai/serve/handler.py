@@ -1,0 +1,439 @@
+"""Protocol-independent request handling: one `ProtocolHandler`, one builder per protocol.
+
+The handler owns everything that must be identical for OpenAI and Anthropic: admission
+(readiness, queue), submission of the `n` engine tasks, merging their text streams on the
+event loop, stop strings and tool-call parsing (`OutputParser`), cancellation when a stop
+string matches or the client goes away, usage and the request log line. A
+`ResponseBuilder` only turns the resulting events into its protocol's JSON and SSE, so
+adding a protocol is one builder file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import time
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from astrai.inference.engine import EngineNotReady, GenerateResult
+from astrai.inference.sampling import SamplingParams
+from astrai.serve.errors import APIError
+from astrai.serve.parsing import Event, OutputParser, TextDelta, ToolCall, ToolCallFormat
+from astrai.serve.settings import ServeSettings
+
+if TYPE_CHECKING:
+    from astrai.inference import InferenceEngine
+    from astrai.tokenizer import AutoTokenizer
+
+logger = logging.getLogger("astrai.serve")
+
+# Internal finish reasons; builders map them to their protocol's names.
+FINISH_REASONS = ("stop", "stop_sequence", "length", "tool_calls", "error")
+
+
+@dataclass
+class Prepared:
+    """A request reduced to what the engine and the parsers need."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: dict[str, Any]
+    n: int = 1
+    stops: list[str] = field(default_factory=list)
+    parse_tools: bool = False
+    stream: bool = False
+    include_usage: bool = False
+    model: str = "astrai"
+
+
+@dataclass
+class Choice:
+    """Output of one engine task, as seen by the client."""
+
+    index: int
+    result: GenerateResult
+    parser: OutputParser
+    text: list[str] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_sequence: str | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def content(self) -> str:
+        return "".join(self.text)
+
+    @property
+    def output_tokens(self) -> int:
+        return len(self.result.task.output_ids)
+
+
+@dataclass(eq=False)
+class RequestContext:
+    """One HTTP request in flight; builders keep their own stream state in `extra`."""
+
+    id: str
+    prepared: Prepared
+    t0: float = field(default_factory=time.perf_counter)
+    created: int = field(default_factory=lambda: int(time.time()))
+    choices: list[Choice] = field(default_factory=list)
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def model(self) -> str:
+        return self.prepared.model
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prepared.prompt_ids)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.output_tokens for c in self.choices)
+
+    @property
+    def all_finished(self) -> bool:
+        return all(c.finished for c in self.choices)
+
+    @property
+    def error(self) -> str | None:
+        return next((c.error for c in self.choices if c.error), None)
+
+
+class ResponseBuilder(ABC):
+    """Formats one protocol: request -> `Prepared`, events -> SSE strings / JSON."""
+
+    id_prefix: str = "req_"
+    tool_id_prefix: str = "call_"
+
+    @abstractmethod
+    def prepare(self, body: Any, tokenizer: AutoTokenizer, settings: ServeSettings) -> Prepared:
+        """Validate beyond the schema and render the prompt; raise `APIError` (400)."""
+
+    @abstractmethod
+    def error_body(self, err: APIError) -> dict[str, Any]: ...
+
+    @abstractmethod
+    def format_stream_start(self, ctx: RequestContext) -> list[str]: ...
+
+    @abstractmethod
+    def format_chunk(self, ctx: RequestContext, choice: Choice, event: Event) -> list[str]: ...
+
+    @abstractmethod
+    def format_choice_end(self, ctx: RequestContext, choice: Choice) -> list[str]: ...
+
+    @abstractmethod
+    def format_stream_end(self, ctx: RequestContext) -> list[str]: ...
+
+    @abstractmethod
+    def format_stream_error(self, ctx: RequestContext, err: APIError) -> list[str]: ...
+
+    @abstractmethod
+    def format_response(self, ctx: RequestContext) -> dict[str, Any]: ...
+
+
+class ServerState:
+    """What the handlers share: admission, requests in flight, counters, shutdown."""
+
+    def __init__(
+        self,
+        engine: InferenceEngine,
+        settings: ServeSettings,
+        tool_format: ToolCallFormat | None,
+    ) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.tool_format = tool_format
+        self.draining = False
+        self.inflight: set[RequestContext] = set()
+        self.requests_total = 0
+        self.requests_failed = 0
+        self.tokens_out = 0
+        self.started = time.time()
+        self.ttfts: deque[float] = deque(maxlen=1000)  # seconds, of the latest requests
+
+    def check_ready(self) -> None:
+        retry = {"retry-after": str(self.settings.retry_after_s)}
+        if self.draining:
+            raise APIError(503, "server is shutting down", kind="overloaded", headers=retry)
+        if not self.engine.ready:
+            raise APIError(503, "engine not ready", kind="overloaded", headers=retry)
+        if self.engine.scheduler.queue_full:
+            raise APIError(
+                503, "request queue is full, retry later", kind="overloaded", headers=retry
+            )
+
+    def begin_shutdown(self) -> None:
+        """Refuse new requests and end every open one (streams finish cleanly)."""
+        self.draining = True
+        for ctx in list(self.inflight):
+            for c in ctx.choices:
+                if not c.result.done:
+                    self.engine.cancel(c.result)
+
+    def stats(self) -> dict[str, Any]:
+        ttft = sorted(self.ttfts)
+
+        def pct(q: float) -> float | None:
+            return ttft[min(len(ttft) - 1, round(q * (len(ttft) - 1)))] if ttft else None
+
+        return {
+            "ttft_p50": pct(0.5),
+            "ttft_p99": pct(0.99),
+            "requests_total": self.requests_total,
+            "requests_failed": self.requests_failed,
+            "requests_in_flight": len(self.inflight),
+            "output_tokens": self.tokens_out,
+            "draining": self.draining,
+        }
+
+
+class _ClientGone(Exception):
+    pass
+
+
+def _pusher(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, item: Any) -> None:
+    """Runs on the scheduler thread: hand `item` to the event loop, never raise there."""
+    with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening any more
+        loop.call_soon_threadsafe(queue.put_nowait, item)
+
+
+class ProtocolHandler:
+    """Runs one request against the engine for any `ResponseBuilder`."""
+
+    def __init__(self, state: ServerState, builder: ResponseBuilder) -> None:
+        self.state = state
+        self.engine = state.engine
+        self.builder = builder
+
+    # ------------------------------------------------------------------ entry point
+    async def handle(self, body: Any, request: Request | None = None) -> Response:
+        self.state.check_ready()
+        prepared = self.builder.prepare(body, self.engine.tokenizer, self.state.settings)
+        self._check_limits(prepared)
+        ctx = RequestContext(id=self.builder.id_prefix + secrets.token_hex(12), prepared=prepared)
+        self._submit(ctx)
+        self.state.inflight.add(ctx)
+        self.state.requests_total += 1
+        if prepared.stream:
+            return StreamingResponse(
+                self._stream(ctx),
+                media_type="text/event-stream",
+                headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
+            )
+        try:
+            async for _ in self._events(ctx, request):
+                pass
+        except _ClientGone:
+            logger.info("request %s: client disconnected, cancelled", ctx.id)
+            return Response(status_code=499)
+        finally:
+            self._release(ctx)
+        if ctx.error is not None:
+            rejected = any(c.result.finish_reason == "rejected" for c in ctx.choices)
+            if rejected:  # e.g. a paged KV pool that can never hold this prompt
+                raise APIError(400, ctx.error, param="messages")
+            raise APIError(500, ctx.error, kind="server")
+        return JSONResponse(self.builder.format_response(ctx))
+
+    # ------------------------------------------------------------------ admission
+    def _check_limits(self, p: Prepared) -> None:
+        limit = self.engine.scheduler.max_seq_len - 1
+        if self.state.settings.max_prompt_tokens is not None:
+            limit = min(limit, self.state.settings.max_prompt_tokens)
+        if len(p.prompt_ids) > limit:
+            raise APIError(
+                400,
+                f"messages: prompt is too long: {len(p.prompt_ids)} tokens, the limit is {limit}",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        if not p.prompt_ids:
+            raise APIError(400, "the prompt is empty", param="messages")
+        try:
+            SamplingParams(**p.sampling).validate(vocab_size=self.engine.model.config.vocab_size)
+        except (TypeError, ValueError) as err:
+            raise APIError(400, str(err), param=str(err).split(" ")[0].split("[")[0]) from err
+
+    def _submit(self, ctx: RequestContext) -> None:
+        p = ctx.prepared
+        loop = asyncio.get_running_loop()
+        fmt = self.state.tool_format if p.parse_tools else None
+        for i in range(p.n):
+            sampling = dict(p.sampling)
+            if sampling.get("seed") is not None:
+                sampling["seed"] += i
+            try:
+                result = self.engine.submit(p.prompt_ids, max_tokens=p.max_tokens, **sampling)
+            except EngineNotReady as err:
+                self._cancel_all(ctx)
+                raise APIError(503, str(err), kind="overloaded") from err
+            except ValueError as err:
+                self._cancel_all(ctx)
+                raise APIError(400, str(err)) from err
+            if result.done and result.finish_reason in ("rejected", "aborted"):
+                self._cancel_all(ctx)
+                status = 400 if result.finish_reason == "rejected" else 503
+                raise APIError(status, result.task.error or "request rejected")
+            parser = OutputParser(p.stops, fmt, self.builder.tool_id_prefix)
+            ctx.choices.append(Choice(i, result, parser))
+            with result._cond:  # register atomically w.r.t. text the scheduler delivers
+                early, finished = list(result._pieces), result._done
+                result.callbacks.append(lambda t, i=i: _pusher(loop, ctx.queue, (i, t)))
+                result.finish_callbacks.append(lambda _, i=i: _pusher(loop, ctx.queue, (i, None)))
+            for text in early:
+                ctx.queue.put_nowait((i, text))
+            if finished:
+                ctx.queue.put_nowait((i, None))
+
+    def _cancel_all(self, ctx: RequestContext) -> None:
+        for c in ctx.choices:
+            if not c.result.done:
+                self.engine.cancel(c.result)
+
+    # ------------------------------------------------------------------ the event stream
+    async def _next(self, ctx: RequestContext, request: Request | None) -> tuple[int, str | None]:
+        if request is None:  # streaming: Starlette cancels the response on disconnect
+            return await ctx.queue.get()
+        poll = self.state.settings.disconnect_poll_s
+        while True:  # plain: poll, also while tokens keep arriving
+            now = time.monotonic()
+            last = ctx.extra.setdefault("checked", now)
+            if now - last >= poll:
+                ctx.extra["checked"] = now
+                if await request.is_disconnected():
+                    raise _ClientGone
+            try:
+                return await asyncio.wait_for(ctx.queue.get(), poll)
+            except TimeoutError:
+                continue
+
+    async def _events(
+        self, ctx: RequestContext, request: Request | None = None
+    ) -> AsyncIterator[list[tuple[Choice, Event | None]]]:
+        """Batches of (choice, event); event None marks the end of that choice.
+
+        Everything already queued is taken at once and consecutive text of a choice is
+        merged, so a loaded server sends fewer, larger chunks instead of falling behind.
+        """
+        pending = len(ctx.choices)
+        while pending:
+            items = [await self._next(ctx, request)]
+            while not ctx.queue.empty():
+                items.append(ctx.queue.get_nowait())
+            out: list[tuple[Choice, Event | None]] = []
+            for i, text in items:
+                choice = ctx.choices[i]
+                if choice.finished:
+                    continue
+                if text is None:
+                    self._emit(out, choice, choice.parser.flush())
+                    self._finish(choice)
+                    out.append((choice, None))
+                    pending -= 1
+                    continue
+                events = choice.parser.feed(text)
+                if choice.parser.matched_stop is not None and not choice.result.done:
+                    self.engine.cancel(choice.result)
+                self._emit(out, choice, events)
+            if out:
+                yield out
+
+    @staticmethod
+    def _emit(out: list[tuple[Choice, Event | None]], choice: Choice, events: list[Event]) -> None:
+        for ev in events:
+            if isinstance(ev, TextDelta):
+                choice.text.append(ev.text)
+                if out and out[-1][0] is choice and isinstance(out[-1][1], TextDelta):
+                    out[-1] = (choice, TextDelta(out[-1][1].text + ev.text))
+                    continue
+            else:
+                choice.tool_calls.append(ev)
+            out.append((choice, ev))
+
+    def _finish(self, choice: Choice) -> None:
+        task = choice.result.task
+        if task.finish_reason in ("rejected", "aborted"):
+            choice.error = task.error or f"request {task.finish_reason}"
+            choice.finish_reason = "error"
+            return
+        if choice.parser.matched_stop is not None:
+            choice.finish_reason = "stop_sequence"
+            choice.stop_sequence = choice.parser.matched_stop
+        elif task.finish_reason == "stop":
+            choice.finish_reason = "stop"
+        else:  # length, or cancelled by a server shutdown: the output was cut short
+            choice.finish_reason = "length"
+        if choice.tool_calls and choice.finish_reason in ("stop", "stop_sequence"):
+            choice.finish_reason = "tool_calls"
+
+    async def _stream(self, ctx: RequestContext) -> AsyncIterator[str]:
+        b = self.builder
+        try:
+            yield "".join(b.format_stream_start(ctx))
+            async for batch in self._events(ctx):
+                parts: list[str] = []
+                for choice, ev in batch:
+                    if ev is None:
+                        if choice.error is None:
+                            parts += b.format_choice_end(ctx, choice)
+                    else:
+                        parts += b.format_chunk(ctx, choice, ev)
+                if parts:
+                    yield "".join(parts)
+            if ctx.error is not None:
+                yield "".join(b.format_stream_error(ctx, APIError(500, ctx.error, kind="server")))
+            else:
+                yield "".join(b.format_stream_end(ctx))
+        finally:  # also on client disconnect (the response task is cancelled)
+            self._release(ctx)
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _release(self, ctx: RequestContext) -> None:
+        if ctx not in self.state.inflight:
+            return
+        self.state.inflight.discard(ctx)
+        self._cancel_all(ctx)
+        done = ctx.all_finished
+        if ctx.error is not None or not done:
+            self.state.requests_failed += 1
+        out = ctx.completion_tokens
+        self.state.tokens_out += out
+        firsts = [c.result.task.first_token_at for c in ctx.choices]
+        firsts = [t for t in firsts if t is not None]
+        ttft = f"{min(firsts) - ctx.t0:.3f}s" if firsts else "-"
+        if firsts:
+            self.state.ttfts.append(min(firsts) - ctx.t0)
+        reasons = ",".join(c.finish_reason or "disconnected" for c in ctx.choices)
+        logger.info(
+            "%s tokens_in=%d tokens_out=%d ttft=%s duration=%.3fs finish=%s",
+            ctx.id,
+            ctx.prompt_tokens,
+            out,
+            ttft,
+            time.perf_counter() - ctx.t0,
+            reasons,
+        )
+
+
+def sse(data: Any, event: str | None = None) -> str:
+    """One SSE event; every event ends with a blank line."""
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    if event is None:
+        return f"data: {payload}\n\n"
+    return f"event: {event}\ndata: {payload}\n\n"

@@ -1,0 +1,207 @@
+"""OpenAI chat completions: `/v1/chat/completions`, plain and streaming."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from astrai.serve.errors import APIError, openai_error_body
+from astrai.serve.handler import Choice, Prepared, RequestContext, ResponseBuilder, sse
+from astrai.serve.parsing import Event, TextDelta
+from astrai.serve.schemas import ChatCompletionRequest, ChatMessage, NamedToolChoice
+from astrai.serve.settings import ServeSettings
+from astrai.tokenizer import AutoTokenizer
+
+_FINISH = {
+    "stop": "stop",
+    "stop_sequence": "stop",
+    "length": "length",
+    "tool_calls": "tool_calls",
+    "error": "stop",
+}
+
+
+def render_prompt(
+    tokenizer: AutoTokenizer, messages: list[dict[str, Any]], tools: list[dict] | None
+) -> list[int]:
+    """Chat template -> ids; template failures are the client's input, so a 400."""
+    try:
+        ids = tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=True, tokenize=True
+        )
+    except (ValueError, TypeError) as err:
+        raise APIError(400, f"cannot render the conversation: {err}", param="messages") from err
+    assert isinstance(ids, list)
+    return ids
+
+
+def _content(m: ChatMessage) -> str | None:
+    if isinstance(m.content, list):
+        return "".join(p.text for p in m.content)
+    return m.content
+
+
+def _message(m: ChatMessage) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "role": "system" if m.role == "developer" else m.role,
+        "content": _content(m),
+    }
+    if m.tool_calls:
+        out["tool_calls"] = [
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.function.name, "arguments": c.function.arguments},
+            }
+            for c in m.tool_calls
+        ]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def usage(ctx: RequestContext) -> dict[str, int]:
+    return {
+        "prompt_tokens": ctx.prompt_tokens,
+        "completion_tokens": ctx.completion_tokens,
+        "total_tokens": ctx.prompt_tokens + ctx.completion_tokens,
+    }
+
+
+class OpenAIResponseBuilder(ResponseBuilder):
+    id_prefix = "chatcmpl-"
+    tool_id_prefix = "call_"
+
+    def prepare(
+        self, body: ChatCompletionRequest, tokenizer: AutoTokenizer, settings: ServeSettings
+    ) -> Prepared:
+        tools = None
+        choice = body.tool_choice
+        if body.tools and choice != "none":
+            tools = [t.model_dump(exclude_none=True) for t in body.tools]
+        if isinstance(choice, NamedToolChoice):  # render only that tool: the model sees no other
+            name = choice.function.get("name")
+            tools = [t for t in tools or [] if t["function"]["name"] == name]
+            if not tools:
+                raise APIError(
+                    400, f"tool_choice names an unknown function {name!r}", param="tool_choice"
+                )
+        prompt_ids = render_prompt(tokenizer, [_message(m) for m in body.messages], tools)
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        temperature = 1.0 if body.temperature is None else body.temperature
+        top_p = 1.0 if body.top_p is None else body.top_p
+        if top_p == 0:  # only the most likely token survives: greedy
+            temperature, top_p = 0.0, 1.0
+        return Prepared(
+            prompt_ids=prompt_ids,
+            max_tokens=body.max_completion_tokens or body.max_tokens or 2048,
+            sampling={
+                "temperature": temperature,
+                "top_p": top_p,
+                "top_k": 50 if body.top_k is None else body.top_k,
+                "min_p": body.min_p or 0.0,
+                "presence_penalty": body.presence_penalty or 0.0,
+                "frequency_penalty": body.frequency_penalty or 0.0,
+                "logit_bias": body.logit_bias or None,
+                "seed": body.seed,
+            },
+            n=body.n or 1,
+            stops=[s for s in stops if s],
+            parse_tools=tools is not None,
+            stream=bool(body.stream),
+            include_usage=bool(body.stream_options and body.stream_options.include_usage),
+            model=body.model,
+        )
+
+    def error_body(self, err: APIError) -> dict[str, Any]:
+        return openai_error_body(err)
+
+    # ------------------------------------------------------------------ streaming
+    def _chunk(
+        self, ctx: RequestContext, choices: list[dict[str, Any]], usage: dict | None = None
+    ) -> str:
+        data: dict[str, Any] = {
+            "id": ctx.id,
+            "object": "chat.completion.chunk",
+            "created": ctx.created,
+            "model": ctx.model,
+            "choices": choices,
+        }
+        if usage is not None:
+            data["usage"] = usage
+        return sse(data)
+
+    def format_stream_start(self, ctx: RequestContext) -> list[str]:
+        return [
+            self._chunk(
+                ctx,
+                [
+                    {
+                        "index": c.index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "finish_reason": None,
+                    }
+                    for c in ctx.choices
+                ],
+            )
+        ]
+
+    def format_chunk(self, ctx: RequestContext, choice: Choice, event: Event) -> list[str]:
+        i = choice.index
+        if isinstance(event, TextDelta):
+            delta = {"content": event.text}
+            return [self._chunk(ctx, [{"index": i, "delta": delta, "finish_reason": None}])]
+        head = {
+            "index": event.index,
+            "id": event.id,
+            "type": "function",
+            "function": {"name": event.name, "arguments": ""},
+        }
+        args = {"index": event.index, "function": {"arguments": event.arguments}}
+        return [
+            self._chunk(ctx, [{"index": i, "delta": {"tool_calls": [d]}, "finish_reason": None}])
+            for d in (head, args)
+        ]
+
+    def format_choice_end(self, ctx: RequestContext, choice: Choice) -> list[str]:
+        end = {"index": choice.index, "delta": {}, "finish_reason": _FINISH[choice.finish_reason]}
+        # The last finish chunk carries the usage (standard form, see the spec's Amendment 2).
+        return [self._chunk(ctx, [end], usage(ctx) if ctx.all_finished else None)]
+
+    def format_stream_end(self, ctx: RequestContext) -> list[str]:
+        out = [self._chunk(ctx, [], usage(ctx))] if ctx.prepared.include_usage else []
+        return [*out, sse("[DONE]")]
+
+    def format_stream_error(self, ctx: RequestContext, err: APIError) -> list[str]:
+        return [sse(self.error_body(err)), sse("[DONE]")]
+
+    # ------------------------------------------------------------------ plain
+    def format_response(self, ctx: RequestContext) -> dict[str, Any]:
+        choices = []
+        for c in ctx.choices:
+            message: dict[str, Any] = {"role": "assistant", "content": c.content}
+            if c.tool_calls:
+                message["content"] = c.content or None
+                message["tool_calls"] = [
+                    {
+                        "id": t.id,
+                        "type": "function",
+                        "function": {"name": t.name, "arguments": t.arguments},
+                    }
+                    for t in c.tool_calls
+                ]
+            choices.append(
+                {
+                    "index": c.index,
+                    "message": message,
+                    "logprobs": None,
+                    "finish_reason": _FINISH[c.finish_reason or "stop"],
+                }
+            )
+        return {
+            "id": ctx.id,
+            "object": "chat.completion",
+            "created": ctx.created,
+            "model": ctx.model,
+            "choices": choices,
+            "usage": usage(ctx),
+        }

@@ -1,0 +1,145 @@
+"""Request bodies of both protocols (pydantic), with the spec's defaults and ranges.
+
+Unknown fields are ignored (SDKs add new optional fields faster than we add support),
+but every field we read is typed and range-checked, so a bad value is a 400 that names
+the field rather than an error deep in the engine.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_N = 16
+MAX_STOPS = 16
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+# --------------------------------------------------------------------------- OpenAI
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(_Body):
+    name: str
+    arguments: str | dict[str, Any] | None = None
+
+
+class OpenAIToolCall(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[OpenAIToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDef(_Body):
+    name: Annotated[str, Field(min_length=1)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class OpenAITool(_Body):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"] = "function"
+    function: dict[str, str]
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(_Body):
+    model: str = "astrai"
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = 1.0
+    top_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = 1.0
+    top_k: Annotated[int, Field(ge=-1)] | None = 50
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = 0.0
+    max_tokens: Annotated[int, Field(ge=1)] | None = 2048
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = 1
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = 0.0
+    logit_bias: dict[int, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    seed: int | None = None
+    user: str | None = None
+    tools: list[OpenAITool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = "auto"
+
+
+# --------------------------------------------------------------------------- Anthropic
+
+
+class AnthropicText(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class AnthropicToolUse(_Body):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any] = Field(default_factory=dict)
+
+
+class AnthropicToolResult(_Body):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[AnthropicText] | None = None
+    is_error: bool | None = None
+
+
+AnthropicBlock = Annotated[
+    AnthropicText | AnthropicToolUse | AnthropicToolResult, Field(discriminator="type")
+]
+
+
+class AnthropicMessage(_Body):
+    role: Literal["user", "assistant"]
+    content: str | list[AnthropicBlock]
+
+
+class AnthropicTool(_Body):
+    name: Annotated[str, Field(min_length=1)]
+    description: str | None = None
+    input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
+
+
+class AnthropicToolChoice(_Body):
+    type: Literal["auto", "any", "tool", "none"] = "auto"
+    name: str | None = None
+
+
+class MessagesRequest(_Body):
+    model: str = "astrai"
+    messages: Annotated[list[AnthropicMessage], Field(min_length=1)]
+    system: str | list[AnthropicText] | None = None
+    max_tokens: Annotated[int, Field(ge=1)] = 1024
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = 1.0
+    top_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = 1.0
+    top_k: Annotated[int, Field(ge=-1)] | None = 50
+    stream: bool | None = False
+    stop_sequences: Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: AnthropicToolChoice | None = None

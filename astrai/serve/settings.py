@@ -1,0 +1,24 @@
+"""Server settings that are not the engine's (the engine is built by the caller)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ServeSettings:
+    """What `create_app` needs besides the engine.
+
+    `tool_call_format`: ``"hermes"`` (``<tool_call>{json}</tool_call>``, our chat
+    template's format), ``"START|END"`` for other tags, or ``"none"`` to never parse tool
+    calls. `max_prompt_tokens` caps prompts below the engine's context (None: the
+    context minus one token). `disconnect_poll_s`: how often a non-streaming request
+    checks that its client is still there.
+    """
+
+    model_name: str = "astrai"
+    api_key: str | None = None
+    tool_call_format: str = "hermes"
+    max_prompt_tokens: int | None = None
+    retry_after_s: int = 1
+    disconnect_poll_s: float = 0.5

@@ -1,0 +1,138 @@
+"""A tiny model served over real HTTP (uvicorn on 127.0.0.1, a free port).
+
+`ScriptedTransformer` is a real `Transformer` whose `forward_packed` can be told to force a
+token sequence: while `script` is set, the logits of every sampling row put all the mass
+on the next scripted token (then on `<|im_end|>`). Everything else - scheduler, KV pool,
+sampling, detokenizer, HTTP, SDKs - runs for real, so tool-call and stop-string tests are
+deterministic without mocking the engine. The row's position in the script is its
+sequence length minus the prompt length, recorded when the row is prefilled (contiguous
+KV mode, no prefix cache, so a prefill always starts at position 0).
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+import anthropic
+import openai
+import pytest
+import torch
+
+from astrai.inference import InferenceEngine
+from astrai.model import AutoModel, ModelConfig, Transformer
+from astrai.serve import ServerThread, ServeSettings, create_app
+from astrai.tokenizer import AutoTokenizer
+
+
+class ScriptedTransformer(Transformer):
+    script: list[int] | None = None
+
+    def forward_packed(self, input_ids, positions, kv_cache, logits_indices=None, **kwargs):
+        logits = super().forward_packed(input_ids, positions, kv_cache, logits_indices, **kwargs)
+        script = self.script
+        if script is None or logits_indices is None:
+            return logits
+        starts = self.__dict__.setdefault("_prompt_len", {})
+        ends, pos = [], 0
+        for q in kv_cache.q_lens_host:
+            pos += q
+            ends.append(pos - 1)
+        sampled = set(logits_indices.tolist())
+        forced = logits.new_full(logits.shape, -1e4)
+        k = 0
+        for row, seq, q, end in zip(
+            kv_cache.req_pool_indices_host, kv_cache.seq_lens_host, kv_cache.q_lens_host, ends
+        ):
+            if seq == q:  # prefill from position 0: a new sequence in this row
+                starts[row] = seq
+            if end not in sampled:
+                continue
+            i = seq - starts[row]
+            forced[k, script[i] if i < len(script) else self.end_id] = 1e4
+            k += 1
+        return forced
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> Path:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts = [p.read_text(errors="ignore") for p in sorted(stdlib.glob("[a-c]*.py"))[:10]]
+    tok = AutoTokenizer.train(texts, vocab_size=384)
+    cfg = ModelConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.15,
+    )
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-model")
+    Transformer(cfg).save_pretrained(path, tokenizer=tok)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir) -> AutoTokenizer:
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="session")
+def engine(model_dir, tokenizer):
+    loaded = AutoModel.from_pretrained(model_dir)
+    model = ScriptedTransformer(loaded.config)
+    model.load_state_dict(loaded.state_dict())
+    model.eval()
+    model.end_id = tokenizer.token_to_id("<|im_end|>")
+    eng = InferenceEngine(
+        model, tokenizer, max_batch_size=16, max_seq_len=1024, cache_mode="contiguous"
+    )
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture
+def script(engine, tokenizer):
+    """`script("text")` forces the model to answer exactly `text` (then <|im_end|>)."""
+
+    def set_script(text: str | None) -> None:
+        engine.model.script = None if text is None else tokenizer.encode(text)
+
+    yield set_script
+    engine.model.script = None
+
+
+@pytest.fixture(scope="session")
+def server(engine):
+    with ServerThread(create_app(engine, ServeSettings())) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="session")
+def base_url(server) -> str:
+    return server.url
+
+
+@pytest.fixture
+def oai(base_url) -> openai.OpenAI:
+    with openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture
+def aoai(base_url) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0, timeout=60)
+
+
+@pytest.fixture
+def ant(base_url) -> anthropic.Anthropic:
+    with anthropic.Anthropic(base_url=base_url, api_key="x", max_retries=0, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture
+def aant(base_url) -> anthropic.AsyncAnthropic:
+    return anthropic.AsyncAnthropic(base_url=base_url, api_key="x", max_retries=0, timeout=60)
