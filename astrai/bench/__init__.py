@@ -8,6 +8,8 @@ are imported only when run.
 BENCHMARKS: dict[str, str] = {
     "data": "astrai.bench.data",
     "engine": "astrai.bench.engine",
+    "kernels": "astrai.bench.kernels",
+    "serve": "astrai.bench.serve",
 }
 
 __all__ = ["BENCHMARKS"]
