@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.astrai-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup test train serve bench lint format clean
+.PHONY: setup test train serve bench gpu-check lint format clean
 
 setup: $(STAMP)
 
@@ -31,6 +31,16 @@ serve: setup
 
 bench: setup
 	$(PY) -m astrai.bench $(ARGS)
+
+# On a CUDA machine: GPU tests, the kernel benchmark and the nano-vllm engine workload.
+GPU_PY ?= $(PY)
+gpu-check:
+	$(GPU_PY) -m pytest -m gpu tests/extension tests/inference -q
+	$(GPU_PY) -m astrai.bench kernels out=experiments/bench/kernels-gpu.json
+	$(GPU_PY) -m astrai.bench engine device=cuda dtype=bfloat16 model=qwen3-0.6b \
+		cache_mode=paged requests=256 prompt_min=100 prompt_max=1024 output_min=100 \
+		output_max=1024 max_batch_size=256 hf_batch_sizes=all prefix_requests=16 \
+		out=experiments/bench/engine-gpu.json
 
 lint: setup
 	$(PY) -m ruff format --check astrai tests
