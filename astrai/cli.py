@@ -4,12 +4,22 @@ from __future__ import annotations
 
 import sys
 
+# conf/ holds the training config groups (model, tokenizer, data, ...) next to the
+# primary configs of the other commands. Hydra reads `model=<dir>` or `tokenizer=<dir>` on
+# the command line as choosing an option of that group, so the commands keep their path
+# under another key and accept the documented spelling by renaming it before parsing.
+
+
+def rename_overrides(renames: dict[str, str], argv: list[str] | None = None) -> None:
+    """Rewrite `key=value` to `renames[key]=value` in `sys.argv` (or `argv`), in place."""
+    args = sys.argv if argv is None else argv
+    out = []
+    for arg in args[1:]:
+        key, sep, value = arg.partition("=")
+        out.append(f"{renames[key]}={value}" if sep and key in renames else arg)
+    args[1:] = out
+
 
 def model_arg_to_model_path(argv: list[str] | None = None) -> None:
-    """Rewrite `model=<dir>` to `model_path=<dir>` in `sys.argv`, in place.
-
-    `model=<dir>` is the documented spelling for serving and generation, but `model` is
-    also a config group of the training configs in conf/, which Hydra would try to select.
-    """
-    args = sys.argv if argv is None else argv
-    args[1:] = ["model_path=" + a[6:] if a.startswith("model=") else a for a in args[1:]]
+    """`model=<dir>` -> `model_path=<dir>` (serve, generate)."""
+    rename_overrides({"model": "model_path"}, argv)

@@ -685,6 +685,7 @@ def _cli(cfg: Any) -> PrepareResult:
     options = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(options, dict)
     options = {k: v for k, v in options.items() if k != "hydra"}
+    options["tokenizer"] = options.pop("tokenizer_path")
     try:
         result = prepare(**options)
     except (DataError, FileNotFoundError) as exc:
@@ -698,6 +699,9 @@ def main() -> None:
     """Entry point of ``python -m astrai.data.prepare`` (Hydra; config ``conf/prepare.yaml``)."""
     import hydra
 
+    from astrai.cli import rename_overrides
+
+    rename_overrides({"tokenizer": "tokenizer_path"})
     hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="prepare")(_cli)()
 
 

@@ -124,11 +124,13 @@ class RotaryEmbedding(nn.Module):
         self.config = config
         self.dynamic = (config.rope_scaling or {}).get("rope_type") == "dynamic"
         _, self.attention_scaling = rope_inv_freq(config)
-        self.register_buffer("cos_cached", torch.empty(0), persistent=False)
-        self.register_buffer("sin_cached", torch.empty(0), persistent=False)
+        # A cache, not module state: plain attributes, so DDP never broadcasts a table that
+        # ranks grew to different lengths, and `.to()` is unnecessary (rebuilt per device).
+        self.cos_cached = torch.empty(0)
+        self.sin_cached = torch.empty(0)
 
     def materialize(self, device: torch.device) -> None:
-        """Give the (non-persistent) table buffers real storage after a meta-device build."""
+        """Drop a table built on another device (e.g. meta); it is rebuilt on first use."""
         self.cos_cached = torch.empty(0, device=device)
         self.sin_cached = torch.empty(0, device=device)
 

@@ -1,0 +1,210 @@
+"""Training callbacks: model export, throughput/MFU, W&B run state, eval generation.
+
+Checkpointing, learning-rate monitoring and progress bars are Lightning's own callbacks
+(configured in `conf/callbacks/`); what is here is what Lightning does not provide.
+`EvalGenerationCallback` lives in `astrai.train.eval_generation` and is re-exported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import logging
+import os
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.callbacks import Callback, ThroughputMonitor
+from lightning.pytorch.loggers import WandbLogger
+
+log = logging.getLogger(__name__)
+
+__all__ = [  # and EvalGenerationCallback, imported on first use
+    "ExportCallback",
+    "WandbRunState",
+    "refresh_link",
+    "throughput_monitor",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "EvalGenerationCallback":  # lazy: keeps the inference engine out of imports
+        return importlib.import_module("astrai.train.eval_generation").EvalGenerationCallback
+    raise AttributeError(f"module 'astrai.train.callbacks' has no attribute {name!r}")
+
+
+# ---------------------------------------------------------------------- export
+def refresh_link(link: str | os.PathLike, target: str | os.PathLike) -> None:
+    """Point `link` at `target` atomically (a symlink; a copy where symlinks fail)."""
+    link, target = Path(link), Path(target).resolve()
+    link.parent.mkdir(parents=True, exist_ok=True)
+    tmp = link.with_name(f".{link.name}.tmp{os.getpid()}")
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()
+    try:
+        tmp.symlink_to(target, target_is_directory=True)
+        if link.is_dir() and not link.is_symlink():
+            shutil.rmtree(link)
+        os.replace(tmp, link)
+    except OSError:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        if link.is_symlink() or link.is_file():
+            link.unlink()
+        elif link.exists():
+            shutil.rmtree(link)
+        shutil.copytree(target, link)
+
+
+class ExportCallback(Callback):
+    """Write the trained model as a `save_pretrained` directory (the inference engine and the
+    server load it), with the tokenizer; LoRA adapters are merged first.
+
+    At the end of training the export goes to `dirpath` and every path in `latest_links`
+    (e.g. `outputs/latest`) is re-pointed at the run folder, so `<link>/export` is always
+    the newest export. `every_n_train_steps` adds intermediate exports `dirpath/step<N>`.
+    """
+
+    def __init__(
+        self,
+        dirpath: str | os.PathLike,
+        latest_links: Sequence[str | os.PathLike] = (),
+        every_n_train_steps: int | None = None,
+        enabled: bool = True,
+        hf_format: bool = False,
+    ) -> None:
+        self.dirpath = Path(dirpath)
+        self.latest_links = [Path(p) for p in latest_links]
+        self.every_n_train_steps = every_n_train_steps
+        self.enabled = enabled
+        self.hf_format = hf_format
+        self.last_export: Path | None = None
+
+    def export(self, trainer: L.Trainer, pl_module: L.LightningModule, path: Path) -> None:
+        model = _full_model(trainer, pl_module)  # collective under FSDP: every rank calls
+        if trainer.is_global_zero and model is not None:
+            if model is True:
+                pl_module.save_pretrained(path, hf_format=self.hf_format)
+            else:
+                model.save_pretrained(path, tokenizer=pl_module.tokenizer, hf_format=self.hf_format)
+            (path / "training_state.json").write_text(
+                json.dumps({"global_step": trainer.global_step, "epoch": trainer.current_epoch})
+            )
+            log.info("exported model to %s (step %d)", path, trainer.global_step)
+            self.last_export = path
+        trainer.strategy.barrier("astrai-export")
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any
+    ) -> None:
+        n = self.every_n_train_steps
+        if self.enabled and n and trainer.global_step > 0 and trainer.global_step % n == 0:
+            self.export(trainer, pl_module, self.dirpath / f"step{trainer.global_step:06d}")
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self.enabled:
+            return
+        self.export(trainer, pl_module, self.dirpath)
+        if trainer.is_global_zero:
+            for link in self.latest_links:
+                refresh_link(link, self.dirpath.parent)
+
+
+def _full_model(trainer: L.Trainer, pl_module: L.LightningModule) -> Any:
+    """True to save `pl_module` as is; under FSDP a full CPU copy gathered to rank 0."""
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    if not isinstance(trainer.strategy, FSDPStrategy):
+        return True
+    import torch
+    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from astrai.model import Transformer, merge_lora
+
+    cfg = FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
+    with FSDP.state_dict_type(trainer.strategy.model, StateDictType.FULL_STATE_DICT, cfg):
+        state = trainer.strategy.model.state_dict()
+    if not trainer.is_global_zero:
+        return None
+    prefix = "_forward_module.model."
+    state = {k.split(prefix, 1)[-1].removeprefix("model."): v for k, v in state.items()}
+    model = Transformer(pl_module.model.config)
+    if getattr(pl_module, "lora_config", None) is not None:
+        from astrai.model import inject_lora
+
+        inject_lora(model, pl_module.lora_config)
+    model.load_state_dict(state, strict=False)
+    if getattr(pl_module, "lora_config", None) is not None:
+        merge_lora(model)
+    return model.to(torch.float32)
+
+
+# ---------------------------------------------------------------------- throughput
+def _rows(batch: Any) -> int:
+    for key in ("input_ids", "chosen_input_ids"):
+        if isinstance(batch, dict) and key in batch and hasattr(batch[key], "shape"):
+            return int(batch[key].shape[0])
+    return 1
+
+
+def _tokens(batch: Any) -> int:
+    """Real (non-padding) tokens in a batch: what tokens/s counts."""
+    if not isinstance(batch, dict):
+        return 1
+    for prefix in ("", "chosen_"):
+        mask = batch.get(f"{prefix}attention_mask")
+        ids = batch.get(f"{prefix}input_ids")
+        if ids is None or not hasattr(ids, "shape"):
+            continue
+        n = int(mask.sum()) if mask is not None else int(ids.numel())
+        if prefix == "chosen_" and batch.get("rejected_attention_mask") is not None:
+            n += int(batch["rejected_attention_mask"].sum())
+        return max(n, _rows(batch))
+    return 1
+
+
+def throughput_monitor(window_size: int = 20, **kwargs: Any) -> ThroughputMonitor:
+    """Lightning's `ThroughputMonitor` counting tokens (`train/device/items_per_sec` = tokens/s
+    per device, `train/items_per_sec` over all devices); MFU (`.../mfu`) is logged where the
+    device's peak FLOPs are known, from the module's `flops_per_batch` (6 * params * tokens)."""
+    return ThroughputMonitor(
+        batch_size_fn=_rows, length_fn=_tokens, window_size=window_size, **kwargs
+    )
+
+
+# ---------------------------------------------------------------------- W&B run state
+class WandbRunState(Callback):
+    """Stores the W&B run id and step in every checkpoint (and next to it), so that
+    `ckpt_path=...` continues the same W&B run from the checkpoint's step."""
+
+    def __init__(self, dirpath: str | os.PathLike | None = None) -> None:
+        self.dirpath = Path(dirpath) if dirpath is not None else None
+        self.run_id: str | None = None
+        self.step: int | None = None
+
+    def _collect(self, trainer: L.Trainer) -> None:
+        for lg in trainer.loggers:
+            if isinstance(lg, WandbLogger):
+                run = lg.experiment
+                self.run_id = getattr(run, "id", None) or self.run_id
+                with contextlib.suppress(Exception):
+                    self.step = int(run.step)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"id": self.run_id, "step": self.step}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.run_id, self.step = state_dict.get("id"), state_dict.get("step")
+
+    def on_save_checkpoint(self, trainer: L.Trainer, *args: Any) -> None:
+        if not trainer.is_global_zero:
+            return
+        self._collect(trainer)
+        if self.dirpath is not None and self.run_id:
+            self.dirpath.mkdir(parents=True, exist_ok=True)
+            (self.dirpath / "wandb_run.json").write_text(json.dumps(self.state_dict()))

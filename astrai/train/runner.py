@@ -1,0 +1,405 @@
+"""What `python -m astrai.train` does with its Hydra config, step by step.
+
+1. Check every input path (data, model, tokenizer) so a typo fails before any model is built.
+2. Tokenizer: an existing directory, or trained once from `tokenizer.train` and cached under
+   `${paths.data_dir}/tokenizers/<hash>`.
+3. Data: every dataset spec with a `prepare:` block is tokenized once with
+   `astrai.data.prepare` into `${paths.data_dir}/prepared/<hash>` (reused afterwards).
+4. Instantiate datamodule, strategy (LightningModule), callbacks, loggers and Trainer from
+   their `_target_`s, resolve `ckpt_path` (`last` = this run's or the newest of this
+   experiment), and `trainer.fit`. The export callback writes the `save_pretrained` directory.
+
+Hydra composes; Lightning runs. Nothing here re-implements either.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import secrets
+import shutil
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue
+
+log = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parents[2]
+CONF_DIR = ROOT / "conf"
+DATASET_KINDS = {
+    "PretrainDataset": "pretrain",
+    "SFTDataset": "sft",
+    "PreferenceDataset": "preference",
+    "PromptDataset": "prompt",
+}
+SPLITS = ("train", "val", "test")
+WANDB_STATE_FILE = "wandb_run.json"
+
+
+class ConfigPathError(FileNotFoundError):
+    """A path in the config (data, model, tokenizer) is missing; raised before any model build."""
+
+
+# ---------------------------------------------------------------------- resolvers
+def _launch_uid() -> str:
+    # One value per launch (a run or a whole sweep): kept in the environment, so the jobs of a
+    # sweep and the DDP ranks Lightning starts (children inherit it) agree, while two
+    # launches in the same second differ.
+    return os.environ.setdefault("ASTRAI_LAUNCH_UID", secrets.token_hex(3))
+
+
+def new_launch() -> None:
+    """Called by `python -m astrai.train`: a fresh launch uid, unless this process is a rank
+    that Lightning's DDP launcher started (it must share its parent's run folder). A uid
+    inherited from elsewhere (a notebook, a test process, an outer job) is replaced."""
+    if "LOCAL_RANK" not in os.environ:
+        os.environ["ASTRAI_LAUNCH_UID"] = secrets.token_hex(3)
+
+
+def register_resolvers() -> None:
+    """`${astrai.root:}` (the repository) and `${astrai.uid:}` (unique per run or sweep)."""
+    OmegaConf.register_new_resolver("astrai.root", lambda: str(ROOT), replace=True)
+    OmegaConf.register_new_resolver("astrai.uid", _launch_uid, replace=True)
+
+
+SLOT_GROUPS = ("experiment", "hparams_search", "debug")
+
+
+def normalize_overrides(overrides: list[str]) -> list[str]:
+    """Accept `+experiment=NAME` as well as `experiment=NAME`.
+
+    train.yaml keeps `experiment: null` (and `hparams_search`, `debug`) as slots in its
+    defaults list, where Hydra only accepts `experiment=NAME`; `+experiment=NAME` (the form
+    of the lightning-hydra-template docs) would fail with "Multiple values for experiment".
+    """
+    out = []
+    for arg in overrides:
+        for group in SLOT_GROUPS:
+            if arg.startswith(f"+{group}=") or arg.startswith(f"+{group}@"):
+                arg = arg[1:]
+                break
+        out.append(arg)
+    return out
+
+
+def compose(overrides: list[str] | None = None) -> DictConfig:
+    """The composed training config (Hydra's compose API), e.g. for tests and notebooks."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return hydra_compose(
+            "train", overrides=normalize_overrides(list(overrides or [])), return_hydra_config=True
+        )
+
+
+# ---------------------------------------------------------------------- helpers
+def _digest(obj: Any, n: int = 12) -> str:
+    text = json.dumps(obj, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:n]
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """Serialise preparation between concurrent runs (sweep jobs, DDP ranks, two sweeps)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _container(cfg: Any) -> Any:
+    return OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else cfg
+
+
+def _get(cfg: DictConfig, key: str, where: str) -> Any:
+    try:
+        return OmegaConf.select(cfg, key, throw_on_missing=True)
+    except MissingMandatoryValue:
+        raise ConfigPathError(f"{where}: required, but not set (pass {where}=<path>)") from None
+
+
+def _is_builtin(source: Any) -> bool:
+    return isinstance(source, str) and source.startswith("builtin:")
+
+
+# ---------------------------------------------------------------------- 1. input checks
+def check_inputs(cfg: DictConfig) -> None:
+    """Every configured input must exist: a clear error naming the field, before any work."""
+    data = cfg.get("data")
+    for split in SPLITS:
+        spec = data.get(split) if data is not None else None
+        if spec is None:
+            continue
+        where = f"data.{split}.source"
+        source = _get(spec, "source", where)
+        if source is None:
+            raise ConfigPathError(f"{where}: required, but null")
+        if not _is_builtin(source) and not Path(str(source)).exists():
+            raise ConfigPathError(f"{where}: {source} does not exist")
+    model = cfg.get("model") or {}
+    if "path" in list(model):  # (`in` on a DictConfig is False for a ??? value)
+        path = _get(cfg, "model.path", "model.path")
+        if path is not None and not Path(str(path)).is_dir():
+            raise ConfigPathError(f"model.path: model directory {path} does not exist")
+    tok = cfg.get("tokenizer") or {}
+    if "path" in list(tok):
+        path = _get(cfg, "tokenizer.path", "tokenizer.path")
+        if path is not None and not Path(str(path)).exists():
+            raise ConfigPathError(f"tokenizer.path: tokenizer directory {path} does not exist")
+        if path is None and not tok.get("train"):
+            raise ConfigPathError("tokenizer: set tokenizer.path or a tokenizer.train block")
+    corpus = OmegaConf.select(cfg, "tokenizer.train.corpus")
+    if corpus is not None and not _is_builtin(corpus) and not Path(str(corpus)).exists():
+        raise ConfigPathError(f"tokenizer.train.corpus: {corpus} does not exist")
+
+
+# ---------------------------------------------------------------------- 2. tokenizer
+def _corpus_texts(corpus: str, max_bytes: int | None) -> Iterator[str]:
+    """Texts for BPE training: builtin records, or .txt / .jsonl (`text`) files."""
+    if _is_builtin(corpus):
+        from astrai.data.builtin import builtin_records
+
+        records = builtin_records(corpus.removeprefix("builtin:"), max_bytes=max_bytes)
+        texts: Iterator[str] = (r.get("text") or json.dumps(r) for r in records)
+    else:
+        root = Path(corpus)
+        files = sorted(root.rglob("*")) if root.is_dir() else [root]
+
+        def read() -> Iterator[str]:
+            for f in files:
+                if f.suffix == ".jsonl":
+                    with open(f, encoding="utf-8") as fh:
+                        for line in fh:
+                            if line.strip():
+                                yield json.loads(line).get("text", "")
+                elif f.suffix in (".txt", ".md", ".py"):
+                    yield f.read_text(encoding="utf-8", errors="replace")
+
+        texts = read()
+    total = 0
+    for text in texts:
+        if max_bytes is not None and total >= max_bytes:
+            return
+        total += len(text.encode("utf-8", errors="replace"))
+        yield text
+
+
+def prepare_tokenizer(tok_cfg: Mapping[str, Any], data_dir: str | Path) -> Path:
+    """The tokenizer directory: `path` as given, or trained from `train` once and cached."""
+    tok_cfg = dict(_container(tok_cfg) or {})
+    if tok_cfg.get("path"):
+        return Path(tok_cfg["path"])
+    spec = dict(tok_cfg.get("train") or {})
+    corpus = spec.pop("corpus")
+    vocab_size = int(spec.pop("vocab_size"))
+    max_bytes = spec.pop("max_bytes", None)
+    out = Path(data_dir) / "tokenizers" / f"bpe{vocab_size}-{_digest(tok_cfg['train'])}"
+    if (out / "tokenizer.json").is_file():
+        return out
+    with _file_lock(out.with_suffix(".lock")):
+        if (out / "tokenizer.json").is_file():  # another process finished it meanwhile
+            return out
+        from astrai.tokenizer import AutoTokenizer
+
+        log.info("training a %d-token BPE tokenizer on %s -> %s", vocab_size, corpus, out)
+        tok = AutoTokenizer.train(_corpus_texts(corpus, max_bytes), vocab_size, **spec)
+        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tok.save_pretrained(tmp)
+        os.replace(tmp, out)
+    return out
+
+
+# ---------------------------------------------------------------------- 3. data
+def prepare_data(data_cfg: DictConfig, tokenizer_dir: Path, data_dir: str | Path) -> dict:
+    """The datamodule config with every `prepare:`d source replaced by its cached H5 path."""
+    from astrai.data.prepare import prepare
+    from astrai.tokenizer import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    data = dict(_container(data_cfg))
+    for split in SPLITS:
+        spec = data.get(split)
+        if not isinstance(spec, dict):
+            continue
+        spec = dict(spec)
+        prep = spec.pop("prepare", None)
+        if prep is not None:
+            prep = dict(prep)
+            target = str(spec.get("_target_", "")).rsplit(".", 1)[-1]
+            kind = prep.pop("kind", None) or DATASET_KINDS.get(target)
+            if kind is None:
+                raise ValueError(f"data.{split}.prepare.kind: required for {target or 'dataset'}")
+            source = str(spec["source"])
+            ident = {"kind": kind, "source": source, "prepare": prep, "tok": tok.fingerprint}
+            if not _is_builtin(source):  # a changed file must not reuse a stale cache
+                st = Path(source).stat()
+                ident["stat"] = [st.st_size, st.st_mtime_ns]
+            out = Path(data_dir) / "prepared" / f"{kind}-{_digest(ident)}"
+            prep.setdefault("name", split)
+            prep.setdefault("progress", False)
+            with _file_lock(out.with_suffix(".lock")):
+                result = prepare(kind, source, out, tokenizer_dir, **prep)
+            log.info("data.%s: %s", split, result.path)
+            spec["source"] = result.path
+        spec.setdefault("tokenizer_fingerprint", tok.fingerprint)
+        data[split] = spec
+    return data
+
+
+# ---------------------------------------------------------------------- 4. run
+def _instantiate_dict(cfg: Any, what: str) -> list[Any]:
+    from hydra.utils import instantiate
+
+    out = []
+    for key, spec in (cfg or {}).items():
+        if spec is None:
+            continue
+        if not OmegaConf.is_config(spec):
+            raise ValueError(f"{what}.{key}: expected a config with _target_, got {spec!r}")
+        if "_target_" not in spec:  # settings left for a callback/logger the group dropped
+            log.warning("%s.%s has no _target_ (%s); skipped", what, key, dict(spec))
+            continue
+        out.append(instantiate(spec, _convert_="all"))
+    return out
+
+
+def resolve_ckpt_path(ckpt_path: Any, output_dir: Path, log_dir: Path, name: str) -> Path | None:
+    """`last`: this run folder's last.ckpt, else the newest last.ckpt of experiment `name`
+    (a fresh start, with a warning, when there is none); otherwise a checkpoint path."""
+    if ckpt_path in (None, "", False):
+        return None
+    if str(ckpt_path) == "last":
+        own = output_dir / "checkpoints" / "last.ckpt"
+        if own.is_file():
+            return own
+        found = [p for p in (log_dir / name).glob("**/checkpoints/last.ckpt") if p.is_file()]
+        if not found:
+            log.warning("ckpt_path=last: no last.ckpt under %s; starting from scratch", log_dir)
+            return None
+        newest = max(found, key=lambda p: p.stat().st_mtime)
+        log.info("ckpt_path=last: resuming from %s", newest)
+        return newest
+    path = Path(str(ckpt_path))
+    if not path.exists():
+        raise ConfigPathError(f"ckpt_path: {path} does not exist")
+    return path
+
+
+def _has_wandb_key() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    with contextlib.suppress(Exception):
+        import netrc
+
+        rc = netrc.netrc(os.environ.get("NETRC") or os.path.expanduser("~/.netrc"))
+        host = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai").split("//")[-1]
+        return rc.authenticators(host.split("/")[0]) is not None
+    return False
+
+
+def wandb_logger(
+    *, mode: str | None = None, resume_state: Mapping[str, Any] | None = None, **kwargs: Any
+) -> Any:
+    """A Lightning `WandbLogger`, offline unless an API key is configured, continuing the
+    W&B run recorded in the checkpoint being resumed (`resume_state`: id and step).
+
+    Online, the run is rewound to the checkpoint's step (`resume_from`), so steps logged
+    after the checkpoint and before the interruption are not duplicated.
+    """
+    from lightning.pytorch.loggers import WandbLogger
+
+    mode = mode or os.environ.get("WANDB_MODE") or ("online" if _has_wandb_key() else "offline")
+    if mode not in ("online", "offline", "disabled"):
+        raise ValueError(f"logger.wandb.mode: {mode!r} is not online, offline or disabled")
+    if resume_state and resume_state.get("id"):
+        if mode == "online" and resume_state.get("step") is not None:
+            kwargs["resume_from"] = f"{resume_state['id']}?_step={int(resume_state['step'])}"
+            kwargs["resume"] = None  # mutually exclusive with resume_from
+        else:
+            kwargs.update(id=resume_state["id"], resume="allow")
+    else:  # chosen here (not by wandb) so that it is known before the run starts
+        kwargs.setdefault("id", secrets.token_hex(4))
+    return WandbLogger(offline=mode == "offline", mode=mode, **kwargs)
+
+
+def read_wandb_state(ckpt: Path | None) -> dict[str, Any] | None:
+    """The W&B run (id, step) stored with a checkpoint by `WandbRunState`."""
+    if ckpt is None:
+        return None
+    side = ckpt.parent / WANDB_STATE_FILE
+    with contextlib.suppress(Exception):
+        import torch
+
+        state = torch.load(ckpt, map_location="cpu", mmap=True, weights_only=False)
+        for key, value in (state.get("callbacks") or {}).items():
+            if str(key).startswith("WandbRunState") and value.get("id"):
+                return dict(value)
+    if side.is_file():
+        return json.loads(side.read_text())
+    return None
+
+
+def train(cfg: DictConfig) -> float | None:
+    """Run one training job from a composed config; returns `optimized_metric` (sweepers)."""
+    import lightning as L
+    from hydra.utils import instantiate
+
+    from astrai.train.callbacks import WandbRunState
+
+    check_inputs(cfg)
+    paths = cfg.paths
+    output_dir, log_dir = Path(paths.output_dir), Path(paths.log_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    L.seed_everything(int(cfg.seed), workers=True)
+
+    tokenizer_dir = prepare_tokenizer(cfg.tokenizer, paths.data_dir)
+    # the tokenizer must fit the model: checked on a meta-device model before data preparation
+    from astrai.tokenizer import AutoTokenizer
+    from astrai.train.module import build_model
+
+    build_model(
+        _container(cfg.model), tokenizer=AutoTokenizer.from_pretrained(tokenizer_dir), device="meta"
+    )
+    data = prepare_data(cfg.data, tokenizer_dir, paths.data_dir)
+    datamodule = instantiate(OmegaConf.create(data), _convert_="all", _recursive_=False)
+
+    module = instantiate(
+        cfg.strategy,
+        model=_container(cfg.model),
+        optim=_container(cfg.optim),
+        tokenizer=str(tokenizer_dir),
+        _convert_="all",
+        _recursive_=False,
+    )
+
+    ckpt = resolve_ckpt_path(cfg.get("ckpt_path"), output_dir, log_dir, str(cfg.name))
+    callbacks = _instantiate_dict(cfg.get("callbacks"), "callbacks")
+    logger_cfg = OmegaConf.to_container(cfg.get("logger") or {}, resolve=True)
+    if logger_cfg.get("wandb"):
+        logger_cfg["wandb"]["resume_state"] = read_wandb_state(ckpt)
+        callbacks.append(WandbRunState(dirpath=output_dir / "checkpoints"))
+    loggers = _instantiate_dict(OmegaConf.create(logger_cfg), "logger")
+    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
+
+    for lg in loggers:
+        with contextlib.suppress(Exception):
+            lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+    log.info("output folder: %s", output_dir)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=str(ckpt) if ckpt else None)
+
+    metric = cfg.get("optimized_metric")
+    value = trainer.callback_metrics.get(metric) if metric else None
+    return float(value) if value is not None else None

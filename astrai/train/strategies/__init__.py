@@ -1,0 +1,1 @@
+"""Training strategies: one `LMModule` subclass each (pretrain, sft, dpo, grpo)."""

@@ -1,0 +1,360 @@
+"""Direct preference optimisation (DPO, Rafailov et al. 2023).
+
+The loss pushes the policy's log-ratio against a frozen reference up for the chosen answer
+and down for the rejected one::
+
+    loss = -log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r)))
+
+where ``pi_*`` / ``ref_*`` are log-probabilities summed over the *response* tokens (the loss
+mask of the preference batch). The reference is either a frozen copy of the initial policy
+(``reference: copy``) or its log-probabilities computed once over the train and val sets
+before training (``reference: precomputed``; no second model in memory, the values travel
+in the Lightning checkpoint so a resumed run uses the same ones).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from astrai.train.module import LMModule
+
+log = logging.getLogger(__name__)
+
+REFERENCE_MODES = ("copy", "precomputed")
+
+
+# ---------------------------------------------------------------------------- pure functions
+
+
+def label_logprobs(logits: Tensor, labels: Tensor, ignore_index: int = -100) -> Tensor:
+    """``log p(labels[t] | ...)`` per position ``[B, S]`` from logits ``[B, S, V]`` (already
+    shifted labels, as the data layer produces them); 0 where ``labels == ignore_index``."""
+    # cross_entropy instead of log_softmax + gather: no second [B, S, V] tensor.
+    nll = F.cross_entropy(
+        logits.flatten(0, 1).float(),
+        labels.flatten(),
+        ignore_index=ignore_index,
+        reduction="none",
+    )
+    return -nll.view_as(labels)
+
+
+def sequence_logprobs(token_logps: Tensor, mask: Tensor) -> Tensor:
+    """Sum of per-token log-probs over the masked (response) tokens: ``[B, S] -> [B]``."""
+    return (token_logps * mask.to(token_logps.dtype)).sum(-1)
+
+
+def dpo_loss(
+    policy_chosen: Tensor,
+    policy_rejected: Tensor,
+    ref_chosen: Tensor,
+    ref_rejected: Tensor,
+    beta: float = 0.1,
+    label_smoothing: float = 0.0,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Mean DPO loss over the batch, and the implicit rewards ``beta * (pi - ref)``.
+
+    Inputs are sequence log-probs ``[B]``. ``label_smoothing`` > 0 gives the conservative
+    DPO variant (cDPO: the preference label is wrong with that probability).
+    """
+    if beta <= 0:
+        raise ValueError(f"dpo_loss: beta must be > 0, got {beta}")
+    if not 0.0 <= label_smoothing < 0.5:
+        raise ValueError(f"dpo_loss: label_smoothing must be in [0, 0.5), got {label_smoothing}")
+    logits = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)
+    losses = -(1.0 - label_smoothing) * F.logsigmoid(beta * logits)
+    if label_smoothing:
+        losses = losses - label_smoothing * F.logsigmoid(-beta * logits)
+    chosen_rewards = beta * (policy_chosen - ref_chosen).detach()
+    rejected_rewards = beta * (policy_rejected - ref_rejected).detach()
+    return losses.mean(), chosen_rewards, rejected_rewards
+
+
+def frozen_copy(model: nn.Module) -> nn.Module:
+    """A deep copy in eval mode with gradients off (the reference policy)."""
+    ref = copy.deepcopy(model)
+    ref.eval()
+    ref.requires_grad_(False)
+    return ref
+
+
+def init_from_export(model: nn.Module, path: str | None, *, required: bool = False) -> bool:
+    """Copy the weights of an earlier run's export (e.g. ``outputs/tiny_sft/latest/export``)
+    into ``model``, whose architecture must match. A missing directory is an error when
+    ``required``, else a warning and the model keeps its fresh initialisation: the tiny
+    experiments then still run standalone on a fresh clone.
+    """
+    if not path:
+        return False
+    from pathlib import Path
+
+    from astrai.model.hub import load_pretrained
+
+    if not Path(path).is_dir():
+        if required:
+            raise FileNotFoundError(f"init_from: model directory {path} does not exist")
+        log.warning(
+            "init_from: %s does not exist; starting from a fresh initialisation instead "
+            "(run the earlier stage first, e.g. +experiment=tiny_sft, for a meaningful start)",
+            path,
+        )
+        return False
+    src = load_pretrained(path, dtype=torch.float32)
+    ours, theirs = model.config.to_dict(), src.config.to_dict()
+    diff = {
+        k: (ours.get(k), theirs.get(k))
+        for k in set(ours) | set(theirs)
+        if ours.get(k) != theirs.get(k)
+    }
+    diff.pop("torch_dtype", None)
+    if diff:
+        raise ValueError(f"init_from: {path} does not match the configured model: {diff}")
+    # LoRA-injected models hold the base weights under `<name>.base_layer.` and add adapters.
+    theirs_sd = src.state_dict()
+    state = {}
+    for key in model.state_dict():
+        if ".lora_" in key:
+            continue
+        state[key] = theirs_sd[key.replace(".base_layer.", ".")]
+    with torch.no_grad():
+        model.load_state_dict(state, strict=False)
+    log.info("init_from: loaded the weights of %s", path)
+    return True
+
+
+def pair_key(chosen_ids: Tensor, rejected_ids: Tensor) -> str:
+    """Content key of one preference pair (unpadded ids): looks up precomputed reference
+    log-probs independently of sampler order, rank count or batch composition."""
+    h = hashlib.sha1(chosen_ids.to(torch.int64).cpu().numpy().tobytes())
+    h.update(b"|")
+    h.update(rejected_ids.to(torch.int64).cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def batch_pair_keys(batch: Mapping[str, Tensor]) -> list[str]:
+    """:func:`pair_key` for every row of a collated preference batch."""
+    keys = []
+    for i in range(batch["chosen_input_ids"].shape[0]):
+        nc = int(batch["chosen_attention_mask"][i].sum())
+        nr = int(batch["rejected_attention_mask"][i].sum())
+        keys.append(
+            pair_key(batch["chosen_input_ids"][i, :nc], batch["rejected_input_ids"][i, :nr])
+        )
+    return keys
+
+
+def preference_logprobs(model: nn.Module, batch: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
+    """Summed response log-probs ``(chosen [B], rejected [B])`` in one ``[2B, S]`` forward."""
+    ids = torch.cat([batch["chosen_input_ids"], batch["rejected_input_ids"]])
+    labels = torch.cat([batch["chosen_labels"], batch["rejected_labels"]])
+    mask = torch.cat([batch["chosen_loss_mask"], batch["rejected_loss_mask"]])
+    # Right padding under a causal mask never changes the logits of real tokens, so no
+    # attention mask is needed (and SDPA keeps its fast causal path).
+    logits = model(ids)
+    seq = sequence_logprobs(label_logprobs(logits, labels), mask.bool() & (labels != -100))
+    b = batch["chosen_input_ids"].shape[0]
+    return seq[:b], seq[b:]
+
+
+def precompute_reference(
+    model: nn.Module, batches: Iterable[Mapping[str, Tensor]], device: torch.device
+) -> dict[str, tuple[float, float]]:
+    """``{pair_key: (ref_chosen, ref_rejected)}`` over ``batches`` with ``model`` as reference."""
+    out: dict[str, tuple[float, float]] = {}
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                batch = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in batch.items()}
+                c, r = preference_logprobs(model, batch)
+                for key, vc, vr in zip(batch_pair_keys(batch), c.tolist(), r.tolist()):
+                    out[key] = (vc, vr)
+    finally:
+        model.train(was_training)
+    return out
+
+
+def dpo_metrics(
+    chosen_rewards: Tensor, rejected_rewards: Tensor, policy_chosen: Tensor, policy_rejected: Tensor
+) -> dict[str, Tensor]:
+    """What DPO runs are usually judged by: reward accuracy and margin."""
+    return {
+        "rewards/chosen": chosen_rewards.mean(),
+        "rewards/rejected": rejected_rewards.mean(),
+        "rewards/accuracy": (chosen_rewards > rejected_rewards).float().mean(),
+        "rewards/margin": (chosen_rewards - rejected_rewards).mean(),
+        "logps/chosen": policy_chosen.detach().mean(),
+        "logps/rejected": policy_rejected.detach().mean(),
+    }
+
+
+# ---------------------------------------------------------------------------- the module
+
+
+class DPOModule(LMModule):
+    """DPO on preference batches (``chosen_*`` / ``rejected_*``, see ``PreferenceDataset``).
+
+    Args:
+        beta: inverse temperature of the implicit reward (0.1 is the usual default).
+        label_smoothing: cDPO's label-noise rate (0 = plain DPO).
+        reference: ``copy`` keeps a frozen copy of the initial policy (not registered as a
+            submodule: not in the optimizer, not saved in checkpoints, moved to the device on
+            first use); ``precomputed`` computes the reference log-probs of every train/val
+            pair once in ``on_fit_start`` and stores them in the checkpoint instead.
+        reference_dtype: e.g. ``bfloat16`` to halve the frozen copy's memory.
+        precompute_batch_size: batch size of the precomputation pass.
+        init_from: an earlier run's export to start from (architecture = ``model``); when
+            the directory does not exist the run starts fresh with a warning.
+    """
+
+    def __init__(
+        self,
+        model: Mapping[str, Any],
+        optim: Mapping[str, Any],
+        tokenizer: str | None = None,
+        lora: Mapping[str, Any] | None = None,
+        gradient_checkpointing: bool = False,
+        *,
+        beta: float = 0.1,
+        label_smoothing: float = 0.0,
+        reference: str = "copy",
+        reference_dtype: str | None = None,
+        precompute_batch_size: int = 16,
+        init_from: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if reference not in REFERENCE_MODES:
+            raise ValueError(f"DPO reference must be one of {REFERENCE_MODES}, got {reference!r}")
+        if beta <= 0:
+            raise ValueError(f"DPO beta must be > 0, got {beta}")
+        if not 0.0 <= label_smoothing < 0.5:
+            raise ValueError(f"DPO label_smoothing must be in [0, 0.5), got {label_smoothing}")
+        super().__init__(
+            model,
+            optim,
+            tokenizer=tokenizer,
+            lora=lora,
+            gradient_checkpointing=gradient_checkpointing,
+            beta=beta,
+            label_smoothing=label_smoothing,
+            reference=reference,
+            reference_dtype=reference_dtype,
+            precompute_batch_size=precompute_batch_size,
+            init_from=init_from,
+            **kwargs,
+        )
+        init_from_export(self.model, init_from)
+        self.beta = float(beta)
+        self.label_smoothing = float(label_smoothing)
+        self.reference_mode = reference
+        self.precompute_batch_size = int(precompute_batch_size)
+        # A list, not an attribute: an nn.Module attribute would be registered, trained by
+        # nothing but saved in every checkpoint. Copied here, before Lightning restores a
+        # checkpoint, so a resumed run keeps the *initial* policy as its reference.
+        self._reference: list[nn.Module] = []
+        if reference == "copy":
+            ref = frozen_copy(self.model)
+            if reference_dtype:
+                ref.to(getattr(torch, reference_dtype))
+            self._reference.append(ref)
+        self._ref_table: dict[str, tuple[float, float]] | None = None
+
+    # ------------------------------------------------------------------ reference
+    def reference_model(self) -> nn.Module:
+        """The frozen reference on this module's device."""
+        ref = self._reference[0]
+        if next(ref.parameters()).device != self.device:
+            ref.to(self.device)
+        return ref
+
+    def reference_logprobs(self, batch: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
+        if self.reference_mode == "copy":
+            with torch.no_grad():
+                return preference_logprobs(self.reference_model(), batch)
+        if self._ref_table is None:
+            raise RuntimeError("DPO reference log-probs were not precomputed (on_fit_start)")
+        vals = []
+        for key in batch_pair_keys(batch):
+            try:
+                vals.append(self._ref_table[key])
+            except KeyError:
+                raise RuntimeError(
+                    "DPO reference: a pair was not in the precomputed table (the data changed "
+                    "after precomputation?); use strategy.reference=copy or restart the run"
+                ) from None
+        t = torch.tensor(vals, dtype=torch.float32, device=self.device)
+        return t[:, 0], t[:, 1]
+
+    def on_fit_start(self) -> None:
+        super().on_fit_start()
+        if self.reference_mode == "precomputed" and self._ref_table is None:
+            self._ref_table = self._precompute()
+
+    def _precompute(self) -> dict[str, tuple[float, float]]:
+        from torch.utils.data import DataLoader, Subset
+
+        dm = self.trainer.datamodule
+        datasets = getattr(dm, "datasets", None) or {}
+        rank, world = self.trainer.global_rank, self.trainer.world_size
+        table: dict[str, tuple[float, float]] = {}
+        for split in ("train", "val"):
+            ds = datasets.get(split)
+            if ds is None:
+                continue
+            shard = Subset(ds, range(rank, len(ds), world))
+            loader = DataLoader(
+                shard,
+                batch_size=self.precompute_batch_size,
+                collate_fn=dm._collate(ds) if hasattr(dm, "_collate") else ds.collate,
+            )
+            started = time.perf_counter()
+            table.update(precompute_reference(self.model, loader, self.device))
+            log.info(
+                "DPO: reference log-probs of %d %s pairs in %.1fs (rank %d)",
+                len(shard),
+                split,
+                time.perf_counter() - started,
+                rank,
+            )
+        if world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            parts: list[Any] = [None] * world
+            torch.distributed.all_gather_object(parts, table)
+            table = {k: v for part in parts for k, v in part.items()}
+        if not table:
+            raise RuntimeError("DPO reference=precomputed: the datamodule has no train/val data")
+        return table
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
+        if self._ref_table is not None:
+            keys = list(self._ref_table)
+            checkpoint["dpo_reference"] = {
+                "keys": keys,
+                "values": torch.tensor([self._ref_table[k] for k in keys], dtype=torch.float64),
+            }
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
+        saved = checkpoint.get("dpo_reference")
+        if saved is not None and self.reference_mode == "precomputed":
+            values = saved["values"].tolist()
+            self._ref_table = {k: (v[0], v[1]) for k, v in zip(saved["keys"], values)}
+
+    # ------------------------------------------------------------------ loss
+    def compute_loss(self, batch: dict[str, Any]) -> tuple[Tensor, dict[str, Tensor]]:
+        pc, pr = preference_logprobs(self.model, batch)
+        rc, rr = self.reference_logprobs(batch)
+        loss, cr, rj = dpo_loss(
+            pc, pr, rc.to(pc.dtype), rr.to(pc.dtype), self.beta, self.label_smoothing
+        )
+        return loss, dpo_metrics(cr, rj, pc, pr)

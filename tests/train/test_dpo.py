@@ -1,0 +1,342 @@
+"""DPO: the loss against its formula, computed by hand on fixed numbers and a fixed batch."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from astrai.model import Transformer, preset
+from astrai.train.strategies.dpo import (
+    batch_pair_keys,
+    dpo_loss,
+    label_logprobs,
+    precompute_reference,
+    preference_logprobs,
+)
+
+
+def _sig(x: float) -> float:
+    return 1 / (1 + math.exp(-x))
+
+
+def test_dpo_loss_matches_formula():
+    pc, pr = torch.tensor([-3.0, -5.0]), torch.tensor([-4.0, -4.5])
+    rc, rr = torch.tensor([-3.5, -5.2]), torch.tensor([-3.9, -4.0])
+    beta = 0.5
+    loss, cr, rj = dpo_loss(pc, pr, rc, rr, beta=beta)
+    z = [beta * ((a - c) - (b - d)) for a, b, c, d in zip(pc, pr, rc, rr)]
+    expected = sum(-math.log(_sig(float(v))) for v in z) / 2
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    assert cr.tolist() == pytest.approx([0.25, 0.1])
+    assert rj.tolist() == pytest.approx([-0.05, -0.25])
+    ls = 0.1
+    loss_s, _, _ = dpo_loss(pc, pr, rc, rr, beta=beta, label_smoothing=ls)
+    expected_s = (
+        sum(-(1 - ls) * math.log(_sig(float(v))) - ls * math.log(_sig(-float(v))) for v in z) / 2
+    )
+    assert loss_s.item() == pytest.approx(expected_s, rel=1e-6)
+    # Identical policy and reference: log 2 whatever beta.
+    loss0, _, _ = dpo_loss(pc, pr, pc, pr, beta=3.0)
+    assert loss0.item() == pytest.approx(math.log(2))
+    with pytest.raises(ValueError):
+        dpo_loss(pc, pr, rc, rr, beta=0.0)
+
+
+def _fixed_batch() -> dict[str, torch.Tensor]:
+    # Two pairs, right-padded to one length; loss on the response tokens only.
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 500, (4, 7), generator=g)
+    mask = torch.tensor(
+        [
+            [0, 0, 0, 1, 1, 1, 0],
+            [0, 0, 1, 1, 1, 1, 1],
+            [0, 0, 0, 1, 1, 0, 0],
+            [0, 0, 1, 1, 0, 0, 0],
+        ],
+        dtype=torch.bool,
+    )
+    attn = torch.tensor(
+        [[1] * 6 + [0], [1] * 7, [1] * 5 + [0] * 2, [1] * 4 + [0] * 3], dtype=torch.long
+    )
+    labels = torch.roll(ids, -1, 1).masked_fill(~mask, -100)
+    batch = {}
+    for side, rows in (("chosen", [0, 1]), ("rejected", [2, 3])):
+        batch[f"{side}_input_ids"] = ids[rows]
+        batch[f"{side}_labels"] = labels[rows]
+        batch[f"{side}_loss_mask"] = mask[rows]
+        batch[f"{side}_attention_mask"] = attn[rows]
+    return batch
+
+
+def _hand_seq_logps(model, ids, labels):
+    out = []
+    for b in range(ids.shape[0]):
+        n = int((ids[b] != -1).sum())
+        logits = model(ids[b : b + 1, :n])[0]
+        total = 0.0
+        for t in range(n):
+            if labels[b, t] != -100:
+                total += torch.log_softmax(logits[t], -1)[labels[b, t]].item()
+        out.append(total)
+    return out
+
+
+def test_preference_logprobs_and_loss_on_a_fixed_batch():
+    torch.manual_seed(0)
+    policy = Transformer(preset("tiny"))
+    ref = Transformer(preset("tiny"))
+    batch = _fixed_batch()
+    pc, pr = preference_logprobs(policy, batch)
+    rc, rr = preference_logprobs(ref, batch)
+    hc = _hand_seq_logps(policy, batch["chosen_input_ids"], batch["chosen_labels"])
+    hr = _hand_seq_logps(policy, batch["rejected_input_ids"], batch["rejected_labels"])
+    assert pc.tolist() == pytest.approx(hc, abs=1e-4)
+    assert pr.tolist() == pytest.approx(hr, abs=1e-4)
+    href_c = _hand_seq_logps(ref, batch["chosen_input_ids"], batch["chosen_labels"])
+    href_r = _hand_seq_logps(ref, batch["rejected_input_ids"], batch["rejected_labels"])
+    beta = 0.1
+    expected = (
+        sum(
+            -math.log(_sig(beta * ((a - c) - (b - d))))
+            for a, b, c, d in zip(hc, hr, href_c, href_r)
+        )
+        / 2
+    )
+    loss, _, _ = dpo_loss(pc, pr, rc, rr, beta=beta)
+    assert loss.item() == pytest.approx(expected, abs=1e-5)
+
+
+def test_label_logprobs_ignores_masked_positions():
+    logits = torch.randn(1, 3, 5)
+    labels = torch.tensor([[2, -100, 4]])
+    out = label_logprobs(logits, labels)
+    assert out[0, 1] == 0.0
+    assert out[0, 0].item() == pytest.approx(torch.log_softmax(logits[0, 0], -1)[2].item())
+
+
+def test_precomputed_reference_is_keyed_by_content():
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny"))
+    batch = _fixed_batch()
+    table = precompute_reference(model, [batch], torch.device("cpu"))
+    keys = batch_pair_keys(batch)
+    assert len(table) == 2 and set(table) == set(keys)
+    c, r = preference_logprobs(model, batch)
+    assert table[keys[0]] == pytest.approx((c[0].item(), r[0].item()), abs=1e-6)
+    # The same pair padded to another length has the same key.
+    padded = {k: torch.nn.functional.pad(v, (0, 3), value=0) for k, v in batch.items()}
+    assert batch_pair_keys(padded) == keys
+
+
+# ------------------------------------------------------------------ DPOModule under Lightning
+
+
+@pytest.fixture(scope="module")
+def pref_setup(tmp_path_factory):
+    """A tokenizer trained on the arithmetic chats and prepared preference data."""
+    from astrai.data.builtin import arithmetic_problems, sft_records
+    from astrai.data.prepare import prepare
+    from astrai.tokenizer import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("dpo")
+    texts = [m["content"] for r in sft_records(arithmetic_problems(300)) for m in r["messages"]]
+    tok = AutoTokenizer.train(texts * 2, vocab_size=320)
+    tok.save_pretrained(root / "tok")
+    for split, n in (("train", 48), ("val", 16)):
+        prepare(
+            "preference",
+            f"builtin:arithmetic/preference/{split}",
+            root,
+            root / "tok",
+            name=f"pref_{split}",
+            builtin={"n": n, "seed": 0},
+            progress=False,
+        )
+    return root, len(tok)
+
+
+def _module(root, vocab, **kw):
+    from astrai.train.strategies.dpo import DPOModule
+
+    torch.manual_seed(0)
+    return DPOModule(
+        model={"preset": "tiny", "vocab_size": vocab},
+        optim={"name": "adamw", "lr": 1e-2, "schedule": {"name": "constant"}},
+        tokenizer=str(root / "tok"),
+        beta=0.5,
+        **kw,
+    )
+
+
+def _datamodule(root):
+    from astrai.data import AstraiDataModule, PreferenceDataset
+
+    return AstraiDataModule(
+        train=PreferenceDataset(str(root / "pref_train.h5")),
+        val=PreferenceDataset(str(root / "pref_val.h5")),
+        batch_size=8,
+        seed=0,
+    )
+
+
+def _trainer(tmp_path, steps, **kw):
+    import lightning as L
+
+    return L.Trainer(
+        default_root_dir=tmp_path,
+        max_steps=steps,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=1,
+        val_check_interval=steps,
+        check_val_every_n_epoch=None,
+        use_distributed_sampler=False,
+        **kw,
+    )
+
+
+@pytest.mark.slow
+def test_dpo_module_loss_reference_and_training(pref_setup, tmp_path):
+    root, vocab = pref_setup
+    module = _module(root, vocab)
+    dm = _datamodule(root)
+    dm.setup()
+    batch = next(iter(dm.train_dataloader()))
+    # The reference is a frozen copy of the initial policy, outside the module tree.
+    assert not any(k.startswith("_reference") for k in module.state_dict())
+    ref = module.reference_model()
+    assert all(not p.requires_grad for p in ref.parameters())
+    assert {id(p) for p in ref.parameters()}.isdisjoint({id(p) for p in module.parameters()})
+    loss, metrics = module.compute_loss(batch)
+    assert loss.item() == pytest.approx(math.log(2), abs=1e-5)  # policy == reference
+    # Perturb the policy: the loss is the formula on hand-computed sequence log-probs.
+    with torch.no_grad():
+        for p in module.model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    loss, metrics = module.compute_loss(batch)
+    hc = _hand_seq_logps(module.model, batch["chosen_input_ids"], batch["chosen_labels"])
+    hr = _hand_seq_logps(module.model, batch["rejected_input_ids"], batch["rejected_labels"])
+    rc = _hand_seq_logps(ref, batch["chosen_input_ids"], batch["chosen_labels"])
+    rr = _hand_seq_logps(ref, batch["rejected_input_ids"], batch["rejected_labels"])
+    z = [0.5 * ((a - c) - (b - d)) for a, b, c, d in zip(hc, hr, rc, rr)]
+    assert loss.item() == pytest.approx(sum(-math.log(_sig(v)) for v in z) / len(z), abs=1e-4)
+    acc = sum(a - c > b - d for a, b, c, d in zip(hc, hr, rc, rr)) / len(z)
+    assert metrics["rewards/accuracy"].item() == pytest.approx(acc)
+
+    # A few optimizer steps raise the reward accuracy on the training pairs; the reference
+    # does not move.
+    module = _module(root, vocab)
+    before = {k: v.clone() for k, v in module.reference_model().state_dict().items()}
+    trainer = _trainer(tmp_path, 12)
+    trainer.fit(module, datamodule=_datamodule(root))
+    after = module.reference_model().state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    _, m = module.compute_loss(batch)
+    assert m["rewards/margin"].item() > 0
+    ckpt = torch.load(
+        trainer.checkpoint_callback.best_model_path or _last(tmp_path), weights_only=False
+    )
+    assert not any("_reference" in k for k in ckpt["state_dict"])
+
+
+def _last(path):
+    import glob
+
+    return sorted(glob.glob(f"{path}/**/*.ckpt", recursive=True))[-1]
+
+
+@pytest.mark.slow
+def test_dpo_precomputed_reference_matches_copy(pref_setup, tmp_path):
+    root, vocab = pref_setup
+    copy_mod = _module(root, vocab)
+    pre_mod = _module(root, vocab, reference="precomputed")
+    assert not pre_mod._reference  # no second model
+    trainer = _trainer(tmp_path, 1)
+    trainer.fit(pre_mod, datamodule=_datamodule(root))
+    assert pre_mod._ref_table is not None and len(pre_mod._ref_table) == 48 + 16
+    dm = _datamodule(root)
+    dm.setup()
+    batch = next(iter(dm.val_dataloader()))
+    c1, r1 = copy_mod.reference_logprobs(batch)
+    c2, r2 = pre_mod.reference_logprobs(batch)
+    torch.testing.assert_close(c1, c2, atol=1e-4, rtol=0)
+    torch.testing.assert_close(r1, r2, atol=1e-4, rtol=0)
+    # The table travels in the checkpoint; a resumed module takes it from there.
+    ckpt = torch.load(_last(tmp_path), weights_only=False)
+    assert len(ckpt["dpo_reference"]["keys"]) == 64
+    fresh = _module(root, vocab, reference="precomputed")
+    fresh.on_load_checkpoint(ckpt)
+    assert fresh._ref_table == pre_mod._ref_table
+
+
+def test_dpo_module_rejects_bad_options(pref_setup):
+    root, vocab = pref_setup
+    with pytest.raises(ValueError, match="reference"):
+        _module(root, vocab, reference="nope")
+
+
+# ------------------------------------------------------------------ the entry point
+
+
+def _csv_keys(run) -> set[str]:
+    import csv
+
+    keys: set[str] = set()
+    for f in run.glob("csv/**/metrics.csv"):
+        with open(f) as fh:
+            for row in csv.DictReader(fh):
+                keys |= {k for k, v in row.items() if v}
+    return keys
+
+
+@pytest.mark.slow
+def test_tiny_dpo_fast_via_entry_point(tmp_path, data_dir):
+    from train_helpers import cli, run_dirs
+
+    proc = cli(
+        [
+            "+experiment=tiny_dpo",
+            "debug=fast",
+            "tokenizer.train.max_bytes=400000",  # shared with the other CLI tests' cache
+            "data.train.prepare.builtin.n=64",
+            "data.val.prepare.builtin.n=16",
+            "data.batch_size=4",
+            "callbacks.eval_generation.num_prompts=4",
+            "callbacks.eval_generation.max_tokens=8",
+            "callbacks.progress_bar=null",
+            "trainer.enable_model_summary=false",
+            *run_dirs(tmp_path, data_dir),
+        ]
+    )
+    run = tmp_path / "run"
+    assert "init_from" in proc.stderr + proc.stdout  # no tiny_sft run here: warned, fresh start
+    assert (run / "export" / "model.safetensors").is_file()
+    assert (run / "eval_samples.jsonl").is_file()
+    keys = _csv_keys(run)
+    for key in ("train/loss", "train/rewards/accuracy", "train/rewards/margin", "val/loss"):
+        assert key in keys, key
+    assert "eval/exact_match" in keys
+
+
+def test_init_from_export(tmp_path, caplog):
+    from astrai.train.strategies.dpo import init_from_export
+
+    torch.manual_seed(0)
+    src = Transformer(preset("tiny"))
+    src.save_pretrained(tmp_path / "export")
+    dst = Transformer(preset("tiny"))
+    assert init_from_export(dst, str(tmp_path / "export"))
+    assert all(
+        torch.equal(a, b) for a, b in zip(src.state_dict().values(), dst.state_dict().values())
+    )
+    assert not init_from_export(dst, str(tmp_path / "missing"))
+    assert "does not exist" in caplog.text
+    with pytest.raises(FileNotFoundError):
+        init_from_export(dst, str(tmp_path / "missing"), required=True)
+    with pytest.raises(ValueError, match="does not match"):
+        init_from_export(Transformer(preset("tiny", num_hidden_layers=1)), str(tmp_path / "export"))

@@ -1,0 +1,141 @@
+"""Optimizers and LR schedules (astrai.train.optim)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from astrai.model import Transformer, preset
+from astrai.train.optim import (
+    CombinedOptimizer,
+    build_optimizer,
+    configure_optimizers,
+    lr_lambda,
+    split_params,
+)
+
+
+@pytest.fixture
+def model() -> Transformer:
+    torch.manual_seed(0)
+    return Transformer(preset("tiny"))
+
+
+def test_split_params_roles(model: Transformer) -> None:
+    parts = split_params(model)
+    names = {k: [n for n, _ in v] for k, v in parts.items()}
+    assert names["embed"] == ["embed_tokens.weight"]  # tied head counted once
+    assert all(p.ndim == 2 for _, p in parts["hidden"])
+    assert all("proj" in n for n in names["hidden"])
+    assert all(p.ndim == 1 for _, p in parts["other"])
+    total = sum(p.numel() for v in parts.values() for _, p in v)
+    assert total == model.num_parameters()
+
+
+def test_adamw_no_decay_on_norms_and_embeddings(model: Transformer) -> None:
+    opt = build_optimizer(model, {"name": "adamw", "lr": 1e-3, "weight_decay": 0.1})
+    decay = {g["name"]: g["weight_decay"] for g in opt.param_groups}
+    assert decay == {"hidden": 0.1, "embed": 0.0, "other": 0.0}
+
+
+def test_muon_for_hidden_matrices_adamw_for_the_rest(model: Transformer) -> None:
+    opt = build_optimizer(model, {"name": "muon", "lr": 1e-3, "muon": {"lr": 0.02}})
+    assert isinstance(opt, CombinedOptimizer)
+    assert isinstance(opt.optimizers["muon"], torch.optim.Muon)
+    assert isinstance(opt.optimizers["adamw"], torch.optim.AdamW)
+    muon_params = {id(p) for g in opt.optimizers["muon"].param_groups for p in g["params"]}
+    assert all(p.ndim == 2 for p in model.parameters() if id(p) in muon_params)
+    assert id(model.embed_tokens.weight) not in muon_params
+    # one step changes every parameter; state_dict round-trips through a fresh optimizer
+    ids = torch.randint(0, 512, (2, 16))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model(ids).logsumexp(-1).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    changed = [n for n, p in model.named_parameters() if not torch.equal(before[n], p)]
+    assert len(changed) == len(before)  # Muon moved the matrices, AdamW the rest
+    state = opt.state_dict()
+    fresh = build_optimizer(model, {"name": "muon", "lr": 1e-3, "muon": {"lr": 0.02}})
+    fresh.load_state_dict(state)
+    for key in opt.optimizers:
+        a, b = opt.optimizers[key].state_dict(), fresh.optimizers[key].state_dict()
+        assert a["param_groups"] == b["param_groups"]
+        for pid in a["state"]:
+            for k, v in a["state"][pid].items():
+                assert torch.equal(torch.as_tensor(v), torch.as_tensor(b["state"][pid][k]))
+    assert len(opt.state) == len(list(model.parameters()))
+
+
+def test_combined_optimizer_rejects_foreign_state(model: Transformer) -> None:
+    opt = build_optimizer(model, {"name": "muon"})
+    with pytest.raises(ValueError, match=r"was optim\.name changed"):
+        opt.load_state_dict(torch.optim.AdamW(model.parameters()).state_dict())
+
+
+def test_unknown_optimizer_and_schedule() -> None:
+    with pytest.raises(ValueError, match="unknown optimizer 'sgdx'"):
+        build_optimizer(torch.nn.Linear(2, 2), {"name": "sgdx"})
+    with pytest.raises(ValueError, match="unknown schedule 'poly'"):
+        lr_lambda("poly", total_steps=10)
+    with pytest.raises(ValueError, match=r"trainer\.max_steps"):
+        lr_lambda("cosine", total_steps=None)
+
+
+def test_cosine_with_warmup() -> None:
+    f = lr_lambda("cosine", total_steps=110, warmup_steps=10, min_lr_ratio=0.1)
+    assert f(0) == pytest.approx(0.1)
+    assert f(9) == pytest.approx(1.0)
+    assert f(10) == pytest.approx(1.0)
+    assert f(60) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert f(110) == pytest.approx(0.1)
+    assert f(500) == pytest.approx(0.1)
+    values = [f(s) for s in range(10, 111)]
+    assert all(a >= b for a, b in itertools.pairwise(values))
+
+
+def test_warmup_stable_decay() -> None:
+    f = lr_lambda("wsd", total_steps=100, warmup_steps=10, decay_fraction=0.2, min_lr_ratio=0.0)
+    assert f(4) == pytest.approx(0.5)
+    assert all(f(s) == 1.0 for s in range(10, 80))
+    assert f(80) == pytest.approx(1 - 1 / 20)
+    assert f(99) == pytest.approx(0.0)
+    g = lr_lambda("wsd", total_steps=100, decay_steps=50, decay_shape="sqrt")
+    assert f(50) == 1.0 and g(50) == pytest.approx(1 - math.sqrt(1 / 50))
+
+
+def test_constant() -> None:
+    f = lr_lambda("constant", total_steps=None, warmup_steps=4)
+    assert [f(s) for s in range(6)] == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0, 1.0])
+
+
+def test_schedule_steps_per_optimizer_step(model: Transformer) -> None:
+    cfg = {"name": "adamw", "lr": 1.0, "schedule": {"name": "constant", "warmup_steps": 4}}
+    out = configure_optimizers(model, cfg, total_steps=10)
+    assert out["lr_scheduler"]["interval"] == "step"
+    opt, sched = out["optimizer"], out["lr_scheduler"]["scheduler"]
+    lrs = []
+    for _ in range(5):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0])
+
+
+def test_muon_schedule_scales_both_learning_rates(model: Transformer) -> None:
+    cfg = {
+        "name": "muon",
+        "lr": 1e-3,
+        "muon": {"lr": 0.02},
+        "schedule": {"name": "cosine", "warmup_steps": 0, "min_lr_ratio": 0.0},
+    }
+    out = configure_optimizers(model, cfg, total_steps=10)
+    opt, sched = out["optimizer"], out["lr_scheduler"]["scheduler"]
+    for _ in range(5):
+        opt.step()
+        sched.step()
+    lrs = {g["name"]: g["lr"] for g in opt.param_groups}
+    assert lrs["hidden"] == pytest.approx(0.01)
+    assert lrs["embed"] == pytest.approx(0.5e-3)
