@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -132,7 +133,7 @@ def _from_safe(states: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-class LMModule(L.LightningModule):
+class LMModule(L.LightningModule, ABC):
     """Base LightningModule for language-model training strategies.
 
     Args:
@@ -185,9 +186,9 @@ class LMModule(L.LightningModule):
         self.flops_per_batch: float | None = None  # read by Lightning's ThroughputMonitor
 
     # ------------------------------------------------------------------ to implement
+    @abstractmethod
     def compute_loss(self, batch: dict[str, Any]) -> tuple[Tensor, dict[str, Tensor]]:
         """Return the scalar loss to minimise and extra metrics (logged as `train/<name>`)."""
-        raise NotImplementedError(f"{type(self).__name__} must implement compute_loss(batch)")
 
     # ------------------------------------------------------------------ helpers
     def forward(self, input_ids: Tensor, **kwargs: Any) -> Tensor:
