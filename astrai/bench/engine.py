@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from astrai.bench.common import bench_tokenizer, percentile
 from astrai.inference import InferenceEngine
 from astrai.model import Transformer, preset
 from astrai.tokenizer import AutoTokenizer
@@ -48,21 +49,6 @@ DEFAULTS: dict[str, Any] = {
     "skip_hf": False,
     "repeats": 1,
 }
-
-
-def _pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
-
-
-def _tokenizer(vocab: int) -> AutoTokenizer:
-    """A byte-level BPE trained on a little stdlib text; only its special ids matter here."""
-    import sysconfig
-    from pathlib import Path
-
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    texts = [p.read_text(errors="ignore") for p in sorted(stdlib.glob("*.py"))[:40]]
-    return AutoTokenizer.train(texts, vocab_size=min(vocab, 2048))
 
 
 def _workload(cfg: dict[str, Any], vocab: int) -> list[tuple[list[int], int]]:
@@ -100,8 +86,8 @@ def run_astrai(
         "tokens": tokens,
         "seconds": wall,
         "tokens_per_s": tokens / wall,
-        "ttft_p50": _pct(ttft, 0.5),
-        "ttft_p99": _pct(ttft, 0.99),
+        "ttft_p50": percentile(ttft, 0.5),
+        "ttft_p99": percentile(ttft, 0.99),
         "cached_prompt_tokens": stats["cached_prompt_tokens"],
     }
 
@@ -152,8 +138,8 @@ def run_hf(
         "tokens": useful,
         "seconds": wall,
         "tokens_per_s": useful / wall,
-        "ttft_p50": _pct(ttft, 0.5),
-        "ttft_p99": _pct(ttft, 0.99),
+        "ttft_p50": percentile(ttft, 0.5),
+        "ttft_p99": percentile(ttft, 0.99),
     }
 
 
@@ -167,7 +153,7 @@ def main(overrides: dict[str, Any]) -> dict[str, Any]:
     dtype = getattr(torch, cfg["dtype"])
     with device:
         model = Transformer(model_cfg).to(dtype).eval()
-    tokenizer = _tokenizer(model_cfg.vocab_size)
+    tokenizer = bench_tokenizer(model_cfg.vocab_size)
     report: dict[str, Any] = {
         "config": cfg,
         "model": cfg["model"],
@@ -237,7 +223,10 @@ def main(overrides: dict[str, Any]) -> dict[str, Any]:
                 t0 = time.perf_counter()
                 eng.run_batch([prompt], max_tokens=1, temperature=0.0)
                 ttft.append(time.perf_counter() - t0)
-        report["prefix"][name] = {"ttft_p50": _pct(ttft, 0.5), "ttft_p99": _pct(ttft, 0.99)}
+        report["prefix"][name] = {
+            "ttft_p50": percentile(ttft, 0.5),
+            "ttft_p99": percentile(ttft, 0.99),
+        }
     report["prefix"]["ttft_ratio"] = (
         report["prefix"]["no_cache"]["ttft_p50"] / report["prefix"]["radix"]["ttft_p50"]
     )

@@ -21,6 +21,8 @@ import random
 import time
 from typing import Any
 
+from astrai.bench.common import bench_tokenizer, percentile
+
 logger = logging.getLogger(__name__)
 
 DEFAULTS: dict[str, Any] = {
@@ -37,11 +39,6 @@ DEFAULTS: dict[str, Any] = {
     "device": "cpu",
     "repeats": 1,
 }
-
-
-def _pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
 
 
 async def _stream_all(url: str, bodies: list[dict[str, Any]]) -> dict[str, Any]:
@@ -79,8 +76,8 @@ async def _stream_all(url: str, bodies: list[dict[str, Any]]) -> dict[str, Any]:
         "tokens": tokens,
         "seconds": wall,
         "tokens_per_s": tokens / wall,
-        "ttft_p50": _pct(ttft, 0.5) if ttft else None,
-        "ttft_p99": _pct(ttft, 0.99) if ttft else None,
+        "ttft_p50": percentile(ttft, 0.5) if ttft else None,
+        "ttft_p99": percentile(ttft, 0.99) if ttft else None,
         "errors": len(errors),
         "first_error": errors[0] if errors else None,
     }
@@ -94,7 +91,6 @@ def _client(url: str, bodies: list[dict[str, Any]]) -> dict[str, Any]:
 def main(overrides: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    from astrai.bench.engine import _tokenizer
     from astrai.inference import InferenceEngine
     from astrai.model import Transformer, preset
     from astrai.serve import ServerThread, ServeSettings, create_app
@@ -107,7 +103,7 @@ def main(overrides: dict[str, Any]) -> dict[str, Any]:
     model_cfg = preset(cfg["model"])
     with device:
         model = Transformer(model_cfg).eval()
-    tokenizer = _tokenizer(model_cfg.vocab_size)
+    tokenizer = bench_tokenizer(model_cfg.vocab_size)
 
     rng = random.Random(cfg["seed"])
     words = [w for w in tokenizer.decode(range(300, 1200)).split() if w.isalpha()] or ["word"]
@@ -161,8 +157,8 @@ def main(overrides: dict[str, Any]) -> dict[str, Any]:
             "tokens": tokens,
             "seconds": wall,
             "tokens_per_s": tokens / wall,
-            "ttft_p50": _pct(ttft, 0.5),
-            "ttft_p99": _pct(ttft, 0.99),
+            "ttft_p50": percentile(ttft, 0.5),
+            "ttft_p99": percentile(ttft, 0.99),
         }
 
     bodies = [

@@ -35,3 +35,22 @@ def test_engine_benchmark_cli_writes_a_report(tmp_path):
 def test_unknown_option_is_refused():
     with pytest.raises(SystemExit, match="requestz"):
         main(["engine", "requestz=3"])
+
+
+@pytest.mark.slow
+def test_serve_benchmark_cli_runs(tmp_path):
+    out = tmp_path / "serve.json"
+    main(
+        [
+            "serve",
+            "model=tiny",
+            "requests=3",
+            "prompt_min=4",
+            "prompt_max=8",
+            "output_min=2",
+            "output_max=4",
+            f"out={out}",
+        ]
+    )
+    saved = json.loads(out.read_text())
+    assert saved["http"]["tokens"] == saved["offline"]["tokens"] > 0
