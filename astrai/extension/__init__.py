@@ -4,7 +4,7 @@
 cache and attends. Backends: triton (default on GPU, kernels pending), flash (when flash-attn
 is installed), torch_native (SDPA; always available). Select one strictly with
 `with attn_backend("torch_native"):` or `ASTR_BACKEND=...`; otherwise the first capable
-backend serves each call.
+backend serves each call. `linear` is the model's matmul (oneDNN for fp32 CPU inference).
 """
 
 from astrai.extension.backend import (
@@ -19,6 +19,7 @@ from astrai.extension.backend import (
     selected_backend,
 )
 from astrai.extension.kv_cache import KVCache
+from astrai.extension.linear import linear, onednn_linear_enabled
 
 __all__ = [
     "ATTN_BACKEND",
@@ -30,5 +31,7 @@ __all__ = [
     "attention",
     "attn_backend",
     "get_backend",
+    "linear",
+    "onednn_linear_enabled",
     "selected_backend",
 ]

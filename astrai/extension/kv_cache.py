@@ -9,7 +9,8 @@ and its keys/values after the write are the slots
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -37,6 +38,9 @@ class KVCache:
     attn_out: torch.Tensor | None = None  # [>= batch, n_heads, head_dim]
     partial_out: torch.Tensor | None = None  # [>= batch, n_heads, splits, head_dim] fp32
     partial_lse: torch.Tensor | None = None  # [>= batch, n_heads, splits] fp32
+    # Backend scratch for this step: what a backend derives from the host-side lengths on
+    # the first layer (e.g. the CPU decode's row segments) and reuses on the others.
+    plan: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def batch_size(self) -> int:

@@ -301,6 +301,27 @@ class InferenceScheduler:
 
     def _refill(self) -> None:
         """Admit waiting tasks while there are request rows and KV for their prompts."""
+        admitted: list[Task] = []
+        try:
+            self._admit(admitted)
+        finally:
+            self._order_rows(admitted)
+
+    def _order_rows(self, tasks: list[Task]) -> None:
+        """Contiguous rows: hand the rows taken in one refill out by prompt length.
+
+        Rows are fixed there and nothing is written before the first forward, so the rows
+        can be swapped. Neighbouring rows then hold requests of similar length (all grow by
+        one per step), and the CPU decode attention, which reads ranges of rows padded to
+        their longest, pads much less.
+        """
+        if len(tasks) < 2 or self.pool.mode != "contiguous":
+            return
+        rows = sorted(t.row for t in tasks)
+        for task, row in zip(sorted(tasks, key=lambda t: len(t.prompt_ids)), rows):
+            task.row = row
+
+    def _admit(self, admitted: list[Task]) -> None:
         while self._waiting and len(self._running) < self.max_batch_size:
             task = self._waiting[0]
             need = len(task.prompt_ids) + 1
@@ -327,6 +348,7 @@ class InferenceScheduler:
                 self._waiting.popleft()
                 self._running.append(task)
             task.row, task.cached_len = row, cached
+            admitted.append(task)
             task.computed = min(cached, len(task.prompt_ids) - 1)
             task.state = TaskState.RUNNING
             task.policy_version = self.policy_version

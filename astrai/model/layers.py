@@ -11,8 +11,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from astrai.extension import KVCache, apply_rotary_emb, apply_rotary_qk, attention
+from astrai.extension import KVCache, apply_rotary_emb, apply_rotary_qk, attention, linear
 from astrai.model.config import ModelConfig
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` whose matmul is `astrai.extension.linear` (oneDNN for fp32 CPU inference).
+
+    Same parameters and state-dict keys as `nn.Linear`, so checkpoints, LoRA and HF
+    import/export see no difference.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -24,10 +35,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        # torch's fused kernel: the same x * rsqrt(mean(x^2) + eps) in fp32, in one op.
+        h = F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=self.eps)
+        return self.weight * h.to(x.dtype)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
@@ -189,10 +199,10 @@ class Attention(nn.Module):
             self.num_heads * self.head_dim,
             self.num_kv_heads * self.head_dim,
         )
-        self.q_proj = nn.Linear(h, q, bias=config.attention_bias)
-        self.k_proj = nn.Linear(h, kv, bias=config.attention_bias)
-        self.v_proj = nn.Linear(h, kv, bias=config.attention_bias)
-        self.o_proj = nn.Linear(q, h, bias=config.o_proj_bias)
+        self.q_proj = Linear(h, q, bias=config.attention_bias)
+        self.k_proj = Linear(h, kv, bias=config.attention_bias)
+        self.v_proj = Linear(h, kv, bias=config.attention_bias)
+        self.o_proj = Linear(q, h, bias=config.o_proj_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -247,9 +257,9 @@ class MLP(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -11,7 +11,7 @@ from torch.utils.checkpoint import checkpoint
 
 from astrai.extension import KVCache
 from astrai.model.config import ModelConfig
-from astrai.model.layers import MLP, Attention, RMSNorm, RotaryEmbedding
+from astrai.model.layers import MLP, Attention, Linear, RMSNorm, RotaryEmbedding
 
 if TYPE_CHECKING:
     from astrai.tokenizer import AutoTokenizer
@@ -92,7 +92,7 @@ class Transformer(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.gradient_checkpointing = False
         self.tie_weights()
         if self.embed_tokens.weight.device.type != "meta":

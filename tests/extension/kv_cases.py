@@ -31,13 +31,15 @@ def make_case(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     contiguous: bool = False,
+    head_major: bool = False,
 ) -> Case:
     """`reqs` = [(cached prefix length, new tokens)]; slots are a random permutation of a
     buffer twice the needed size, page-table rows are random, and unused table entries hold
     an out-of-range slot so that a backend reading past a request's length crashes.
 
     `contiguous=True` lays the pool out as the contiguous cache mode does instead: row r owns
-    slots `r * max_ctx + position`, and the cache says so through `row_stride`."""
+    slots `r * max_ctx + position`, and the cache says so through `row_stride`.
+    `head_major=True` stores the buffers with each head's slots together (same shape)."""
     gen = torch.Generator().manual_seed(seed)
     total = sum(p + n for p, n in reqs)
     size = 2 * total + 3
@@ -51,6 +53,9 @@ def make_case(
     shape = (N_LAYERS, size, n_kv_heads, head_dim)
     k_buffer = torch.randn(shape, generator=gen).to(dtype)
     v_buffer = torch.randn(shape, generator=gen).to(dtype)
+    if head_major:
+        k_buffer = k_buffer.transpose(1, 2).contiguous().transpose(1, 2)
+        v_buffer = v_buffer.transpose(1, 2).contiguous().transpose(1, 2)
     slots, out_loc, offset = [], [], 0
     for row, (prefix, new) in zip(pool_rows.tolist(), reqs):
         if contiguous:

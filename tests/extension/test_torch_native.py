@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import functools
+import itertools
+
 import pytest
 import torch
 from kv_cases import LAYER, make_case, reference
 
 from astrai.extension import attention, attn_backend
-from astrai.extension.backend import TorchNativeBackend
+from astrai.extension.backend import TorchNativeBackend, torch_native
+from astrai.extension.backend.torch_native import row_segments
 
 MIXED = [(0, 7), (5, 3), (0, 1), (9, 1), (2, 6)]  # (cached prefix, new tokens)
 PREFILL = [(0, 7), (0, 1), (0, 12)]
@@ -90,11 +94,77 @@ def test_decode_steps_accumulate_in_cache():
     torch.testing.assert_close(torch.cat(outs), dense, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("head_major", [False, True], ids=["token_major", "head_major"])
 @pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("reqs", [MIXED, DECODE], ids=["mixed", "decode"])
-def test_contiguous_rows_match_reference(group, reqs):
+def test_contiguous_rows_match_reference(group, reqs, head_major):
     """The strided (no-gather) decode path over contiguous rows, idle rows in between."""
-    case = make_case(reqs, n_heads=2 * group, n_kv_heads=2, head_dim=32, seed=3, contiguous=True)
+    case = make_case(
+        reqs,
+        n_heads=2 * group,
+        n_kv_heads=2,
+        head_dim=32,
+        seed=3,
+        contiguous=True,
+        head_major=head_major,
+    )
     assert case.cache.row_stride is not None
+    assert (case.cache.k_buffer.stride(2) > case.cache.k_buffer.stride(1)) == head_major
     out, ref = run(case, 32**-0.5)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0)
+
+
+def _brute_force_cost(rows, lens, call_cost):
+    """Cheapest cover of the active rows by contiguous ranges, by trying every cut set."""
+    items = sorted(zip(rows, lens))
+    n, best = len(items), None
+    for mask in range(1 << (n - 1)):
+        cost, start = 0, 0
+        for j in range(n):
+            if j == n - 1 or mask >> j & 1:
+                seg = items[start : j + 1]
+                cost += (seg[-1][0] - seg[0][0] + 1) * max(x for _, x in seg) + call_cost
+                start = j + 1
+        best = cost if best is None else min(best, cost)
+    return best
+
+
+@pytest.mark.parametrize("call_cost", [0, 5, 40, 10_000])
+def test_row_segments_are_an_optimal_cover(call_cost):
+    gen = torch.Generator().manual_seed(call_cost)
+    for _ in range(30):
+        n = int(torch.randint(1, 9, (1,), generator=gen))
+        rows = torch.randperm(14, generator=gen)[:n].tolist()
+        lens = torch.randint(1, 60, (n,), generator=gen).tolist()
+        ranges = row_segments(rows, lens, call_cost=call_cost)
+        # Disjoint, ordered ranges that cover every active row with its full length.
+        assert all(hi0 <= lo1 for (_, hi0, _), (lo1, _, _) in itertools.pairwise(ranges))
+        for row, length in zip(rows, lens):
+            (hit,) = [r for r in ranges if r[0] <= row < r[1]]
+            assert hit[2] >= length
+        cost = sum((hi - lo) * length + call_cost for lo, hi, length in ranges)
+        assert cost == _brute_force_cost(rows, lens, call_cost)
+
+
+def test_row_segments_skip_idle_rows_and_keep_dense_ones_together():
+    # Two dense clusters far apart: a cheap call splits them, an expensive call does not.
+    rows, lens = [0, 1, 2, 40, 41], [30, 31, 29, 30, 30]
+    assert row_segments(rows, lens, call_cost=10) == [(0, 3, 31), (40, 42, 30)]
+    assert row_segments(rows, lens, call_cost=10**6) == [(0, 42, 31)]
+
+
+@pytest.mark.parametrize("call_cost", [0, 3, 10**6])
+def test_segmented_contiguous_decode_matches_reference(monkeypatch, call_cost):
+    """Decode rows of very different lengths with idle rows between them, split into
+    however many SDPA calls the plan chooses, against the dense reference."""
+    monkeypatch.setattr(
+        torch_native, "row_segments", functools.partial(row_segments, call_cost=call_cost)
+    )
+    reqs = [(40, 1), (2, 1), (0, 1), (17, 1), (33, 1), (5, 1), (1, 1)]
+    case = make_case(
+        reqs, n_heads=4, n_kv_heads=2, head_dim=16, seed=9, contiguous=True, head_major=True
+    )
+    out, ref = run(case, 0.25)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0)
+    plan = case.cache.plan["segments"]
+    assert (len(plan.ranges) > 1) == (call_cost < 10**6)

@@ -84,6 +84,37 @@ def test_store_kv(ops, dtype):
     check_guards(v_full)
 
 
+def test_kernels_on_a_head_major_pool(ops):
+    """The pool may store each head's slots together (KVStorage(head_major=True)): the
+    kernels address heads by stride, so they read and write the same values."""
+
+    def head_major(buf):  # same shape and values, heads outermost in memory
+        return buf.transpose(0, 1).contiguous().transpose(0, 1)
+
+    seq_lens, q_lens = [5, 40, 1, 33], [5, 9, 1, 1]
+    q, k_buf, v_buf, table, rows, lens, indptr = paged_case(
+        seq_lens, q_lens, 4, 2, 16, torch.float32, seed=4
+    )
+    k_hm, v_hm = head_major(k_buf), head_major(v_buf)
+    assert k_hm.stride(1) > k_hm.stride(0)
+    k = torch.randn(3, 2, 16, device=DEVICE)
+    loc = torch.tensor([2, 50, 17], device=DEVICE)
+    ops["kv_store"].store_kv(k, -k, k_hm, v_hm, loc)
+    ref.store_kv_ref(k, -k, k_buf, v_buf, loc)
+    assert torch.equal(k_hm, k_buf) and torch.equal(v_hm, v_buf)
+    args = (table, rows, lens, indptr, max(q_lens), 0.25)
+    torch.testing.assert_close(
+        ops["extend"].extend_attention(q, k_hm, v_hm, *args),
+        ops["extend"].extend_attention(q, k_buf, v_buf, *args),
+    )
+    dec_lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    q1 = q[: len(seq_lens)]
+    torch.testing.assert_close(
+        ops["decode"].decode_attention(q1, k_hm, v_hm, table, rows, dec_lens, 0.25),
+        ops["decode"].decode_attention(q1, k_buf, v_buf, table, rows, dec_lens, 0.25),
+    )
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("group", [1, 2, 4])
 @pytest.mark.parametrize("head_dim", [16, 40, 64])

@@ -143,3 +143,19 @@ def test_storage_has_a_scratch_slot():
     assert pool.storage.k_buffer.shape == (2, 17, 2, 4)
     assert pool.storage.scratch_slot == 16
     assert pool.storage.k_buffer.dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    ("mode", "head_major", "expected"),
+    [("contiguous", None, True), ("paged", None, False), ("paged", True, True)],
+)
+def test_storage_layout_keeps_the_shape(mode, head_major, expected):
+    """CPU contiguous rows default to head-major memory (each head's slots together);
+    the buffers keep the [layers, slots, heads, dim] shape and index the same either way."""
+    pool = make_pool(mode=mode, page_size=4, kv_tokens=64, head_major=head_major)
+    k = pool.storage.k_buffer
+    assert pool.storage.head_major is expected
+    assert k.shape[2:] == (2, 4) and k.stride(-1) == 1
+    assert (k.stride(2) > k.stride(1)) is expected
+    k[1, 5] = torch.arange(8.0).view(2, 4)
+    assert k[1, 5, 1].tolist() == [4.0, 5.0, 6.0, 7.0]

@@ -241,3 +241,26 @@ def test_backend_chosen_by_the_submitting_thread_is_strict_and_isolated(
             ok = eng.submit("import os", max_tokens=3, temperature=0.0, ignore_eos=True)
         assert len(ok.wait_completion(timeout=60)) > 0 and ok.finish_reason == "length"
         assert eng.ready
+
+
+@pytest.mark.parametrize("mode", ["contiguous", "paged"])
+def test_rows_of_one_admission_follow_prompt_length(model, tokenizer, mode):
+    """Contiguous rows taken together are handed out shortest prompt first (neighbouring
+    rows then have similar lengths, which the CPU decode attention pads less); paged rows
+    keep their arrival order. Outputs are checked elsewhere; here the placement."""
+    lengths = [40, 5, 23, 9, 31]
+    with InferenceEngine(
+        model, tokenizer, max_batch_size=8, max_seq_len=64, start=False, cache_mode=mode
+    ) as eng:
+        results = [
+            eng.submit([7] * n, max_tokens=2, temperature=0.0, ignore_eos=True) for n in lengths
+        ]
+        eng.scheduler._refill()  # one admission, as the loop's next iteration would do
+        rows = [r.task.row for r in results]
+        assert sorted(rows) == list(range(len(lengths)))
+        by_row = [n for _, n in sorted(zip(rows, lengths))]
+        assert by_row == (sorted(lengths) if mode == "contiguous" else lengths)
+        eng.scheduler._iteration()  # the admitted tasks then run to completion as usual
+        while eng.scheduler.has_work():
+            eng.scheduler._iteration()
+    assert all(len(r.token_ids) == 2 and r.finish_reason == "length" for r in results)

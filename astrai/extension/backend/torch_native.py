@@ -8,6 +8,9 @@ device sync.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -55,36 +58,42 @@ class TorchNativeBackend(AttentionBackend):
     ) -> torch.Tensor:
         """Decode over contiguous rows: K/V are strided views of the buffers, never copied.
 
-        Attention runs over every row up to the highest active one (idle rows get a zero
-        query and one visible key, so nothing is NaN) and the active rows are picked after.
+        Each segment of `row_segments` is one SDPA call over a range of pool rows padded to
+        that range's longest row (idle rows in the range get a zero query and one visible
+        key, so nothing is NaN); the active rows are picked out afterwards.
         """
+        plan = kv_cache.plan.get("segments")
+        if plan is None:
+            plan = kv_cache.plan["segments"] = _SegmentPlan.build(kv_cache, q.device, q.dtype)
         batch, n_heads, head_dim = q.shape
         n_kv_heads = kv_cache.k_buffer.shape[-2]
-        stride, max_len = kv_cache.row_stride, kv_cache.max_len
-        num_rows = max(kv_cache.req_pool_indices_host) + 1
-        shape = (num_rows, stride, n_kv_heads, head_dim)
-        keys = kv_cache.k_buffer[layer_id, : num_rows * stride].view(shape)[:, :max_len]
-        values = kv_cache.v_buffer[layer_id, : num_rows * stride].view(shape)[:, :max_len]
-        rows = kv_cache.req_pool_indices
-        grouped = q.new_zeros(num_rows, n_kv_heads, n_heads // n_kv_heads, head_dim)
-        grouped[rows] = q.reshape(batch, n_kv_heads, n_heads // n_kv_heads, head_dim)
-        lens = torch.ones(num_rows, dtype=kv_cache.seq_lens.dtype, device=q.device)
-        lens[rows] = kv_cache.seq_lens
-        valid = torch.arange(max_len, device=q.device) < lens[:, None]
-        out = F.scaled_dot_product_attention(
-            grouped,
-            keys.to(q.dtype).transpose(1, 2),
-            values.to(q.dtype).transpose(1, 2),
-            attn_mask=valid[:, None, None, :],
-            scale=scale,
-        )
-        return out[rows].reshape(batch, n_heads, head_dim)
+        stride = kv_cache.row_stride
+        grouped = q.reshape(batch, n_kv_heads, n_heads // n_kv_heads, head_dim)
+        if plan.src is not None:  # lay the queries out row by row, zeros for idle rows
+            grouped = torch.cat([grouped, grouped.new_zeros(1, *grouped.shape[1:])])[plan.src]
+        k_buf, v_buf = kv_cache.k_buffer[layer_id], kv_cache.v_buffer[layer_id]
+        outs = []
+        for (lo, hi, length), (a, b), mask in zip(plan.ranges, plan.spans, plan.masks):
+            shape = (hi - lo, stride, n_kv_heads, head_dim)
+            keys = k_buf[lo * stride : hi * stride].view(shape)[:, :length]
+            values = v_buf[lo * stride : hi * stride].view(shape)[:, :length]
+            outs.append(
+                F.scaled_dot_product_attention(
+                    grouped[a:b],
+                    keys.to(q.dtype).transpose(1, 2),
+                    values.to(q.dtype).transpose(1, 2),
+                    attn_mask=mask,
+                    scale=scale,
+                )
+            )
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        if plan.dst is not None:
+            out = out[plan.dst]
+        return out.reshape(batch, n_heads, head_dim)
 
     @staticmethod
     def _decode(q: torch.Tensor, kv_cache: KVCache, layer_id: int, scale: float) -> torch.Tensor:
-        rows_host = kv_cache.req_pool_indices_host
-        # Worth it while the rows are dense; a sparse set of rows is cheaper to gather.
-        if kv_cache.row_stride is not None and rows_host and max(rows_host) < 2 * len(rows_host):
+        if kv_cache.row_stride is not None and kv_cache.req_pool_indices_host:
             return TorchNativeBackend._decode_strided(q, kv_cache, layer_id, scale)
         batch, n_heads, head_dim = q.shape
         n_kv_heads = kv_cache.k_buffer.shape[-2]
@@ -119,6 +128,7 @@ class TorchNativeBackend(AttentionBackend):
         gqa = q.shape[1] != kv_cache.k_buffer.shape[-2]
         k_buf, v_buf = kv_cache.k_buffer[layer_id], kv_cache.v_buffer[layer_id]
         rows = kv_cache.req_to_token[kv_cache.req_pool_indices, : kv_cache.max_len]
+        stride = kv_cache.row_stride if kv_cache.req_pool_indices_host else None
         out = torch.empty_like(q)
         start = 0
         for i, (q_len, kv_len) in enumerate(zip(kv_cache.q_lens_host, kv_cache.seq_lens_host)):
@@ -128,6 +138,9 @@ class TorchNativeBackend(AttentionBackend):
                 raise ValueError(f"request {i}: q_len {q_len} exceeds its kv length {kv_len}")
             if q_len == kv_len:  # nothing cached: this step's own K/V are the whole context
                 keys, values = k[start : start + q_len], v[start : start + q_len]
+            elif stride is not None:  # contiguous rows: the prefix is a plain slice
+                base = kv_cache.req_pool_indices_host[i] * stride
+                keys, values = k_buf[base : base + kv_len], v_buf[base : base + kv_len]
             else:
                 slots = rows[i, :kv_len]
                 keys, values = k_buf.index_select(0, slots), v_buf.index_select(0, slots)
@@ -146,3 +159,76 @@ class TorchNativeBackend(AttentionBackend):
             out[start : start + q_len] = o[0].transpose(0, 1)
             start += q_len
         return out
+
+
+# What one more SDPA call costs on the CPU, in (row, key) pairs read: fitted on replays of
+# benchmark decode steps (astrai-30m shapes, 2 cores), where 384-768 all did about equally
+# well and much smaller values lost to the per-call overhead.
+CALL_COST_PAIRS = 512
+
+
+def row_segments(
+    rows: Sequence[int], lens: Sequence[int], call_cost: int = CALL_COST_PAIRS
+) -> list[tuple[int, int, int]]:
+    """Ranges `(lo, hi, length)` of pool rows that cover `rows` at the least attention cost.
+
+    A strided view can only span a contiguous range of pool rows, and SDPA pads every row
+    of a call to its longest one, so a range costs `(hi - lo) * length` pairs plus a fixed
+    `call_cost`. Idle rows inside a range count as padding. Exact dynamic programming over
+    the active rows in pool order: O(n^2) for n rows, once per step.
+    """
+    items = sorted(zip(rows, lens))
+    n = len(items)
+    best = [0] * (n + 1)
+    cut = [0] * (n + 1)
+    for j in range(n):
+        row_j = items[j][0]
+        longest, best_cost, best_i = 0, None, 0
+        for i in range(j, -1, -1):
+            longest = max(longest, items[i][1])
+            cost = best[i] + (row_j - items[i][0] + 1) * longest + call_cost
+            if best_cost is None or cost < best_cost:
+                best_cost, best_i = cost, i
+        best[j + 1], cut[j + 1] = best_cost, best_i
+    ranges, j = [], n
+    while j > 0:
+        i = cut[j]
+        lo, hi = items[i][0], items[j - 1][0] + 1
+        ranges.append((lo, hi, max(length for _, length in items[i:j])))
+        j = i
+    return ranges[::-1]
+
+
+@dataclass
+class _SegmentPlan:
+    """Per-step layout of a segmented strided decode, shared by every layer of the step."""
+
+    ranges: list[tuple[int, int, int]]  # (first pool row, end pool row, key length)
+    spans: list[tuple[int, int]]  # each range's slice of the row-ordered query layout
+    masks: list[torch.Tensor | None]  # [rows, 1, 1, length] 0 / -inf; None when all keys count
+    src: torch.Tensor | None  # row-ordered position -> batch index (batch = a zero query)
+    dst: torch.Tensor | None  # batch index -> row-ordered position
+
+    @classmethod
+    def build(cls, kv_cache: KVCache, device: torch.device, dtype: torch.dtype) -> _SegmentPlan:
+        rows, lens = kv_cache.req_pool_indices_host, kv_cache.seq_lens_host
+        batch = len(rows)
+        ranges = row_segments(rows, lens)
+        where = {row: i for i, row in enumerate(rows)}
+        src, spans, masks = [], [], []
+        for lo, hi, length in ranges:
+            a = len(src)
+            src.extend(where.get(r, batch) for r in range(lo, hi))
+            spans.append((a, len(src)))
+            seg_lens = [lens[where[r]] if r in where else 1 for r in range(lo, hi)]
+            if all(n == length for n in seg_lens):
+                masks.append(None)
+            else:  # additive, in the query dtype: SDPA would convert a boolean mask per call
+                valid = torch.arange(length) < torch.tensor(seg_lens)[:, None]
+                bias = torch.zeros(valid.shape, dtype=dtype).masked_fill_(~valid, float("-inf"))
+                masks.append(bias[:, None, None, :].to(device))
+        if src == list(range(batch)):
+            return cls(ranges, spans, masks, None, None)
+        position = {b: p for p, b in enumerate(src) if b < batch}
+        dst = torch.tensor([position[b] for b in range(batch)], device=device)
+        return cls(ranges, spans, masks, torch.tensor(src, device=device), dst)

@@ -19,7 +19,10 @@ def _store_kv_kernel(
     stride_kt,
     stride_vt,
     stride_kbt,
+    stride_kbh,
     stride_vbt,
+    stride_vbh,
+    HEAD_DIM: tl.constexpr,
     ROW: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -27,10 +30,14 @@ def _store_kv_kernel(
     slot = tl.load(Loc + t).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < ROW
+    # The buffer's heads need not be adjacent (a head-major pool): address them by stride.
+    head, dim = offs // HEAD_DIM, offs % HEAD_DIM
     k = tl.load(K + t * stride_kt + offs, mask=mask)
     v = tl.load(V + t * stride_vt + offs, mask=mask)
-    tl.store(KBuf + slot * stride_kbt + offs, k.to(KBuf.dtype.element_ty), mask=mask)
-    tl.store(VBuf + slot * stride_vbt + offs, v.to(VBuf.dtype.element_ty), mask=mask)
+    k_dst = KBuf + slot * stride_kbt + head * stride_kbh + dim
+    v_dst = VBuf + slot * stride_vbt + head * stride_vbh + dim
+    tl.store(k_dst, k.to(KBuf.dtype.element_ty), mask=mask)
+    tl.store(v_dst, v.to(VBuf.dtype.element_ty), mask=mask)
 
 
 def store_kv(
@@ -40,7 +47,8 @@ def store_kv(
     v_buffer: torch.Tensor,
     out_cache_loc: torch.Tensor,
 ) -> None:
-    """`k_buffer[out_cache_loc] = k` and likewise for v; buffers are one layer `[size, H, D]`."""
+    """`k_buffer[out_cache_loc] = k` and likewise for v; buffers are one layer `[size, H, D]`
+    with a unit stride over D (token- or head-major)."""
     check(k, v, k_buffer, v_buffer)
     if k.shape[0] == 0:
         return
@@ -62,7 +70,10 @@ def store_kv(
             k.stride(0),
             v.stride(0),
             k_buffer.stride(0),
+            k_buffer.stride(1),
             v_buffer.stride(0),
+            v_buffer.stride(1),
+            HEAD_DIM=head_dim,
             ROW=row,
             BLOCK=next_pow2(row),
         )

@@ -20,6 +20,11 @@ class KVStorage:
 
     The extra last slot is scratch: padded batch rows (CUDA-graph decode) write there, so
     they never touch a real token's KV.
+
+    `head_major=True` stores each head's slots together (`[n_layers, n_kv_heads, size + 1,
+    head_dim]` in memory, the same shape through a transposed view). The CPU attention then
+    streams one head's keys contiguously from a request's row, about 25% faster than over
+    token-major rows on the benchmark machine.
     """
 
     def __init__(
@@ -30,12 +35,19 @@ class KVStorage:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        head_major: bool = False,
     ) -> None:
-        shape = (num_layers, size + 1, num_kv_heads, head_dim)
         self.size = size
         self.scratch_slot = size
-        self.k_buffer = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_buffer = torch.zeros(shape, dtype=dtype, device=device)
+        self.head_major = head_major
+        if head_major:
+            shape = (num_layers, num_kv_heads, size + 1, head_dim)
+            self.k_buffer = torch.zeros(shape, dtype=dtype, device=device).transpose(1, 2)
+            self.v_buffer = torch.zeros(shape, dtype=dtype, device=device).transpose(1, 2)
+        else:
+            shape = (num_layers, size + 1, num_kv_heads, head_dim)
+            self.k_buffer = torch.zeros(shape, dtype=dtype, device=device)
+            self.v_buffer = torch.zeros(shape, dtype=dtype, device=device)
 
     @staticmethod
     def bytes_per_token(
@@ -85,7 +97,10 @@ class PagePool:
     allocation, no prefix sharing. `paged`: a shared pool of pages of `page_size` tokens,
     allocated on demand, with ref counts, LRU eviction and (by default when
     `page_size > 1`) radix prefix sharing. The paged budget is `kv_tokens`, or
-    `memory_fraction` of the device's free memory.
+    `memory_fraction` of the device's free memory. `head_major` picks the storage layout
+    (see `KVStorage`); the default is head-major for contiguous rows on the CPU, which the
+    CPU attention reads in place, and token-major otherwise (paged KV is gathered, and
+    gathering whole token rows is faster).
     """
 
     def __init__(
@@ -103,6 +118,7 @@ class PagePool:
         kv_tokens: int | None = None,
         memory_fraction: float | None = None,
         enable_radix: bool | None = None,
+        head_major: bool | None = None,
     ) -> None:
         if mode not in ("contiguous", "paged"):
             raise ValueError(f"cache mode must be 'contiguous' or 'paged', got {mode!r}")
@@ -128,7 +144,11 @@ class PagePool:
             if kv_tokens < page_size:
                 raise ValueError(f"kv_tokens={kv_tokens} is smaller than one page ({page_size})")
             size = kv_tokens // page_size * page_size
-        self.storage = KVStorage(num_layers, size, num_kv_heads, head_dim, dtype, device)
+        if head_major is None:  # CPU contiguous rows are read in place: head-major is faster
+            head_major = device.type == "cpu" and mode == "contiguous"
+        self.storage = KVStorage(
+            num_layers, size, num_kv_heads, head_dim, dtype, device, head_major=head_major
+        )
         self.req_pool = ReqToTokenPool(max_batch_size, max_seq_len, device)
         self.allocator: Allocator | None = None
         self.radix: RadixCache | None = None

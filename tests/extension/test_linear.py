@@ -1,0 +1,56 @@
+"""`astrai.extension.linear`: oneDNN for fp32 CPU inference, `F.linear` everywhere else."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.profiler import profile
+
+from astrai.extension import linear, onednn_linear_enabled
+from astrai.model.layers import Linear
+
+
+def _ops(fn) -> set[str]:
+    with profile() as prof:
+        fn()
+    return {e.key for e in prof.key_averages()}
+
+
+@pytest.mark.parametrize("shape", [(7, 48), (2, 5, 48), (1, 48), (0, 48)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_matches_f_linear_in_inference(shape, bias):
+    gen = torch.Generator().manual_seed(len(shape))
+    x, w = torch.randn(shape, generator=gen), torch.randn(96, 48, generator=gen)
+    b = torch.randn(96, generator=gen) if bias else None
+    with torch.inference_mode():
+        out = linear(x, w, b)
+    assert out.shape == (*shape[:-1], 96)
+    torch.testing.assert_close(out, F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not onednn_linear_enabled(), reason="this torch build has no oneDNN linear")
+def test_inference_takes_onednn_and_training_keeps_aten():
+    x, w = torch.randn(4, 32), torch.randn(16, 32, requires_grad=True)
+    with torch.no_grad():
+        assert "mkldnn::_linear_pointwise" in _ops(lambda: linear(x, w))
+    ops = _ops(lambda: linear(x, w))
+    assert "mkldnn::_linear_pointwise" not in ops and "aten::linear" in ops
+
+
+def test_gradients_flow_as_with_f_linear():
+    layer = Linear(8, 3)
+    x = torch.randn(5, 8, requires_grad=True)
+    layer(x).square().sum().backward()
+    ref = torch.nn.Linear(8, 3)
+    ref.load_state_dict(layer.state_dict())
+    x_ref = x.detach().clone().requires_grad_(True)
+    ref(x_ref).square().sum().backward()
+    assert torch.equal(layer.weight.grad, ref.weight.grad)
+    assert torch.equal(x.grad, x_ref.grad)
+
+
+def test_half_precision_is_plain_f_linear():
+    x, w = torch.randn(3, 16, dtype=torch.bfloat16), torch.randn(8, 16, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(linear(x, w), F.linear(x, w))
