@@ -1,5 +1,6 @@
 """Suite-wide settings: no network, no W&B uploads, deterministic CPU threads."""
 
+import contextlib
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -15,6 +16,10 @@ import torch
 # it on the CPU; tests that want the Triton path select it explicitly.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # Import it now: Triton builds its `tl` library for the interpreter only if
+    # TRITON_INTERPRET=1 at its import, and some tests set it to 0 for a while.
+    with contextlib.suppress(ImportError):
+        import triton  # noqa: F401
 
 
 def pytest_collection_modifyitems(config, items):
