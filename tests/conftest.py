@@ -2,6 +2,9 @@
 
 import contextlib
 import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -29,3 +32,31 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def _build_model_dir(
+    path: Path, texts: list[str], *, vocab_size: int = 300, seed: int = 0, **config: Any
+) -> Path:
+    """A random-weight model directory (config, safetensors and a BPE tokenizer trained on
+    `texts`), as `make train` would export it; `config` overrides the tiny defaults."""
+    from astrai.model import ModelConfig, Transformer
+    from astrai.tokenizer import AutoTokenizer
+
+    tok = AutoTokenizer.train(texts, vocab_size=vocab_size)
+    defaults = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        max_position_embeddings=256,
+    )
+    cfg = ModelConfig(vocab_size=len(tok), **{**defaults, **config})
+    torch.manual_seed(seed)
+    Transformer(cfg).save_pretrained(path, tokenizer=tok)
+    return Path(path)
+
+
+@pytest.fixture(scope="session")
+def build_model_dir() -> Callable[..., Path]:
+    """Factory of tiny model directories for tests that load one from disk."""
+    return _build_model_dir

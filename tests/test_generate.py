@@ -5,30 +5,16 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from astrai.generate import generate_file
 from astrai.inference import InferenceEngine
-from astrai.model import ModelConfig, Transformer
 from astrai.tokenizer import AutoTokenizer
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+def model_dir(tmp_path_factory, build_model_dir):
     texts = ["def add(a, b):\n    return a + b\n" * 20, "hello world, the answer is 42\n" * 20]
-    tok = AutoTokenizer.train(texts, vocab_size=300)
-    cfg = ModelConfig(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        max_position_embeddings=256,
-    )
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("model")
-    Transformer(cfg).save_pretrained(path, tokenizer=tok)
-    return path
+    return build_model_dir(tmp_path_factory.mktemp("model"), texts)
 
 
 def write_input(path):

@@ -17,10 +17,9 @@ from pathlib import Path
 import anthropic
 import openai
 import pytest
-import torch
 
 from astrai.inference import InferenceEngine
-from astrai.model import AutoModel, ModelConfig, Transformer
+from astrai.model import AutoModel, Transformer
 from astrai.serve import ServerThread, ServeSettings, create_app
 from astrai.tokenizer import AutoTokenizer
 
@@ -55,12 +54,13 @@ class ScriptedTransformer(Transformer):
 
 
 @pytest.fixture(scope="session")
-def model_dir(tmp_path_factory) -> Path:
+def model_dir(tmp_path_factory, build_model_dir) -> Path:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     texts = [p.read_text(errors="ignore") for p in sorted(stdlib.glob("[a-c]*.py"))[:10]]
-    tok = AutoTokenizer.train(texts, vocab_size=384)
-    cfg = ModelConfig(
-        vocab_size=len(tok),
+    return build_model_dir(
+        tmp_path_factory.mktemp("tiny-model"),
+        texts,
+        vocab_size=384,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -69,10 +69,6 @@ def model_dir(tmp_path_factory) -> Path:
         max_position_embeddings=1024,
         initializer_range=0.15,
     )
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny-model")
-    Transformer(cfg).save_pretrained(path, tokenizer=tok)
-    return path
 
 
 @pytest.fixture(scope="session")
