@@ -217,10 +217,10 @@ class _SegmentPlan:
         where = {row: i for i, row in enumerate(rows)}
         src, spans, masks = [], [], []
         for lo, hi, length in ranges:
-            a = len(src)
-            src.extend(where.get(r, batch) for r in range(lo, hi))
-            spans.append((a, len(src)))
-            seg_lens = [lens[where[r]] if r in where else 1 for r in range(lo, hi)]
+            seg = [where.get(r, batch) for r in range(lo, hi)]
+            spans.append((len(src), len(src) + len(seg)))
+            src.extend(seg)
+            seg_lens = [lens[i] if i < batch else 1 for i in seg]
             if all(n == length for n in seg_lens):
                 masks.append(None)
             else:  # additive, in the query dtype: SDPA would convert a boolean mask per call
