@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from astrai.extension.ops._common import check, launching, next_pow2
+from astrai.extension.ops._online_softmax import attend_key_block
 
 
 @triton.jit
@@ -73,25 +74,25 @@ def _decode_stage1(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         slots = tl.load(ReqToToken + row * stride_rt + offs_n, mask=mask_n, other=0).to(tl.int64)
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(
-            K + slots[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
+        m_i, l_i, acc = attend_key_block(
+            q,
+            K,
+            V,
+            slots,
+            kvh,
+            offs_d,
+            mask_n[:, None] & mask_d[None, :],
+            mask_n[None, :],
+            m_i,
+            l_i,
+            acc,
+            scale,
+            stride_kt,
+            stride_kh,
+            stride_vt,
+            stride_vh,
+            PRECISION,
         )
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            V + slots[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
     # An empty split (seq_len < NUM_SPLITS) leaves l_i == 0: output 0 with lse -inf, so
     # stage 2 gives it no weight.
     l_safe = tl.where(l_i > 0, l_i, 1.0)

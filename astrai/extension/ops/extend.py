@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from astrai.extension.ops._common import check, launching, next_pow2
+from astrai.extension.ops._online_softmax import attend_key_block
 
 
 @triton.jit
@@ -70,27 +71,25 @@ def _extend_kernel(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         slots = tl.load(ReqToToken + row * stride_rt + offs_n, mask=mask_n, other=0).to(tl.int64)
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(
-            K + slots[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
+        m_i, l_i, acc = attend_key_block(
+            q,
+            K,
+            V,
+            slots,
+            kvh,
+            offs_d,
+            mask_n[:, None] & mask_d[None, :],
+            mask_n[None, :] & (offs_n[None, :] <= prefix + offs_m[:, None]),  # causal
+            m_i,
+            l_i,
+            acc,
+            scale,
+            stride_kt,
+            stride_kh,
+            stride_vt,
+            stride_vh,
+            PRECISION,
         )
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        visible = mask_n[None, :] & (offs_n[None, :] <= prefix + offs_m[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # Rows that saw no key yet keep m = -inf; exp(-inf - -inf) would be NaN.
-        alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp(m_i - m_new))
-        p = tl.where(visible, tl.exp(s - m_new[:, None]), 0.0)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            V + slots[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out_ptr = (
         Out + (q_start + offs_m)[:, None].to(tl.int64) * stride_ot + h * stride_oh + offs_d[None, :]
