@@ -153,14 +153,7 @@ def test_extend_attention(ops, dtype, group, head_dim):
         q, k_buf, v_buf, table, rows, lens, indptr, max(q_lens), head_dim**-0.5, out=out
     )
     expected = ref.extend_attention_ref(
-        q.cpu(),
-        k_buf.cpu(),
-        v_buf.cpu(),
-        table.cpu(),
-        rows.cpu(),
-        lens.cpu(),
-        indptr.cpu(),
-        head_dim**-0.5,
+        *(t.cpu() for t in (q, k_buf, v_buf, table, rows, lens, indptr)), head_dim**-0.5
     )
     torch.testing.assert_close(
         out.cpu().double(), expected.double(), atol=TOL[dtype], rtol=TOL[dtype]
@@ -208,14 +201,7 @@ def test_bf16_kernels_on_gpu(ops, group):
     )
     out = ops["extend"].extend_attention(q, k_buf, v_buf, table, rows, lens, indptr, 64, 128**-0.5)
     expected = ref.extend_attention_ref(
-        q.cpu(),
-        k_buf.cpu(),
-        v_buf.cpu(),
-        table.cpu(),
-        rows.cpu(),
-        lens.cpu(),
-        indptr.cpu(),
-        128**-0.5,
+        *(t.cpu() for t in (q, k_buf, v_buf, table, rows, lens, indptr)), 128**-0.5
     )
     torch.testing.assert_close(out.cpu().double(), expected.double(), atol=2e-2, rtol=2e-2)
     qd, k_buf, v_buf, table, rows, lens, _ = paged_case(seq_lens, [1] * 4, 2 * group, 2, 128, dtype)
