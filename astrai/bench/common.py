@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import sysconfig
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from astrai.tokenizer import AutoTokenizer
+
+if TYPE_CHECKING:
+    import torch
+
+    from astrai.model import Transformer
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -19,3 +25,22 @@ def bench_tokenizer(vocab: int) -> AutoTokenizer:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     texts = [p.read_text(errors="ignore") for p in sorted(stdlib.glob("*.py"))[:40]]
     return AutoTokenizer.train(texts, vocab_size=min(vocab, 2048))
+
+
+def bench_model(cfg: dict[str, Any]) -> tuple[Transformer, AutoTokenizer, torch.device]:
+    """The random-weight preset `cfg["model"]` on `cfg["device"]` in `cfg.get("dtype")`
+    (fp32 by default), with `cfg["threads"]` (0: torch's default) and `cfg["seed"]` applied,
+    and a tokenizer that fits its vocabulary. Imports torch only when called: the serve
+    benchmark's client process imports this module too."""
+    import torch
+
+    from astrai.model import Transformer, preset
+
+    if cfg["threads"]:
+        torch.set_num_threads(int(cfg["threads"]))
+    torch.manual_seed(cfg["seed"])
+    device = torch.device(cfg["device"])
+    model_cfg = preset(cfg["model"])
+    with device:
+        model = Transformer(model_cfg).to(getattr(torch, cfg.get("dtype", "float32"))).eval()
+    return model, bench_tokenizer(model_cfg.vocab_size), device

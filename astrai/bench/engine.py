@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from astrai.bench.common import bench_tokenizer, percentile
+from astrai.bench.common import bench_model, percentile
 from astrai.inference import InferenceEngine
-from astrai.model import Transformer, preset
+from astrai.model import Transformer
 from astrai.tokenizer import AutoTokenizer
 
 logger = logging.getLogger(__name__)
@@ -145,15 +145,8 @@ def run_hf(
 
 def main(overrides: dict[str, Any]) -> dict[str, Any]:
     cfg = {**DEFAULTS, **overrides}
-    if cfg["threads"]:
-        torch.set_num_threads(int(cfg["threads"]))
-    torch.manual_seed(cfg["seed"])
-    device = torch.device(cfg["device"])
-    model_cfg = preset(cfg["model"])
-    dtype = getattr(torch, cfg["dtype"])
-    with device:
-        model = Transformer(model_cfg).to(dtype).eval()
-    tokenizer = bench_tokenizer(model_cfg.vocab_size)
+    model, tokenizer, device = bench_model(cfg)
+    model_cfg, dtype = model.config, getattr(torch, cfg["dtype"])
     report: dict[str, Any] = {
         "config": cfg,
         "model": cfg["model"],

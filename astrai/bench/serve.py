@@ -21,7 +21,7 @@ import random
 import time
 from typing import Any
 
-from astrai.bench.common import bench_tokenizer, percentile
+from astrai.bench.common import bench_model, percentile
 
 logger = logging.getLogger(__name__)
 
@@ -92,18 +92,10 @@ def main(overrides: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from astrai.inference import InferenceEngine
-    from astrai.model import Transformer, preset
     from astrai.serve import ServerThread, ServeSettings, create_app
 
     cfg = {**DEFAULTS, **overrides}
-    if cfg["threads"]:
-        torch.set_num_threads(int(cfg["threads"]))
-    torch.manual_seed(cfg["seed"])
-    device = torch.device(cfg["device"])
-    model_cfg = preset(cfg["model"])
-    with device:
-        model = Transformer(model_cfg).eval()
-    tokenizer = bench_tokenizer(model_cfg.vocab_size)
+    model, tokenizer, device = bench_model(cfg)
 
     rng = random.Random(cfg["seed"])
     words = [w for w in tokenizer.decode(range(300, 1200)).split() if w.isalpha()] or ["word"]
