@@ -2,7 +2,8 @@
 streaming detokenization, and HF-compatible save/load."""
 
 from astrai.tokenizer.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate, TemplateError
-from astrai.tokenizer.tokenizer import AutoTokenizer, StreamDecoder
+from astrai.tokenizer.stream import StreamDecoder
+from astrai.tokenizer.tokenizer import AutoTokenizer
 
 __all__ = [
     "DEFAULT_CHAT_TEMPLATE",

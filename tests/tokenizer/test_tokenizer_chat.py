@@ -271,3 +271,19 @@ def test_named_templates_pick_tool_use(tok: AutoTokenizer) -> None:
     assert t.apply_chat_template(user) == "plain"
     assert t.apply_chat_template(user, tools=[WEATHER_TOOL]) == "tools:1"
     assert t.chat_template == "plain"
+
+
+def test_named_templates_round_trip(tok: AutoTokenizer, tmp_path: Path) -> None:
+    templates = {"default": "plain", "tool_use": "tools:{{ tools | length }}"}
+    t = AutoTokenizer(tok.backend, chat_template=templates)
+    assert t.chat_templates == templates
+    t.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert config["chat_template"] == [{"name": n, "template": s} for n, s in templates.items()]
+    assert AutoTokenizer.from_pretrained(tmp_path).chat_templates == templates
+    # template files take priority over the config, as in transformers
+    (tmp_path / "chat_template.jinja").write_text("file")
+    (tmp_path / "additional_chat_templates").mkdir()
+    (tmp_path / "additional_chat_templates" / "tool_use.jinja").write_text("file-tools")
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert loaded.chat_templates == {"default": "file", "tool_use": "file-tools"}

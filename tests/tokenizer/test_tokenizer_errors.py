@@ -90,3 +90,13 @@ def test_missing_config_still_loads(copy_dir: Path, tok: AutoTokenizer) -> None:
 def test_constructor_rejects_non_tokenizer() -> None:
     with pytest.raises(TypeError, match=r"tokenizers\.Tokenizer"):
         AutoTokenizer("not a tokenizer")  # type: ignore[arg-type]
+
+
+def test_bare_tokenizer_json_file(saved_dir: Path, tok: AutoTokenizer, tmp_path: Path) -> None:
+    """from_pretrained also takes a tokenizer.json file (no metadata), but no other file."""
+    loaded = AutoTokenizer.from_pretrained(saved_dir / "tokenizer.json")
+    assert loaded.encode("abc 中") == tok.encode("abc 中")
+    assert loaded.eos_token is None
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(ValueError, match="expected a tokenizer directory"):
+        AutoTokenizer.from_pretrained(tmp_path / "notes.txt")
