@@ -39,7 +39,7 @@ def _build_model_dir(
 ) -> Path:
     """A random-weight model directory (config, safetensors and a BPE tokenizer trained on
     `texts`), as `make train` would export it; `config` overrides the tiny defaults."""
-    from astrai.model import ModelConfig, Transformer
+    from astrai.model import ModelConfig, Transformer, save_pretrained
     from astrai.tokenizer import AutoTokenizer
 
     tok = AutoTokenizer.train(texts, vocab_size=vocab_size)
@@ -52,7 +52,7 @@ def _build_model_dir(
     )
     cfg = ModelConfig(vocab_size=len(tok), **{**defaults, **config})
     torch.manual_seed(seed)
-    Transformer(cfg).save_pretrained(path, tokenizer=tok)
+    save_pretrained(Transformer(cfg), path, tokenizer=tok)
     return Path(path)
 
 

@@ -32,3 +32,12 @@ def test_makefile_installs_torch_first_then_the_package():
     package_line = makefile.index('install --quiet -e ".[dev]"')
     assert torch_line < package_line
     assert "TORCH_SPEC ?= torch==2.13.0" in makefile
+
+
+def test_version_comes_from_pyproject():
+    import tomllib
+
+    import astrai
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert astrai.__version__ == project["version"]

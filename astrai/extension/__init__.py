@@ -1,8 +1,8 @@
 """Attention for inference: one policy entry point over interchangeable backends.
 
 `attention(q, k, v, kv_cache, layer_id, scale=...)` writes the step's K/V into the paged
-cache and attends. Backends: triton (default on GPU, kernels pending), flash (when flash-attn
-is installed), torch_native (SDPA; always available). Select one strictly with
+cache and attends. Backends: triton (default on GPU; the kernels live in `ops/`), flash
+(when flash-attn is installed), torch_native (SDPA; always available). Select one strictly with
 `with attn_backend("torch_native"):` or `ASTR_BACKEND=...`; otherwise the first capable
 backend serves each call. `linear` is the model's matmul (oneDNN for fp32 CPU inference).
 """

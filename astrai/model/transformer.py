@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-from typing import TYPE_CHECKING, Any
-
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -12,9 +9,6 @@ from torch.utils.checkpoint import checkpoint
 from astrai.extension import KVCache
 from astrai.model.config import ModelConfig
 from astrai.model.layers import MLP, Attention, Linear, RMSNorm, RotaryEmbedding
-
-if TYPE_CHECKING:
-    from astrai.tokenizer import AutoTokenizer
 
 
 class DecoderBlock(nn.Module):
@@ -181,24 +175,3 @@ class Transformer(nn.Module):
         if logits_indices is not None:
             x = x[logits_indices]
         return self.lm_head(self.norm(x))
-
-    # ------------------------------------------------------------------ checkpoints
-    def save_pretrained(
-        self,
-        path: str | os.PathLike,
-        *,
-        tokenizer: AutoTokenizer | None = None,
-        hf_format: bool = False,
-        **kwargs: Any,
-    ) -> None:
-        """Write a model directory (see `astrai.model.hub.save_pretrained`)."""
-        from astrai.model.hub import save_pretrained
-
-        save_pretrained(self, path, tokenizer=tokenizer, hf_format=hf_format, **kwargs)
-
-    @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, **kwargs: Any) -> Transformer:
-        """Load an astrai or HF Llama/Qwen2/Qwen3/Mistral directory (see `astrai.model.hub`)."""
-        from astrai.model.hub import load_pretrained
-
-        return load_pretrained(path, **kwargs)

@@ -6,7 +6,7 @@ import pytest
 import torch
 import transformers
 
-from astrai.model import AutoModel, ModelConfig, Transformer
+from astrai.model import AutoModel, ModelConfig, Transformer, save_pretrained
 
 VOCAB = 320
 BASE = dict(
@@ -111,7 +111,7 @@ def test_export_loads_in_transformers_with_equal_logits(case, tmp_path):
     hf = build_hf(case)
     hf.save_pretrained(tmp_path / "hf")
     ours = AutoModel.from_pretrained(tmp_path / "hf")
-    ours.save_pretrained(tmp_path / "export", hf_format=True)
+    save_pretrained(ours, tmp_path / "export", hf_format=True)
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
     assert type(back).__name__ == type(hf).__name__
     x = ids()
@@ -123,7 +123,7 @@ def test_native_directory_round_trip_and_sharding(tmp_path):
     cfg = ModelConfig(**{**BASE, "qk_norm": True, "attention_bias": True, "o_proj_bias": True})
     torch.manual_seed(0)
     model = Transformer(cfg).eval()
-    model.save_pretrained(tmp_path, max_shard_size=40_000)
+    save_pretrained(model, tmp_path, max_shard_size=40_000)
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     shards = sorted({v for v in index["weight_map"].values()})
     assert len(shards) > 1 and all((tmp_path / s).is_file() for s in shards)
@@ -134,7 +134,7 @@ def test_native_directory_round_trip_and_sharding(tmp_path):
     with torch.no_grad():
         assert torch.equal(back(x), model(x))
     # Saving again unsharded replaces the shards instead of leaving stale files behind.
-    model.save_pretrained(tmp_path)
+    save_pretrained(model, tmp_path)
     assert (tmp_path / "model.safetensors").is_file()
     assert not list(tmp_path.glob("model-*.safetensors"))
     assert not (tmp_path / "model.safetensors.index.json").exists()

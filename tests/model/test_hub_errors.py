@@ -7,12 +7,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from astrai.model import AutoModel, CheckpointError, ConfigError, Transformer
+from astrai.model import AutoModel, CheckpointError, ConfigError, Transformer, save_pretrained
 
 
 @pytest.fixture
 def saved(tiny_model, tmp_path):
-    tiny_model.save_pretrained(tmp_path)
+    save_pretrained(tiny_model, tmp_path)
     return tmp_path
 
 
@@ -88,7 +88,7 @@ def test_missing_directory_and_files(tmp_path):
 
 
 def test_missing_shard_is_named(tiny_model, tmp_path):
-    tiny_model.save_pretrained(tmp_path, max_shard_size=20_000)
+    save_pretrained(tiny_model, tmp_path, max_shard_size=20_000)
     shard = sorted(tmp_path.glob("model-*.safetensors"))[0]
     shard.unlink()
     with pytest.raises(CheckpointError, match=shard.name):
@@ -97,7 +97,7 @@ def test_missing_shard_is_named(tiny_model, tmp_path):
 
 def test_save_keeps_unrelated_files(tiny_model, tmp_path):
     (tmp_path / "README.md").write_text("notes")
-    tiny_model.save_pretrained(tmp_path)
+    save_pretrained(tiny_model, tmp_path)
     assert (tmp_path / "README.md").read_text() == "notes"
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
 
@@ -106,4 +106,4 @@ def test_unrepresentable_hf_export_is_refused(tmp_path, tiny_config):
     tiny_config.o_proj_bias = True  # output bias without q/k/v bias: no HF architecture
     model = Transformer(tiny_config)
     with pytest.raises(ConfigError, match="o_proj_bias"):
-        model.save_pretrained(tmp_path, hf_format=True)
+        save_pretrained(model, tmp_path, hf_format=True)

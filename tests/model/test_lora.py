@@ -3,7 +3,15 @@ import json
 import pytest
 import torch
 
-from astrai.model import LoRAConfig, Transformer, inject_lora, load_lora, merge_lora, save_lora
+from astrai.model import (
+    LoRAConfig,
+    Transformer,
+    inject_lora,
+    load_lora,
+    merge_lora,
+    save_lora,
+    save_pretrained,
+)
 from astrai.model.lora import LoRALinear
 
 
@@ -67,7 +75,7 @@ def test_unknown_target_lists_available(tiny_model):
 def test_save_pretrained_refuses_unmerged(tiny_model, tmp_path):
     inject_lora(tiny_model, LoRAConfig(r=2))
     with pytest.raises(ValueError, match="merge_lora"):
-        tiny_model.save_pretrained(tmp_path)
+        save_pretrained(tiny_model, tmp_path)
 
 
 def test_only_adapters_change_in_training(tiny_model):
