@@ -1,7 +1,8 @@
 """The per-step view of the KV cache that attention backends read and write.
 
-Plain data, no methods: the inference scheduler builds one per forward step
-(`PagePool.bind_tasks()`), the model passes it through to `astrai.extension.attention`.
+Plain data, no methods: the inference model runner builds one per forward step
+(`PagePool.bind_tasks()`, or the decode workspace at fixed addresses), the model passes it
+through to `astrai.extension.attention`.
 Tokens of a step are packed: request `i` owns query rows `qo_indptr[i]:qo_indptr[i+1]`,
 and its keys/values after the write are the slots
 `req_to_token[req_pool_indices[i], :seq_lens[i]]` of `k_buffer[layer]` / `v_buffer[layer]`.

@@ -1,8 +1,16 @@
-"""Inference engine: paged KV cache, continuous-batching scheduler, sampling, engine API."""
+"""Inference: KV cache, a scheduler that plans, a model runner that runs, and the engine API.
 
-from astrai.inference.engine import EngineNotReady, GenerateResult, InferenceEngine
+`InferenceEngine` is the front door. Each step, `InferenceScheduler.schedule()` decides
+which requests run with how many tokens (a `StepPlan`), `ModelRunner.run(plan)` runs the
+forward and samples, and `InferenceScheduler.postprocess(...)` appends the tokens and
+applies the stop rules. A request's settings travel as one `SamplingParams`.
+"""
+
+from astrai.inference.engine import BatchResult, EngineNotReady, InferenceEngine
+from astrai.inference.result import GenerateResult
+from astrai.inference.runner import ModelRunner
 from astrai.inference.sampling import SamplingParams
-from astrai.inference.scheduler import BatchResult, InferenceScheduler
+from astrai.inference.scheduler import InferenceScheduler, StepPlan
 from astrai.inference.task import Task
 
 __all__ = [
@@ -11,6 +19,8 @@ __all__ = [
     "GenerateResult",
     "InferenceEngine",
     "InferenceScheduler",
+    "ModelRunner",
     "SamplingParams",
+    "StepPlan",
     "Task",
 ]

@@ -1,139 +1,56 @@
-"""`InferenceEngine`: text in, text out, over the continuous-batching scheduler.
+"""`InferenceEngine`: text in, text out, over a scheduler that plans and a runner that runs.
 
 Three callers share it: the HTTP server (`generate_async` / `submit`), generation-based
 evaluation during training, and GRPO rollouts (`run_batch`, token ids and log-probs).
+Its step is nano-vllm's: `scheduler.schedule()` -> `runner.run(plan)` ->
+`scheduler.postprocess(...)`, driven by one background thread or, for `run_batch`, by the
+calling thread; both use `step()`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
-from collections.abc import AsyncGenerator, Callable, Generator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Generator, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
+from astrai.extension import BackendUnavailable, selected_backend
 from astrai.inference.cache import PagePool
-from astrai.inference.graph import (
-    CUDAGraphRunner,
-    DecodeGraphRunner,
-    StandInGraphRunner,
-    capture_sizes,
-)
+from astrai.inference.graph import DecodeGraphRunner
+from astrai.inference.result import GenerateResult
+from astrai.inference.runner import ModelRunner
 from astrai.inference.sampling import SamplingParams
 from astrai.inference.scheduler import InferenceScheduler
 from astrai.inference.task import Task
-from astrai.inference.workspace import InferenceWorkspace
 from astrai.model import Transformer
 from astrai.tokenizer import AutoTokenizer
 
 logger = logging.getLogger(__name__)
+
+__all__ = ["BatchResult", "EngineNotReady", "GenerateResult", "InferenceEngine"]
 
 
 class EngineNotReady(RuntimeError):
     """The engine was shut down, or its loop crashed."""
 
 
-class GenerateResult:
-    """Progress of one request, filled in by the scheduler thread.
+@dataclass
+class BatchResult:
+    """One `run_batch` output: token ids, aligned log-probs, and why it ended."""
 
-    Non-streaming callers block on a `Condition` (`wait_completion`); streaming callers
-    wait on an `Event` that is set whenever new text arrives (`wait`), or iterate.
-    `callbacks` receive each text delta as it is produced (`cb(text)`).
-    """
-
-    def __init__(self, task: Task, tokenizer: AutoTokenizer) -> None:
-        self.task = task
-        self._decoder = tokenizer.stream_decoder(skip_special_tokens=True)
-        self._special = set(tokenizer.special_ids)
-        self._pieces: list[str] = []
-        self._read = 0
-        self._cond = threading.Condition()
-        self._event = threading.Event()
-        self._done = False
-        self.callbacks: list[Callable[[str], None]] = []
-        self.finish_callbacks: list[Callable[[GenerateResult], None]] = []
-
-    # -- scheduler side
-    def _on_token(self, task: Task, token: int, logprob: float) -> None:
-        text = self._decoder.step(token)
-        self._push(text)
-
-    def _on_finish(self, task: Task) -> None:
-        self._push(self._decoder.flush())
-        # Callbacks run under the lock, so one registered concurrently (see
-        # `_interleave`) sees each piece exactly once: in the snapshot or as a call.
-        with self._cond:
-            self._done = True
-            self._cond.notify_all()
-            for cb in self.finish_callbacks:
-                cb(self)
-        self._event.set()
-
-    def _push(self, text: str) -> None:
-        if not text:
-            return
-        with self._cond:
-            self._pieces.append(text)
-            self._cond.notify_all()
-            for cb in self.callbacks:
-                cb(text)
-        self._event.set()
-
-    # -- caller side
-    @property
-    def id(self) -> int:
-        return self.task.id
-
-    @property
-    def done(self) -> bool:
-        return self._done
-
-    @property
-    def text(self) -> str:
-        return "".join(self._pieces)
-
-    @property
-    def token_ids(self) -> list[int]:
-        return list(self.task.output_ids)
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self.task.finish_reason
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until new text or the end arrives; True if something did."""
-        got = self._event.wait(timeout)
-        self._event.clear()
-        return got
-
-    def wait_completion(self, timeout: float | None = None) -> str:
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._done, timeout):
-                raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
-        if self.task.finish_reason in ("rejected", "aborted"):
-            raise ValueError(f"request {self.id} {self.task.finish_reason}: {self.task.error}")
-        return self.text
-
-    def __iter__(self) -> Iterator[str]:
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._read < len(self._pieces) or self._done)
-                pieces = self._pieces[self._read :]
-                self._read = len(self._pieces)
-                done = self._done
-            yield from pieces
-            if done and self._read == len(self._pieces):
-                if self.task.finish_reason in ("rejected", "aborted"):
-                    raise ValueError(
-                        f"request {self.id} {self.task.finish_reason}: {self.task.error}"
-                    )
-                return
+    token_ids: list[int]
+    logprobs: list[float] | None
+    finish_reason: str
+    error: str | None = None
 
 
 class InferenceEngine:
-    """A model, its tokenizer, a KV pool and a scheduler thread.
+    """A model, its tokenizer, a KV pool, a scheduler, a model runner and a loop thread.
 
     `cache_mode="contiguous"` (default) gives every batch slot `max_seq_len` fixed KV
     slots; `"paged"` shares a pool of `page_size`-token pages (budget `kv_tokens` or
@@ -159,7 +76,7 @@ class InferenceEngine:
         start: bool = True,
     ) -> None:
         # No .eval() here: GRPO shares the live policy module, whose mode Lightning owns. The
-        # model has no dropout; the scheduler runs it under inference_mode.
+        # model has no dropout; the runner runs it under inference_mode.
         self.model = model
         self.tokenizer = tokenizer
         param = next(model.parameters())
@@ -168,7 +85,6 @@ class InferenceEngine:
             raise ValueError(
                 f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {cfg.vocab_size}"
             )
-        max_seq_len = max_seq_len or min(cfg.max_position_embeddings, 4096)
         self.pool = PagePool(
             num_layers=cfg.num_hidden_layers,
             num_kv_heads=cfg.num_key_value_heads,
@@ -176,7 +92,7 @@ class InferenceEngine:
             dtype=param.dtype,
             device=param.device,
             max_batch_size=max_batch_size,
-            max_seq_len=max_seq_len,
+            max_seq_len=max_seq_len or min(cfg.max_position_embeddings, 4096),
             mode=cache_mode,
             page_size=page_size,
             kv_tokens=kv_tokens,
@@ -184,79 +100,133 @@ class InferenceEngine:
             enable_radix=prefix_cache,
         )
         self.scheduler = InferenceScheduler(
-            model,
             self.pool,
+            vocab_size=cfg.vocab_size,
             max_batch_size=max_batch_size,
             max_prefill_tokens=max_prefill_tokens,
             stop_ids=tokenizer.stop_ids,
             max_queue=max_queue,
         )
-        self.graph_runner = self._build_graph_runner(decode_graphs, max_batch_size)
-        self._closed = False
-        if start:
-            self.scheduler.start()
-
-    def _build_graph_runner(
-        self, mode: bool | str | None, max_batch_size: int
-    ) -> DecodeGraphRunner | None:
-        """CUDA graphs for decode by default on CUDA; `"stand-in"` for CPU tests; False: eager."""
-        device = self.pool.device
-        if mode is None:
-            mode = device.type == "cuda"
-        if not mode:
-            return None
-        cfg = self.model.config
-        if (cfg.rope_scaling or {}).get("rope_type") == "dynamic":
-            logger.warning("decode graphs disabled: dynamic RoPE depends on the step's length")
-            return None
-        batch = min(max_batch_size, self.pool.req_pool.num_reqs)
-        workspace = InferenceWorkspace(
-            self.pool,
-            max_batch_size=batch,
-            n_heads=cfg.num_attention_heads,
-            head_dim=cfg.head_dim,
-            dtype=next(self.model.parameters()).dtype,
+        self.runner = ModelRunner(
+            model, self.pool, max_batch_size=max_batch_size, decode_graphs=decode_graphs
         )
-        sizes = capture_sizes(batch)
-        if mode == "stand-in":
-            runner: DecodeGraphRunner = StandInGraphRunner(self.model, workspace, sizes)
-        elif device.type != "cuda":
-            raise ValueError(f"decode_graphs=True needs a CUDA model, got {device}")
-        else:
-            try:
-                runner = CUDAGraphRunner(self.model, workspace, sizes)
-            except Exception as err:  # fall back to eager decode, loudly
-                logger.warning("CUDA graph capture failed, decoding eagerly: %s", err)
-                return None
-        self.scheduler.workspace = workspace
-        self.scheduler.graph_runner = runner
-        return runner
+        self._closed = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if start:
+            self.start()
+
+    # ------------------------------------------------------------------ public facts
+    @property
+    def policy_version(self) -> int:
+        """Version of the weights the engine generates with (see `update_weights`)."""
+        return self.scheduler.policy_version
+
+    @property
+    def max_seq_len(self) -> int:
+        """Context length of one request: prompt plus generated tokens."""
+        return self.pool.max_seq_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.scheduler.vocab_size
+
+    @property
+    def queue_full(self) -> bool:
+        return self.scheduler.queue_full
+
+    @property
+    def graph_runner(self) -> DecodeGraphRunner | None:
+        """The decode graph runner (None: eager decode)."""
+        return self.runner.graph_runner
 
     @property
     def cuda_graph_enabled(self) -> bool:
-        return isinstance(self.graph_runner, CUDAGraphRunner)
+        return self.runner.cuda_graph_enabled
 
-    # ------------------------------------------------------------------ lifecycle
+    @property
+    def device(self) -> torch.device:
+        return self.pool.device
+
+    # ------------------------------------------------------------------ the loop
+    @property
+    def running(self) -> bool:
+        """The background loop thread is alive."""
+        return self._thread is not None and self._thread.is_alive()
+
     @property
     def ready(self) -> bool:
-        return not self._closed and self.scheduler.ready
+        return not self._closed and self.running and self.scheduler.failure is None
 
+    def start(self) -> None:
+        """Start the background loop (a restart after a crash accepts requests again)."""
+        if self.running:
+            return
+        self._stop.clear()
+        self.scheduler.failure = None
+        self._thread = threading.Thread(target=self._loop, name="astrai-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """Stop the loop after its current step; queued and running tasks stay as they are."""
+        self._stop.set()
+        self.scheduler.wakeup.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def step(self) -> None:
+        """One step: plan, run each plan, post-process, then free what finished.
+
+        A plan whose (strict) attention backend cannot serve it aborts its tasks only.
+        """
+        scheduler, runner = self.scheduler, self.runner
+        for plan in scheduler.schedule():
+            try:
+                tokens, logprobs = runner.run(plan)
+            except BackendUnavailable as err:
+                scheduler.abort(plan, str(err))
+                continue
+            scheduler.postprocess(plan, tokens, logprobs)
+        scheduler.cleanup()
+
+    def _loop(self) -> None:
+        logger.debug("engine loop started")
+        wakeup = self.scheduler.wakeup
+        while not self._stop.is_set():
+            if not self.scheduler.has_work():
+                wakeup.wait(timeout=0.1)
+                wakeup.clear()
+                continue
+            try:
+                self.step()
+            except Exception as err:
+                logger.exception("engine loop crashed")
+                self.scheduler.fail_all(f"{type(err).__name__}: {err}")
+                return
+
+    def _pause(self) -> None:
+        """Let the loop finish the work it has, then stop it."""
+        while self.scheduler.has_work():
+            threading.Event().wait(0.01)
+            if not self.running:
+                break
+        self.stop()
+
+    # ------------------------------------------------------------------ lifecycle
     def shutdown(self) -> None:
         """Stop the loop and end every open stream (finish reason `cancelled`)."""
         if self._closed:
             return
         self._closed = True
-        with self.scheduler._lock:
-            pending = [*self.scheduler._waiting, *self.scheduler._running]
-        for task in pending:
-            self.scheduler.cancel_task(task.id)
+        self.scheduler.cancel_all()
         deadline = 50
-        while self.scheduler.running and self.scheduler.has_work() and deadline:
+        while self.running and self.scheduler.has_work() and deadline:
             threading.Event().wait(0.02)
             deadline -= 1
-        self.scheduler.stop()
+        self.stop()
         if self.scheduler.has_work():  # loop was not running: clean up on this thread
-            self.scheduler._cleanup()
+            self.scheduler.cleanup()
 
     def __enter__(self) -> InferenceEngine:
         return self
@@ -265,7 +235,7 @@ class InferenceEngine:
         self.shutdown()
 
     def get_stats(self) -> dict[str, Any]:
-        return self.scheduler.stats()
+        return {**self.scheduler.stats(), "ready": self.ready}
 
     # ------------------------------------------------------------------ submission
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
@@ -273,36 +243,39 @@ class InferenceEngine:
             return self.tokenizer.encode(prompt)
         return list(prompt)
 
+    def check_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        """The one request check: raise ValueError naming what is wrong, else return.
+
+        Bad settings name the parameter (`top_p must be ...`); a prompt that can never run
+        says why (empty, too long, token ids outside the vocabulary, `max_tokens` <= 0).
+        """
+        params.validate(vocab_size=self.vocab_size)
+        problem = self.scheduler.problem(prompt_ids, params)
+        if problem is not None:
+            raise ValueError(problem)
+
     def submit(
         self,
         prompt: str | Sequence[int],
-        *,
-        max_tokens: int = 256,
-        ignore_eos: bool = False,
-        stop_ids: Sequence[int] | None = None,
+        params: SamplingParams | None = None,
         **sampling: Any,
     ) -> GenerateResult:
         """Queue one request and return its `GenerateResult` at once.
 
-        Sampling keywords are `SamplingParams` fields (temperature, top_p, top_k, min_p,
-        presence_penalty, frequency_penalty, logit_bias, seed); invalid values raise
-        `ValueError` naming the parameter before anything is queued.
+        Settings come as `params` and/or `SamplingParams` keywords (max_tokens,
+        ignore_eos, stop_ids, temperature, top_p, top_k, min_p, presence_penalty,
+        frequency_penalty, logit_bias, seed), keywords overriding `params`. Invalid settings
+        raise `ValueError` naming the parameter before anything is queued; a prompt that can
+        never run ends at once with finish reason `rejected` (see `check_request`).
         """
         if self._closed:
             raise EngineNotReady("the engine has been shut down")
-        params = SamplingParams(**sampling)
-        params.validate()
-        stops = frozenset(self.tokenizer.stop_ids if stop_ids is None else stop_ids)
-        task = Task(
-            prompt_ids=self.encode(prompt),
-            params=params,
-            max_tokens=max_tokens,
-            stop_ids=stops,
-            ignore_eos=ignore_eos,
-        )
+        params = _params(params, sampling)
+        params.validate(vocab_size=self.vocab_size)
+        task = Task(prompt_ids=self.encode(prompt), params=params, backend=selected_backend())
         result = GenerateResult(task, self.tokenizer)
-        task.on_token = result._on_token
-        task.on_finish = result._on_finish
+        task.on_token = result.on_token
+        task.on_finish = result.on_finish
         self.scheduler.submit(task)
         return result
 
@@ -318,53 +291,49 @@ class InferenceEngine:
         **kwargs: Any,
     ) -> str | list[str] | Generator[str, None, None] | Generator[tuple[int, str], None, None]:
         """str -> str; list -> list[str]; `stream=True`: text deltas, or `(index, delta)`
-        pairs for a list, in the order they are produced."""
+        pairs for a list, in the order they are produced. Closing a stream before its end
+        (`close()`, or dropping it mid-way) cancels the requests it still waits for."""
         if isinstance(prompt, str):
             result = self.submit(prompt, **kwargs)
-            return iter(result) if stream else result.wait_completion()
+            return self._stream(result) if stream else result.wait_completion()
         results = [self.submit(p, **kwargs) for p in prompt]
         if not stream:
             return [r.wait_completion() for r in results]
         return self._interleave(results)
 
-    @staticmethod
-    def _interleave(results: list[GenerateResult]) -> Generator[tuple[int, str], None, None]:
+    def _stream(self, result: GenerateResult) -> Generator[str, None, None]:
+        try:
+            yield from result
+        finally:
+            if not result.done:
+                self.cancel(result)
+
+    def _interleave(self, results: list[GenerateResult]) -> Generator[tuple[int, str], None, None]:
         cond = threading.Condition()
         events: list[tuple[int, str | None]] = []
 
-        def make(i: int) -> tuple[Callable[[str], None], Callable[[GenerateResult], None]]:
-            def on_text(text: str) -> None:
-                with cond:
-                    events.append((i, text))
-                    cond.notify()
-
-            def on_done(_: GenerateResult) -> None:
-                with cond:
-                    events.append((i, None))
-                    cond.notify()
-
-            return on_text, on_done
+        def push(i: int, text: str | None) -> None:
+            with cond:
+                events.append((i, text))
+                cond.notify()
 
         for i, r in enumerate(results):
-            on_text, on_done = make(i)
-            with r._cond:  # register atomically with respect to delivered text
-                r.callbacks.append(on_text)
-                r.finish_callbacks.append(on_done)
-                early, finished = list(r._pieces), r._done
-            for text in early:
-                events.append((i, text))
-            if finished:
-                events.append((i, None))
+            r.subscribe(lambda text, i=i: push(i, text), lambda _, i=i: push(i, None))
         remaining = len(results)
-        while remaining:
-            with cond:
-                cond.wait_for(lambda: events)
-                batch, events[:] = list(events), []
-            for i, text in batch:
-                if text is None:
-                    remaining -= 1
-                else:
-                    yield i, text
+        try:
+            while remaining:
+                with cond:
+                    cond.wait_for(lambda: events)
+                    batch, events[:] = list(events), []
+                for i, text in batch:
+                    if text is None:
+                        remaining -= 1
+                    else:
+                        yield i, text
+        finally:
+            for r in results:
+                if not r.done:
+                    self.cancel(r)
 
     async def generate_async(
         self, prompt: str | Sequence[int], **kwargs: Any
@@ -373,60 +342,99 @@ class InferenceEngine:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[str | None] = asyncio.Queue()
         result = self.submit(prompt, **kwargs)
-        with result._cond:
-            early, finished = list(result._pieces), result._done
-            result.callbacks.append(lambda text: loop.call_soon_threadsafe(queue.put_nowait, text))
-            result.finish_callbacks.append(
-                lambda _: loop.call_soon_threadsafe(queue.put_nowait, None)
-            )
-        for text in early:
-            queue.put_nowait(text)
-        if finished:
-            queue.put_nowait(None)
+        result.subscribe(
+            lambda text: loop.call_soon_threadsafe(queue.put_nowait, text),
+            lambda _: loop.call_soon_threadsafe(queue.put_nowait, None),
+        )
         try:
             while (text := await queue.get()) is not None:
                 yield text
         finally:
             if not result.done:
                 self.cancel(result)
-        if result.finish_reason in ("rejected", "aborted"):
-            raise ValueError(f"request {result.id} {result.finish_reason}: {result.task.error}")
+        result.raise_if_failed()
 
     # ------------------------------------------------------------------ rollouts and weights
-    def run_batch(self, prompt_ids_list: Sequence[Sequence[int]], **kwargs: Any) -> list[Any]:
-        """Synchronous generation on the calling thread (see `InferenceScheduler.run_batch`).
+    def run_batch(
+        self,
+        prompt_ids_list: Sequence[Sequence[int]],
+        *,
+        max_tokens: int = 256,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        frequency_penalty: float = 0.0,
+        seed: int | None = None,
+        ignore_eos: bool = False,
+        return_logprobs: bool = False,
+        return_details: bool = False,
+    ) -> list[Any]:
+        """Generate for every prompt on the calling thread; results in input order.
 
-        The background loop is paused for the call and resumed afterwards.
+        Returns token-id lists, or `(ids, logprobs)` pairs with `return_logprobs`, or
+        `BatchResult`s with `return_details`. Prompt `i` draws with seed `seed + i`. A
+        rejected prompt (empty, too long, `max_tokens <= 0`, KV allocation failed) gets
+        finish reason `rejected` and an error; it never blocks the others. Invalid
+        sampling settings raise ValueError. The background loop is paused for the call.
         """
-        was_running = self.scheduler.running
+        params = SamplingParams(
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            frequency_penalty=frequency_penalty,
+            max_tokens=max_tokens,
+            ignore_eos=ignore_eos,
+        ).validate(vocab_size=self.vocab_size)
+        was_running = self.running
         if was_running:
             self._pause()
         try:
-            return self.scheduler.run_batch(prompt_ids_list, **kwargs)
+            backend = selected_backend()
+            tasks = [
+                self.scheduler.submit(
+                    Task(
+                        prompt_ids=list(ids),
+                        params=params
+                        if seed is None
+                        else dataclasses.replace(params, seed=seed + i),
+                        backend=backend,
+                    )
+                )
+                for i, ids in enumerate(prompt_ids_list)
+            ]
+            while self.scheduler.has_work():
+                self.step()
         finally:
             if was_running and not self._closed:
-                self.scheduler.start()
+                self.start()
+        results = []
+        for t in tasks:
+            lp = list(t.logprobs) if (return_logprobs or return_details) else None
+            if return_details:
+                results.append(BatchResult(list(t.output_ids), lp, t.finish_reason, t.error))
+            elif return_logprobs:
+                results.append((list(t.output_ids), lp))
+            else:
+                results.append(list(t.output_ids))
+        return results
 
     def update_weights(
         self, fn: Callable[[], Any] | None = None, version: int | None = None
     ) -> int:
-        """Apply `fn` (e.g. copy new weights in) with the loop paused; bump the policy version."""
-        was_running = self.scheduler.running
+        """Apply `fn` (e.g. copy new weights in) with the loop paused; advance the policy
+        version to `version` (default: current + 1; an explicit one must be greater)."""
+        was_running = self.running
         if was_running:
             self._pause()
         try:
             return self.scheduler.apply_weight_update(version, fn or (lambda: None))
         finally:
             if was_running and not self._closed:
-                self.scheduler.start()
+                self.start()
 
-    def _pause(self) -> None:
-        while self.scheduler.has_work():
-            threading.Event().wait(0.01)
-            if not self.scheduler.running:
-                break
-        self.scheduler.stop()
 
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+def _params(params: SamplingParams | None, overrides: dict[str, Any]) -> SamplingParams:
+    """`params` with keyword overrides (or a fresh `SamplingParams` from the keywords)."""
+    if params is None:
+        return SamplingParams(**overrides)
+    return dataclasses.replace(params, **overrides) if overrides else params

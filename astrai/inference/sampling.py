@@ -16,6 +16,7 @@ Temperature 0 is greedy: the row keeps only its argmax, so no noise can change i
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
@@ -48,11 +49,13 @@ def _check_number(name: str, value: object, low: float, high: float, *, low_open
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling settings (OpenAI semantics).
+    """One request's generation settings (OpenAI semantics), travelling as one object.
 
     temperature 0 is greedy; top_k 0 or -1 is off; top_p 1 and min_p 0 are off. Penalties
-    count only generated tokens. `seed` makes the request's draws reproducible. Frozen, so a
-    batch built from the same objects can be reused (`SamplingBatchCache`).
+    count only generated tokens. `seed` makes the request's draws reproducible. Generation
+    ends after `max_tokens` tokens, or at a token of `stop_ids` (None: the tokenizer's stop
+    tokens) unless `ignore_eos`. Frozen, so a batch built from the same objects can be
+    reused (`SamplingBatchCache`).
     """
 
     temperature: float = 1.0
@@ -63,6 +66,15 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: Mapping[int, float] | None = None
     seed: int | None = None
+    max_tokens: int = 256
+    ignore_eos: bool = False
+    stop_ids: frozenset[int] | None = None
+
+    def __post_init__(self) -> None:
+        stops = self.stop_ids
+        if stops is not None and not isinstance(stops, frozenset | str | bytes):
+            with contextlib.suppress(TypeError):  # not iterable: validate() names it
+                object.__setattr__(self, "stop_ids", frozenset(stops))
 
     @property
     def greedy(self) -> bool:
@@ -97,6 +109,15 @@ class SamplingParams:
             isinstance(self.seed, bool) or not isinstance(self.seed, int)
         ):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+            raise ValueError(f"max_tokens must be an int, got {self.max_tokens!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.stop_ids is not None and not (
+            isinstance(self.stop_ids, frozenset)
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_ids)
+        ):
+            raise ValueError(f"stop_ids must be a set of int token ids, got {self.stop_ids!r}")
         return self
 
     def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:

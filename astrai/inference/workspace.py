@@ -22,6 +22,8 @@ _IDS, _POS, _ROWS, _LENS, _LOCS = range(5)
 
 
 class InferenceWorkspace:
+    """The decode step's tensors at fixed addresses, staged by `prepare`."""
+
     def __init__(
         self,
         pool: PagePool,
@@ -70,11 +72,11 @@ class InferenceWorkspace:
 
     def kv_cache(self, batch: int, max_len: int) -> KVCache:
         """The `KVCache` over the first `batch` rows of the workspace (views, fixed addresses)."""
-        storage = self.pool.storage
+        pool = self.pool
         return KVCache(
-            k_buffer=storage.k_buffer,
-            v_buffer=storage.v_buffer,
-            req_to_token=self.pool.req_pool.req_to_token,
+            k_buffer=pool.k_buffer,
+            v_buffer=pool.v_buffer,
+            req_to_token=pool.slot_table,
             req_pool_indices=self.meta[_ROWS, :batch],
             seq_lens=self.meta[_LENS, :batch],
             out_cache_loc=self.meta[_LOCS, :batch],
@@ -124,13 +126,13 @@ class InferenceWorkspace:
         if device_tokens is not None:
             self.meta[_IDS, :bs].copy_(device_tokens)
         # Write slots gathered on the device: req_to_token[row, position] via the flat table.
-        table = self.pool.req_pool.req_to_token
+        table = self.pool.slot_table
         idx = self.flat_idx[:padded]
         torch.mul(self.meta[_ROWS, :padded], table.shape[1], out=idx)
         idx.add_(self.meta[_POS, :padded])
         torch.index_select(table.view(-1), 0, idx, out=self.slot_buf[:padded])
         locs = self.meta[_LOCS, :padded]
         locs.copy_(self.slot_buf[:padded])
-        locs[bs:padded].fill_(self.pool.storage.scratch_slot)  # padded rows never touch real KV
+        locs[bs:padded].fill_(self.pool.scratch_slot)  # padded rows never touch real KV
         torch.cumsum(self.meta[_LENS, :padded], 0, out=self.kv_indptr[1 : padded + 1])
         self.last_rows = tuple(rows)

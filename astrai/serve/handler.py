@@ -173,7 +173,7 @@ class ServerState:
             raise APIError(503, "server is shutting down", kind="overloaded", headers=retry)
         if not self.engine.ready:
             raise APIError(503, "engine not ready", kind="overloaded", headers=retry)
-        if self.engine.scheduler.queue_full:
+        if self.engine.queue_full:
             raise APIError(
                 503, "request queue is full, retry later", kind="overloaded", headers=retry
             )
@@ -253,7 +253,7 @@ class ProtocolHandler:
 
     # ------------------------------------------------------------------ admission
     def _check_limits(self, p: Prepared) -> None:
-        limit = self.engine.scheduler.max_seq_len - 1
+        limit = self.engine.max_seq_len - 1
         if self.state.settings.max_prompt_tokens is not None:
             limit = min(limit, self.state.settings.max_prompt_tokens)
         if len(p.prompt_ids) > limit:
@@ -266,7 +266,8 @@ class ProtocolHandler:
         if not p.prompt_ids:
             raise APIError(400, "the prompt is empty", param="messages")
         try:
-            SamplingParams(**p.sampling).validate(vocab_size=self.engine.model.config.vocab_size)
+            params = SamplingParams(max_tokens=p.max_tokens, **p.sampling)
+            self.engine.check_request(p.prompt_ids, params)
         except (TypeError, ValueError) as err:
             raise APIError(400, str(err), param=str(err).split(" ")[0].split("[")[0]) from err
 
@@ -292,14 +293,10 @@ class ProtocolHandler:
                 raise APIError(status, result.task.error or "request rejected")
             parser = OutputParser(p.stops, fmt, self.builder.tool_id_prefix)
             ctx.choices.append(Choice(i, result, parser))
-            with result._cond:  # register atomically w.r.t. text the scheduler delivers
-                early, finished = list(result._pieces), result._done
-                result.callbacks.append(lambda t, i=i: _pusher(loop, ctx.queue, (i, t)))
-                result.finish_callbacks.append(lambda _, i=i: _pusher(loop, ctx.queue, (i, None)))
-            for text in early:
-                ctx.queue.put_nowait((i, text))
-            if finished:
-                ctx.queue.put_nowait((i, None))
+            result.subscribe(
+                lambda t, i=i: _pusher(loop, ctx.queue, (i, t)),
+                lambda _, i=i: _pusher(loop, ctx.queue, (i, None)),
+            )
 
     def _cancel_all(self, ctx: RequestContext) -> None:
         for c in ctx.choices:

@@ -1,20 +1,28 @@
-"""KV cache layers: allocator ref counts and LRU eviction, radix matching, pool binding."""
+"""KV cache layers: page ref counts and LRU eviction, radix matching, the two allocator
+types and the null prefix cache, pool binding."""
 
 import random
 
 import pytest
 import torch
 
-from astrai.inference.cache import Allocator, PagePool, RadixCache
+from astrai.inference.cache import (
+    ContiguousAllocator,
+    NoPrefixCache,
+    PageAllocator,
+    PagedAllocator,
+    PagePool,
+    RadixCache,
+)
 
 
 def test_allocator_refcounts_and_free():
-    a = Allocator(4)
+    a = PageAllocator(4)
     pages = a.alloc(3)
     assert sorted(pages) == [0, 1, 2] and a.num_free == 1
     a.ref(pages[:1])
     a.unref(pages)
-    assert a.num_free == 3 and a.refs(pages[0]) == 1
+    assert a.num_free == 3  # the page taken twice is still held once
     a.unref(pages[:1])
     assert a.num_free == 4
     with pytest.raises(RuntimeError, match="released"):
@@ -23,7 +31,7 @@ def test_allocator_refcounts_and_free():
 
 
 def test_cached_pages_wait_in_lru_and_are_evicted_oldest_first():
-    a = Allocator(3)
+    a = PageAllocator(3)
     radix = RadixCache(a, page_size=2)
     p = a.alloc(3)
     radix.insert([1, 2, 3, 4], p[:2])  # chain p0 -> p1
@@ -38,7 +46,7 @@ def test_cached_pages_wait_in_lru_and_are_evicted_oldest_first():
 
 
 def test_evicting_a_parent_drops_its_subtree():
-    a = Allocator(3)
+    a = PageAllocator(3)
     radix = RadixCache(a, page_size=1)
     p = a.alloc(3)
     radix.insert([5, 6, 7], p)
@@ -50,7 +58,7 @@ def test_evicting_a_parent_drops_its_subtree():
 
 
 def test_radix_matches_only_under_the_same_parent():
-    a = Allocator(8)
+    a = PageAllocator(8)
     radix = RadixCache(a, page_size=2)
     p = a.alloc(2)
     radix.insert([1, 2, 3, 4], p)
@@ -78,8 +86,52 @@ def test_contiguous_rows_are_linear():
     assert kv.kv_indptr.tolist() == [0, 5] and kv.qo_indptr.tolist() == [0, 2]
 
 
+def test_contiguous_rows_share_nothing_and_count_whole_rows():
+    pool = make_pool()
+    assert isinstance(pool.allocator, ContiguousAllocator)
+    assert isinstance(pool.prefix, NoPrefixCache)
+    assert pool.slot_table[2, :3].tolist() == [64, 65, 66]
+    assert pool.can_hold(32) and not pool.can_hold(33)
+    row, _ = pool.alloc_task(list(range(10)))
+    assert pool.used_tokens == 32 and not pool.all_free()
+    pool.cache_task(row, list(range(10)))  # nothing to index
+    pool.free_task(row)
+    assert pool.all_free() and pool.used_tokens == 0
+    assert pool.alloc_task(list(range(10)))[1] == 0  # no prefix reuse
+    assert pool.cached_tokens == 0 and "prefix_hit_rate" not in pool.stats()
+
+
+@pytest.mark.parametrize("mode", ["contiguous", "paged"])
+def test_rows_of_one_admission_are_placed_by_the_allocator(mode):
+    """Contiguous rows are handed out shortest prompt first (neighbouring rows then have
+    similar lengths, which the CPU decode attention pads less); paged rows stay as they are."""
+    pool = make_pool(mode=mode, page_size=4, kv_tokens=64, max_batch_size=8)
+    rows, lengths = [0, 1, 2, 3, 4], [40, 5, 23, 9, 31]
+    placed = pool.arrange_rows(rows, lengths)
+    assert sorted(placed) == rows
+    by_row = [n for _, n in sorted(zip(placed, lengths))]
+    assert by_row == (sorted(lengths) if mode == "contiguous" else lengths)
+    assert pool.arrange_rows([3], [7]) == [3]
+
+
+def test_paged_without_prefix_cache_frees_pages_at_once():
+    pool = make_pool(mode="paged", page_size=4, kv_tokens=32, enable_radix=False)
+    assert isinstance(pool.allocator, PagedAllocator) and isinstance(pool.prefix, NoPrefixCache)
+    prompt = list(range(10))
+    row, _ = pool.alloc_task(prompt)
+    assert pool.ensure(row, 10) and pool.used_tokens == 12
+    assert not pool.can_hold(24) and pool.can_hold(20)
+    assert not pool.can_hold(8, reserve_pages=4)
+    pool.cache_task(row, prompt)
+    pool.free_task(row)
+    assert pool.all_free() and pool.used_tokens == 0
+    assert pool.allocator.page_allocator.num_free == 8  # nothing waits in an LRU
+    assert pool.alloc_task(prompt)[1] == 0
+
+
 def test_paged_binding_and_prefix_sharing():
     pool = make_pool(mode="paged", page_size=4, kv_tokens=64)
+    assert isinstance(pool.prefix, RadixCache)
     prompt = list(range(10))
     row, cached = pool.alloc_task(prompt)
     assert cached == 0 and pool.ensure(row, len(prompt))
@@ -93,8 +145,10 @@ def test_paged_binding_and_prefix_sharing():
     assert cached2 == 8  # two complete pages shared
     assert pool.ensure(row2, 11)
     kv2 = pool.bind_tasks([row2], [11], [3])
-    assert pool.req_pool.req_to_token[row2, :8].tolist() == slots[:8]
+    assert pool.slot_table[row2, :8].tolist() == slots[:8]
     assert kv2.out_cache_loc.tolist()[0] not in slots[:8]  # never writes a shared page
+    stats = pool.stats()
+    assert stats["prefix_cached_tokens"] == 8 and stats["prefix_hit_rate"] > 0
     pool.free_task(row2)
     pool.invalidate_prefix_cache()
     assert pool.alloc_task(prompt)[1] == 0
@@ -124,7 +178,7 @@ def test_random_churn_returns_every_page():
     for row in list(live):
         pool.free_task(row)
     assert pool.all_free()
-    alloc = pool.allocator
+    alloc = pool.allocator.page_allocator
     assert alloc.num_free + alloc.num_evictable == alloc.num_pages
     assert alloc.alloc(alloc.num_pages) is not None  # everything is reclaimable
 
@@ -140,9 +194,9 @@ def test_memory_fraction_budget():
 
 def test_storage_has_a_scratch_slot():
     pool = make_pool(mode="paged", page_size=4, kv_tokens=16)
-    assert pool.storage.k_buffer.shape == (2, 17, 2, 4)
-    assert pool.storage.scratch_slot == 16
-    assert pool.storage.k_buffer.dtype == torch.float32
+    assert pool.k_buffer.shape == pool.v_buffer.shape == (2, 17, 2, 4)
+    assert pool.scratch_slot == 16
+    assert pool.k_buffer.dtype == torch.float32
 
 
 @pytest.mark.parametrize(

@@ -1,13 +1,21 @@
 """Engine behaviour against the model's own dense forward (fp32, CPU)."""
 
 import asyncio
+import contextlib
 import random
 import threading
+import time
 
 import pytest
 import torch
 
-from astrai.inference import InferenceEngine, InferenceScheduler, Task
+from astrai.inference import (
+    EngineNotReady,
+    InferenceEngine,
+    InferenceScheduler,
+    SamplingParams,
+    Task,
+)
 from astrai.inference.cache import PagePool
 
 MODES = {
@@ -71,7 +79,7 @@ def test_prefix_cache_reuse_and_invalidation(model, tokenizer, greedy_reference)
         assert reused == 96  # six complete pages of the shared prefix
         assert res.token_ids == greedy_reference(model, b, 5)
         eng.update_weights(lambda: None)  # version bump: nothing built by old weights is reused
-        assert eng.scheduler.policy_version == 1
+        assert eng.policy_version == 1
         before = eng.get_stats()["cached_prompt_tokens"]
         eng.run_batch([b], **kw)
         assert eng.get_stats()["cached_prompt_tokens"] == before
@@ -128,6 +136,8 @@ def test_seeded_sampling_is_reproducible(model, tokenizer):
         a = eng.generate("x = ", max_tokens=10, temperature=1.0, seed=123, ignore_eos=True)
         b = eng.generate("x = ", max_tokens=10, temperature=1.0, seed=123, ignore_eos=True)
     assert a == b
+    with InferenceEngine(model, tokenizer) as eng:  # any int seed, however large
+        assert eng.generate("x = ", max_tokens=3, seed=2**70, ignore_eos=True) and eng.ready
 
 
 @pytest.mark.slow
@@ -156,18 +166,15 @@ def test_random_stress_frees_everything_and_ends_each_stream_once(model, tokeniz
             r = eng.submit(
                 prompt, max_tokens=rng.randint(1, 20), temperature=1.0, seed=i, ignore_eos=True
             )
-            r.finish_callbacks.append(on_end)
-            if r.done:
-                on_end(r)
+            r.subscribe(lambda text: None, on_end)
             results.append(r)
             if rng.random() < 0.2:
                 eng.cancel(rng.choice(results))
         for r in results:
-            r._cond.acquire()
-            r._cond.wait_for(lambda r=r: r.done, timeout=300)
-            r._cond.release()
+            with contextlib.suppress(ValueError):  # rejected: empty prompt
+                r.wait_completion(timeout=300)
         reasons = {r.finish_reason for r in results}
-        eng.scheduler.stop()
+        eng.stop()
         assert eng.pool.all_free()
     assert all(r.done for r in results)
     assert sorted(ends) == sorted(r.id for r in results) and set(ends.values()) == {1}
@@ -188,7 +195,7 @@ def test_loop_crash_ends_every_stream_and_frees_kv(model, tokenizer):
     eng.model.forward_packed = flaky
     try:
         results = [eng.submit(p, max_tokens=20, ignore_eos=True) for p in prompts(4, seed=6)]
-        eng.scheduler.start()
+        eng.start()
         for r in results:
             with pytest.raises(ValueError, match="boom"):
                 r.wait_completion(timeout=60)
@@ -200,29 +207,171 @@ def test_loop_crash_ends_every_stream_and_frees_kv(model, tokenizer):
 
 
 def test_cancel_waiting_and_running(model, tokenizer):
-    pool = PagePool(num_layers=2, num_kv_heads=2, head_dim=16, max_batch_size=1, max_seq_len=128)
-    sched = InferenceScheduler(model, pool, max_batch_size=1)
-    a = sched.submit(Task(prompt_ids=[1, 2, 3], max_tokens=50, ignore_eos=True))
-    b = sched.submit(Task(prompt_ids=[4, 5], max_tokens=50, ignore_eos=True))
-    sched._iteration()  # a runs, b waits (one batch slot)
-    assert sched.cancel_task(b.id) and sched.cancel_task(a.id)
-    sched._iteration()
-    assert a.finish_reason == b.finish_reason == "cancelled"
-    assert not sched.cancel_task(a.id)
-    assert pool.all_free()
+    with InferenceEngine(model, tokenizer, max_batch_size=1, start=False) as eng:
+        a = eng.submit([1, 2, 3], max_tokens=50, ignore_eos=True)
+        b = eng.submit([4, 5], max_tokens=50, ignore_eos=True)
+        eng.step()  # a runs, b waits (one batch slot)
+        assert a.task.row is not None and b.task.row is None
+        assert eng.cancel(b) and eng.cancel(a.id)
+        eng.step()
+        assert a.finish_reason == b.finish_reason == "cancelled"
+        assert not eng.cancel(a)
+        assert eng.pool.all_free() and not eng.scheduler.has_work()
 
 
-def test_weight_updates_only_when_idle(model, tokenizer):
+def test_shutdown_cancels_what_is_open(model, tokenizer):
+    eng = InferenceEngine(model, tokenizer, max_batch_size=1, start=False)
+    results = [eng.submit([1, 2, 3], max_tokens=50, ignore_eos=True) for _ in range(2)]
+    eng.step()
+    eng.shutdown()
+    assert [r.finish_reason for r in results] == ["cancelled", "cancelled"]
+    assert eng.pool.all_free() and not eng.ready
+    with pytest.raises(EngineNotReady):
+        eng.submit("x")
+
+
+def _wait(cond, timeout: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_closing_a_stream_early_cancels_its_request(model, tokenizer):
+    kw = dict(max_tokens=400, temperature=1.0, ignore_eos=True)
+    with InferenceEngine(model, tokenizer) as eng:
+
+        def settled():
+            s = eng.get_stats()
+            return s["active_tasks"] == 0 and s["waiting_queue"] == 0
+
+        stream = eng.generate("import os", stream=True, **kw)
+        next(stream)
+        stream.close()
+        assert _wait(settled)
+        first = eng.get_stats()["total_tokens"]
+        assert first < 100  # not run on to max_tokens
+        for _ in eng.generate("import os", stream=True, **kw):
+            break  # the stream is dropped here
+        pairs = eng.generate(["import os", "class A:"], stream=True, **kw)
+        next(pairs)
+        pairs.close()
+        assert _wait(settled)
+        assert eng.get_stats()["total_tokens"] - first < 300
+        assert eng.pool.all_free()
+
+
+def test_subscribe_delivers_earlier_text_then_the_rest_once(model, tokenizer):
+    kw = dict(max_tokens=40, temperature=1.0, seed=0, ignore_eos=True)
     with InferenceEngine(model, tokenizer, start=False) as eng:
-        sched = eng.scheduler
-        sched.update_weights(3)
+        r = eng.submit("import os", **kw)
+        while not r.text and not r.done:
+            eng.step()  # some text exists before anyone subscribes
+        assert r.text and not r.done
+        assert r.wait(timeout=0) and not r.wait(timeout=0)  # the event: new text, then none
+        early, ends = [], []
+        r.subscribe(early.append, ends.append)
+        while eng.scheduler.has_work():
+            eng.step()
+        late, late_ends = [], []
+        r.subscribe(late.append, late_ends.append)  # after the end: everything at once
+    assert "".join(early) == "".join(late) == r.text
+    assert ends == late_ends == [r]
+
+
+def test_check_request_is_the_one_check(model, tokenizer):
+    with InferenceEngine(model, tokenizer, max_seq_len=64, start=False) as eng:
+        ok = SamplingParams(max_tokens=4)
+        eng.check_request([1, 2, 3], ok)
+        cases = [
+            ([1, 2], SamplingParams(top_p=1.5), "^top_p"),
+            ([1, 2], SamplingParams(max_tokens="4"), "^max_tokens must be an int"),
+            ([1, 2], SamplingParams(logit_bias={384: 1.0}), "^logit_bias token id 384"),
+            ([], ok, "empty prompt"),
+            (list(range(64)), ok, "prompt too long"),
+            ([1, 2], SamplingParams(max_tokens=0), "^max_tokens must be positive"),
+            ([1, 384], ok, "outside the vocabulary"),
+        ]
+        for ids, params, match in cases:
+            with pytest.raises(ValueError, match=match):
+                eng.check_request(ids, params)
+        # submit: bad settings raise at once (a vocabulary-checked logit_bias included);
+        # a prompt that can never run ends as `rejected`, naming the same reason.
+        with pytest.raises(ValueError, match="logit_bias token id 384"):
+            eng.submit([1, 2], logit_bias={384: 1.0})
+        r = eng.submit([1, 384], max_tokens=2)
+        assert r.finish_reason == "rejected" and "outside the vocabulary" in r.task.error
+        assert eng.vocab_size == 384 and eng.max_seq_len == 64
+        assert not eng.queue_full
+
+
+def test_settings_travel_in_sampling_params(model, tokenizer, greedy_reference):
+    prompt = [5, 9, 2, 7]
+    first, second = greedy_reference(model, prompt, 2)
+    with InferenceEngine(model, tokenizer, start=False) as eng:
+        base = SamplingParams(temperature=0.0, max_tokens=5, stop_ids=[second])
+        assert base.stop_ids == frozenset({second})
+        stopped = eng.submit(prompt, base)
+        ignored = eng.submit(prompt, base, ignore_eos=True)  # keywords override params
+        short = eng.submit(prompt, base, max_tokens=1)
+        while eng.scheduler.has_work():
+            eng.step()
+    assert stopped.token_ids == [first, second] and stopped.finish_reason == "stop"
+    assert len(ignored.token_ids) == 5 and ignored.finish_reason == "length"
+    assert short.token_ids == [first] and short.finish_reason == "length"
+
+
+def test_scheduler_plans_without_a_model():
+    """Chunked prefill under a token budget, decode rows first, stop rules in postprocess."""
+    pool = PagePool(num_layers=1, num_kv_heads=1, head_dim=4, max_batch_size=4, max_seq_len=32)
+    sched = InferenceScheduler(pool, vocab_size=100, max_prefill_tokens=4, stop_ids=[99])
+    a = sched.submit(Task(list(range(6)), SamplingParams(max_tokens=3)))
+    b = sched.submit(Task([7, 8, 9], SamplingParams(max_tokens=3)))
+    (plan,) = sched.schedule()
+    assert plan.tasks == [a] and plan.q_lens == [4] and plan.token_ids == [0, 1, 2, 3]
+    assert plan.positions == [0, 1, 2, 3] and plan.samplers == [] and b.row is not None
+    sched.postprocess(plan, [], [])
+    (plan,) = sched.schedule()
+    assert plan.tasks == [a, b] and plan.q_lens == [2, 2] and plan.seq_lens == [6, 2]
+    assert plan.sample_rows == [0] and not plan.decode_only
+    sched.postprocess(plan, [50], [-0.5])
+    (plan,) = sched.schedule()  # a decodes its token; b's last prompt token samples too
+    assert plan.tasks == [a, b] and plan.token_ids == [50, 9] and plan.seq_lens == [7, 3]
+    assert plan.decode_only and plan.rows == [a.row, b.row]
+    sched.postprocess(plan, [99, 60], [-1.0, -2.0])
+    assert a.finish_reason == "stop" and a.output_ids == [50, 99] and a.logprobs == [-0.5, -1.0]
+    (plan,) = sched.schedule()  # a is released; b goes on
+    assert plan.tasks == [b] and a.row is None
+    sched.postprocess(plan, [61], [0.0])
+    sched.postprocess(sched.schedule()[0], [62], [0.0])
+    assert b.finish_reason == "length" and b.output_ids == [60, 61, 62]
+    sched.cleanup()
+    assert pool.all_free() and not sched.has_work()
+    assert sched.stats()["total_tokens"] == 5
+
+
+def test_weight_versions_only_advance_and_only_when_idle(model, tokenizer):
+    with InferenceEngine(model, tokenizer, start=False) as eng:
+        calls = []
+        assert eng.update_weights(lambda: calls.append(1), version=3) == 3 and calls == [1]
         with pytest.raises(ValueError, match="older"):
-            sched.update_weights(2)
+            eng.update_weights(version=2)
+        with pytest.raises(ValueError, match="greater than"):
+            eng.update_weights(version=3)  # new weights are a new policy
         with pytest.raises(ValueError, match="non-negative"):
-            sched.update_weights(-1)
-        sched.submit(Task(prompt_ids=[1, 2], max_tokens=2))
+            eng.update_weights(version=-1)
+        with pytest.raises(ValueError, match="version"):
+            eng.update_weights(version=True)
+        assert calls == [1] and eng.policy_version == 3  # nothing ran for a refused version
+        assert eng.update_weights() == 4 and eng.policy_version == 4
+        eng.submit([1, 2], max_tokens=2)
         with pytest.raises(RuntimeError, match="queued"):
-            sched.update_weights(4)
+            eng.update_weights(version=5)
+    with InferenceEngine(model, tokenizer) as eng:  # a running loop is paused and resumed
+        assert eng.generate("x", max_tokens=2)
+        assert eng.update_weights(version=7) == 7 and eng.ready
 
 
 def test_backend_chosen_by_the_submitting_thread_is_strict_and_isolated(
@@ -255,12 +404,11 @@ def test_rows_of_one_admission_follow_prompt_length(model, tokenizer, mode):
         results = [
             eng.submit([7] * n, max_tokens=2, temperature=0.0, ignore_eos=True) for n in lengths
         ]
-        eng.scheduler._refill()  # one admission, as the loop's next iteration would do
+        eng.scheduler.schedule()  # one admission, as the loop's next step would do
         rows = [r.task.row for r in results]
         assert sorted(rows) == list(range(len(lengths)))
         by_row = [n for _, n in sorted(zip(rows, lengths))]
         assert by_row == (sorted(lengths) if mode == "contiguous" else lengths)
-        eng.scheduler._iteration()  # the admitted tasks then run to completion as usual
-        while eng.scheduler.has_work():
-            eng.scheduler._iteration()
+        while eng.scheduler.has_work():  # the admitted tasks then run to completion as usual
+            eng.step()
     assert all(len(r.token_ids) == 2 and r.finish_reason == "length" for r in results)

@@ -51,7 +51,7 @@ def test_stand_in_replay_equals_eager_including_padded_sizes(
             for p, n in zip(prompts, lengths)
         ]
         while eng.scheduler.has_work():
-            eng.scheduler._iteration()
+            eng.step()
         replays = dict(eng.graph_runner.replays)
         assert eng.pool.all_free()
     for t, p, n in zip(tasks, prompts, lengths):
@@ -117,13 +117,15 @@ def test_decode_step_has_no_host_sync_or_allocation(model, tokenizer, interpret)
         decode_graphs="stand-in",
     )
     with eng, attn_backend("triton"):
-        for p in ([5, 9, 2], [3] * 6):
-            eng.submit(p, max_tokens=4, temperature=0.0, ignore_eos=True)
-        sched, ws, runner = eng.scheduler, eng.scheduler.workspace, eng.graph_runner
-        sched._iteration()  # prefill (eager), samples the first tokens
-        rows = [t.row for t in sched._running]
-        lens = [t.total_len for t in sched._running]
-        toks = [t.output_ids[-1] for t in sched._running]
+        tasks = [
+            eng.submit(p, max_tokens=4, temperature=0.0, ignore_eos=True).task
+            for p in ([5, 9, 2], [3] * 6)
+        ]
+        ws, runner = eng.runner.workspace, eng.graph_runner
+        eng.step()  # prefill (eager), samples the first tokens
+        rows = [t.row for t in tasks]
+        lens = [t.total_len for t in tasks]
+        toks = [t.output_ids[-1] for t in tasks]
         checker = HostSyncChecker()
         with torch.inference_mode(), checker:
             ws.prepare(rows, lens, toks, 2)

@@ -286,6 +286,11 @@ def test_seeded_draws_follow_the_distribution():
         ("logit_bias", {3: 101.0}),
         ("logit_bias", [1, 2]),
         ("seed", 1.5),
+        ("max_tokens", "8"),
+        ("max_tokens", True),
+        ("ignore_eos", 1),
+        ("stop_ids", 5),
+        ("stop_ids", [1.5]),
     ],
 )
 def test_invalid_params_name_the_parameter(field, value):
@@ -302,8 +307,13 @@ def test_valid_params_pass_and_vocab_is_checked():
         presence_penalty=-2.0,
         logit_bias={3: -100},
         seed=-5,
+        max_tokens=0,  # positivity is a property of the request: see check_request
+        ignore_eos=True,
+        stop_ids=[7, 9],
     )
     assert params.validate() is params
+    assert params.stop_ids == frozenset({7, 9})  # any iterable of ids, kept as a frozenset
+    assert SamplingParams().stop_ids is None  # None: the tokenizer's stop tokens
     with pytest.raises(ValueError, match="logit_bias token id 3 is outside"):
         params.validate(vocab_size=3)
 

@@ -1,5 +1,5 @@
-"""KV storage, the request-to-token table, and `PagePool`, which ties them to the allocator
-and the radix prefix cache and hands the scheduler one `KVCache` per step."""
+"""KV storage, the request-to-token table, and `PagePool`, which ties them to an allocator
+(the cache mode) and a prefix cache, and builds one `KVCache` per eager forward."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any, Literal
 import torch
 
 from astrai.extension import KVCache
-from astrai.inference.cache.allocator import Allocator
-from astrai.inference.cache.radix import RadixCache
+from astrai.inference.cache.allocator import ContiguousAllocator, KVAllocator, PagedAllocator
+from astrai.inference.cache.radix import NoPrefixCache, PrefixCache, RadixCache
 
 logger = logging.getLogger(__name__)
 
@@ -91,16 +91,17 @@ def available_memory(device: torch.device) -> int:
 
 
 class PagePool:
-    """The KV cache system: storage + request table + allocator + radix prefix cache.
+    """The KV cache system: storage + request table + allocator + prefix cache.
 
     `contiguous` (default): each request row owns `max_seq_len` fixed slots; no dynamic
     allocation, no prefix sharing. `paged`: a shared pool of pages of `page_size` tokens,
     allocated on demand, with ref counts, LRU eviction and (by default when
     `page_size > 1`) radix prefix sharing. The paged budget is `kv_tokens`, or
-    `memory_fraction` of the device's free memory. `head_major` picks the storage layout
-    (see `KVStorage`); the default is head-major for contiguous rows on the CPU, which the
-    CPU attention reads in place, and token-major otherwise (paged KV is gathered, and
-    gathering whole token rows is faster).
+    `memory_fraction` of the device's free memory. The mode is chosen once, here: it picks
+    the `KVAllocator` and the `PrefixCache`, and nothing below branches on it.
+    `head_major` picks the storage layout (see `KVStorage`); the default is head-major for
+    contiguous rows on the CPU, which the CPU attention reads in place, and token-major
+    otherwise (paged KV is gathered, and gathering whole token rows is faster).
     """
 
     def __init__(
@@ -124,51 +125,73 @@ class PagePool:
             raise ValueError(f"cache mode must be 'contiguous' or 'paged', got {mode!r}")
         if max_batch_size <= 0 or max_seq_len <= 0:
             raise ValueError("max_batch_size and max_seq_len must be positive")
+        if mode == "paged" and page_size <= 0:
+            raise ValueError(f"page_size must be positive, got {page_size}")
         device = torch.device(device)
         self.mode = mode
         self.device = device
         self.max_seq_len = max_seq_len
-        self.page_size = page_size if mode == "paged" else max_seq_len
-        if mode == "paged" and page_size <= 0:
-            raise ValueError(f"page_size must be positive, got {page_size}")
         per_token = KVStorage.bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
         if mode == "contiguous":
             size = max_batch_size * max_seq_len
         else:
-            if kv_tokens is None and memory_fraction is not None:
-                if not 0 < memory_fraction <= 1:
-                    raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
-                kv_tokens = int(available_memory(device) * memory_fraction) // per_token
-            if kv_tokens is None:
-                kv_tokens = max_batch_size * max_seq_len
-            if kv_tokens < page_size:
-                raise ValueError(f"kv_tokens={kv_tokens} is smaller than one page ({page_size})")
-            size = kv_tokens // page_size * page_size
+            size = _paged_size(
+                kv_tokens,
+                memory_fraction,
+                page_size,
+                max_batch_size * max_seq_len,
+                per_token,
+                device,
+            )
         if head_major is None:  # CPU contiguous rows are read in place: head-major is faster
             head_major = device.type == "cpu" and mode == "contiguous"
         self.storage = KVStorage(
             num_layers, size, num_kv_heads, head_dim, dtype, device, head_major=head_major
         )
         self.req_pool = ReqToTokenPool(max_batch_size, max_seq_len, device)
-        self.allocator: Allocator | None = None
-        self.radix: RadixCache | None = None
+        table = self.req_pool.req_to_token
+        self.allocator: KVAllocator
+        self.prefix: PrefixCache = NoPrefixCache()
         if mode == "contiguous":
-            rows = torch.arange(max_batch_size, device=device)[:, None] * max_seq_len
-            self.req_pool.req_to_token.copy_(rows + torch.arange(max_seq_len, device=device))
+            self.allocator = ContiguousAllocator(table)
         else:
-            self.allocator = Allocator(size // page_size)
+            paged = PagedAllocator(table, size // page_size, page_size)
+            self.allocator = paged
             if enable_radix if enable_radix is not None else page_size > 1:
-                self.radix = RadixCache(self.allocator, page_size)
-        self._pages: dict[int, list[int]] = {}
-        self._num_shared: dict[int, int] = {}
+                self.prefix = RadixCache(paged.page_allocator, page_size)
+        self.page_size = self.allocator.page_size
         logger.info(
-            "KV cache: %s, %d tokens (%.1f MiB), page_size=%d, radix=%s",
+            "KV cache: %s, %d tokens (%.1f MiB), page_size=%d, prefix cache=%s",
             mode,
             size,
             size * per_token / 2**20,
             self.page_size,
-            self.radix is not None,
+            type(self.prefix).__name__,
         )
+
+    # ------------------------------------------------------------------ views
+    @property
+    def max_batch_size(self) -> int:
+        """Request rows: how many requests can hold KV at once."""
+        return self.req_pool.num_reqs
+
+    @property
+    def slot_table(self) -> torch.Tensor:
+        """`[max_batch_size, max_seq_len]` int32: request row, position -> physical KV slot."""
+        return self.req_pool.req_to_token
+
+    @property
+    def scratch_slot(self) -> int:
+        """A KV slot no request owns: padded batch rows write there."""
+        return self.storage.scratch_slot
+
+    @property
+    def k_buffer(self) -> torch.Tensor:
+        return self.storage.k_buffer
+
+    @property
+    def v_buffer(self) -> torch.Tensor:
+        return self.storage.v_buffer
 
     # ------------------------------------------------------------------ capacity
     @property
@@ -177,28 +200,21 @@ class PagePool:
 
     @property
     def used_tokens(self) -> int:
-        if self.allocator is None:
-            return (self.req_pool.num_reqs - self.req_pool.num_free) * self.max_seq_len
-        return (self.allocator.num_used - self.allocator.num_evictable) * self.page_size
+        return self.allocator.used_tokens
 
     @property
     def cached_tokens(self) -> int:
-        return 0 if self.radix is None else self.radix.num_pages * self.page_size
+        return self.prefix.cached_tokens
 
     def all_free(self) -> bool:
         """True when no request holds any KV (prefix-cached pages count as reclaimable)."""
-        if self._pages or self.req_pool.num_free != self.req_pool.num_reqs:
-            return False
-        return self.allocator is None or self.allocator.num_used == self.allocator.num_evictable
+        return self.req_pool.num_free == self.req_pool.num_reqs and self.allocator.holds_nothing()
 
     def can_hold(self, num_tokens: int, reserve_pages: int = 0) -> bool:
         """Could a new request of `num_tokens` be admitted now, keeping `reserve_pages` spare?"""
         if num_tokens > self.max_seq_len or self.req_pool.num_free == 0:
             return False
-        if self.allocator is None:
-            return True
-        need = -(-num_tokens // self.page_size) + reserve_pages
-        return need <= self.allocator.num_available
+        return self.allocator.can_hold(num_tokens, reserve_pages)
 
     # ------------------------------------------------------------------ per-request lifecycle
     def alloc_task(self, token_ids: list[int]) -> tuple[int, int] | None:
@@ -206,60 +222,30 @@ class PagePool:
         row = self.req_pool.alloc()
         if row is None:
             return None
-        self._pages[row] = []
-        self._num_shared[row] = 0
-        if self.radix is None or len(token_ids) < 2:
-            return row, 0
         # Match all but the last token, so at least one prompt token is computed and no
         # request ever writes into a shared page.
-        pages = self.radix.match(token_ids[:-1])
-        if pages:
-            self.allocator.ref(pages)
-            self._pages[row] = list(pages)
-            self._num_shared[row] = len(pages)
-            self._write_rows(row, 0, pages)
-        return row, len(pages) * self.page_size
+        shared = self.prefix.match(token_ids[:-1]) if len(token_ids) >= 2 else []
+        self.allocator.open(row, shared)
+        return row, len(shared) * self.page_size
 
     def ensure(self, row: int, length: int) -> bool:
         """Back positions `[0, length)` of `row` with KV slots; False if memory ran out."""
-        if length > self.max_seq_len:
-            return False
-        if self.allocator is None:
-            return True
-        pages = self._pages[row]
-        need = -(-length // self.page_size) - len(pages)
-        if need <= 0:
-            return True
-        new = self.allocator.alloc(need)
-        if new is None:
-            return False
-        self._write_rows(row, len(pages), new)
-        pages.extend(new)
-        return True
+        return length <= self.max_seq_len and self.allocator.ensure(row, length)
 
-    def _write_rows(self, row: int, first_page: int, pages: list[int]) -> None:
-        ps = self.page_size
-        start = first_page * ps
-        slots = (torch.tensor(pages, dtype=torch.int32)[:, None] * ps + torch.arange(ps)).flatten()
-        end = min(start + slots.numel(), self.max_seq_len)
-        self.req_pool.req_to_token[row, start:end] = slots[: end - start].to(self.device)
+    def arrange_rows(self, rows: list[int], prompt_lens: list[int]) -> list[int]:
+        """The rows for one admission's requests (the allocator's placement policy)."""
+        return self.allocator.arrange(rows, prompt_lens)
 
     def cache_task(self, row: int, token_ids: list[int]) -> None:
         """Index the complete pages of `token_ids` (tokens whose KV is materialised)."""
-        if self.radix is not None:
-            self.radix.insert(token_ids, self._pages[row])
+        self.prefix.insert(token_ids, self.allocator.pages(row))
 
     def free_task(self, row: int) -> None:
-        pages = self._pages.pop(row)
-        self._num_shared.pop(row)
-        if self.allocator is not None and pages:
-            # Leaf pages first, so they are older in the LRU than the prefix they extend.
-            self.allocator.unref(pages[::-1])
+        self.allocator.free(row)
         self.req_pool.free(row)
 
     def invalidate_prefix_cache(self) -> None:
-        if self.radix is not None:
-            self.radix.reset()
+        self.prefix.reset()
 
     # ------------------------------------------------------------------ per-step view
     def bind_tasks(self, rows: list[int], seq_lens: list[int], q_lens: list[int]) -> KVCache:
@@ -291,19 +277,35 @@ class PagePool:
             seq_lens_host=tuple(seq_lens),
             q_lens_host=tuple(q_lens),
             req_pool_indices_host=tuple(rows),
-            row_stride=self.max_seq_len if self.mode == "contiguous" else None,
+            row_stride=self.allocator.row_stride,
         )
 
     def stats(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
+        return {
             "cache_mode": self.mode,
             "page_size": self.page_size,
             "kv_capacity_tokens": self.capacity_tokens,
             "kv_used_tokens": self.used_tokens,
             "kv_usage": self.used_tokens / max(self.capacity_tokens, 1),
+            **self.prefix.stats(),
         }
-        if self.radix is not None:
-            queried = self.radix.queried_tokens
-            out["prefix_cached_tokens"] = self.cached_tokens
-            out["prefix_hit_rate"] = self.radix.hit_tokens / queried if queried else 0.0
-        return out
+
+
+def _paged_size(
+    kv_tokens: int | None,
+    memory_fraction: float | None,
+    page_size: int,
+    default: int,
+    per_token: int,
+    device: torch.device,
+) -> int:
+    """Token slots of a paged pool: `kv_tokens`, or a fraction of free memory, in whole pages."""
+    if kv_tokens is None and memory_fraction is not None:
+        if not 0 < memory_fraction <= 1:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+        kv_tokens = int(available_memory(device) * memory_fraction) // per_token
+    if kv_tokens is None:
+        kv_tokens = default
+    if kv_tokens < page_size:
+        raise ValueError(f"kv_tokens={kv_tokens} is smaller than one page ({page_size})")
+    return kv_tokens // page_size * page_size

@@ -1,15 +1,18 @@
-"""Radix tree over complete KV pages, for sharing prompt prefixes between requests.
+"""Prefix caches: `RadixCache` shares complete KV pages of prompt prefixes between requests;
+`NoPrefixCache` shares nothing (SGLang's `ChunkCache` idea), so the pool never asks which.
 
-Each edge is one full page of token ids under a given parent, so a page is reused only
+In the radix tree each edge is one full page of token ids under a given parent, so a page is reused only
 when the whole prefix before it is identical. Matching compares the exact token tuples;
 the hash kept on each node is for introspection and never decides a match.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import Any
 
-from astrai.inference.cache.allocator import Allocator
+from astrai.inference.cache.allocator import PageAllocator
 
 
 @dataclass(eq=False)
@@ -21,10 +24,51 @@ class RadixNode:
     children: dict[tuple[int, ...], RadixNode] = field(default_factory=dict)
 
 
-class RadixCache:
-    """Page-aligned prefix index whose pages are owned (as 'cached') in an `Allocator`."""
+class PrefixCache(ABC):
+    """Finds the cached pages of a prompt's prefix and indexes the pages a request wrote."""
 
-    def __init__(self, allocator: Allocator, page_size: int) -> None:
+    @abstractmethod
+    def match(self, token_ids: list[int]) -> list[int]:
+        """Pages holding the longest cached page-aligned prefix of `token_ids`."""
+
+    @abstractmethod
+    def insert(self, token_ids: list[int], pages: list[int]) -> int:
+        """Index the complete pages of `token_ids`, stored in `pages`; returns pages added."""
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Forget every entry (e.g. after a weight update made the cached KV stale)."""
+
+    @property
+    @abstractmethod
+    def cached_tokens(self) -> int:
+        """Tokens whose KV the cache holds."""
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+
+class NoPrefixCache(PrefixCache):
+    """Shares nothing: every request computes its whole prompt."""
+
+    def match(self, token_ids: list[int]) -> list[int]:
+        return []
+
+    def insert(self, token_ids: list[int], pages: list[int]) -> int:
+        return 0
+
+    def reset(self) -> None:
+        pass
+
+    @property
+    def cached_tokens(self) -> int:
+        return 0
+
+
+class RadixCache(PrefixCache):
+    """Page-aligned prefix index whose pages are owned (as 'cached') in a `PageAllocator`."""
+
+    def __init__(self, allocator: PageAllocator, page_size: int) -> None:
         self.allocator = allocator
         self.page_size = page_size
         self.root = RadixNode(tokens=(), page=-1, parent=None, hash=0)
@@ -36,6 +80,17 @@ class RadixCache:
     @property
     def num_pages(self) -> int:
         return len(self._by_page)
+
+    @property
+    def cached_tokens(self) -> int:
+        return len(self._by_page) * self.page_size
+
+    def stats(self) -> dict[str, Any]:
+        queried = self.queried_tokens
+        return {
+            "prefix_cached_tokens": self.cached_tokens,
+            "prefix_hit_rate": self.hit_tokens / queried if queried else 0.0,
+        }
 
     def _pages_of(self, token_ids: list[int]) -> list[tuple[int, ...]]:
         ps = self.page_size
@@ -66,9 +121,7 @@ class RadixCache:
         for key, page in zip(self._pages_of(token_ids), pages):
             child = node.children.get(key)
             if child is None:
-                if (
-                    page in self._by_page
-                ):  # already indexed elsewhere (cannot happen for fresh pages)
+                if page in self._by_page:  # indexed elsewhere (cannot happen for fresh pages)
                     break
                 child = RadixNode(tokens=key, page=page, parent=node, hash=hash((node.hash, key)))
                 node.children[key] = child
@@ -93,7 +146,6 @@ class RadixCache:
         return dropped
 
     def reset(self) -> None:
-        """Forget every entry (e.g. after a weight update made the cached KV stale)."""
         for page in list(self._by_page):
             self.allocator.uncache(page)
         self._by_page.clear()

@@ -1,0 +1,157 @@
+"""`ModelRunner`: executes a `StepPlan` - everything of a step that touches tensors.
+
+It owns the decode workspace and the captured decode graphs, builds the `KVCache` of an
+eager forward through the pool, runs the model, keeps each seeded request's generator, and
+samples. A plan that is pure decode and fits a captured batch size replays a graph on the
+fixed-address workspace; when the decoding rows are the same as last step, their input
+tokens are last step's samples, copied device-to-device instead of through the host.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+
+import torch
+
+from astrai.extension import attn_backend
+from astrai.inference.cache import PagePool
+from astrai.inference.graph import (
+    CUDAGraphRunner,
+    DecodeGraphRunner,
+    StandInGraphRunner,
+    capture_sizes,
+)
+from astrai.inference.sampling import SamplingBatchCache, sample_batch
+from astrai.inference.scheduler import StepPlan
+from astrai.inference.task import Task
+from astrai.inference.workspace import InferenceWorkspace
+from astrai.model import Transformer
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    """Runs step plans of one model over one KV pool.
+
+    `decode_graphs`: None = CUDA graphs for decode on a CUDA model, True = CUDA graphs
+    (a CUDA model is required), `"stand-in"` = the CPU stand-in (tests), False = eager.
+    """
+
+    def __init__(
+        self,
+        model: Transformer,
+        pool: PagePool,
+        *,
+        max_batch_size: int,
+        decode_graphs: bool | str | None = None,
+    ) -> None:
+        self.model = model
+        self.pool = pool
+        self.device = pool.device
+        self.workspace: InferenceWorkspace | None = None
+        self.graph_runner: DecodeGraphRunner | None = None
+        self._build_graphs(decode_graphs, min(max_batch_size, pool.max_batch_size))
+        # Last step's samples on the device, while the decoding rows may feed them next.
+        self._last_sampled: torch.Tensor | None = None
+        # Seeded requests' generators, alive as long as their task: a request's draws stay
+        # reproducible whatever else is in the batch.
+        self._generators: weakref.WeakKeyDictionary[Task, torch.Generator] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._sampling = SamplingBatchCache()
+
+    def _build_graphs(self, mode: bool | str | None, batch: int) -> None:
+        """CUDA graphs for decode by default on CUDA; `"stand-in"` for CPU tests; False: eager."""
+        if mode is None:
+            mode = self.device.type == "cuda"
+        if not mode:
+            return
+        cfg = self.model.config
+        if (cfg.rope_scaling or {}).get("rope_type") == "dynamic":
+            logger.warning("decode graphs disabled: dynamic RoPE depends on the step's length")
+            return
+        workspace = InferenceWorkspace(
+            self.pool,
+            max_batch_size=batch,
+            n_heads=cfg.num_attention_heads,
+            head_dim=cfg.head_dim,
+            dtype=next(self.model.parameters()).dtype,
+        )
+        sizes = capture_sizes(batch)
+        if mode == "stand-in":
+            runner: DecodeGraphRunner = StandInGraphRunner(self.model, workspace, sizes)
+        elif self.device.type != "cuda":
+            raise ValueError(f"decode_graphs=True needs a CUDA model, got {self.device}")
+        else:
+            try:
+                runner = CUDAGraphRunner(self.model, workspace, sizes)
+            except Exception as err:  # fall back to eager decode, loudly
+                logger.warning("CUDA graph capture failed, decoding eagerly: %s", err)
+                return
+        self.workspace, self.graph_runner = workspace, runner
+
+    @property
+    def cuda_graph_enabled(self) -> bool:
+        return isinstance(self.graph_runner, CUDAGraphRunner)
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan) -> tuple[list[int], list[float]]:
+        """Forward `plan` under its attention backend and sample its samplers' next tokens.
+
+        Returns the token ids and their log-probs (raw logits), one per `plan.samplers`.
+        """
+        previous, self._last_sampled = self._last_sampled, None
+        with attn_backend(plan.backend):
+            logits, graphed = self._forward(plan, previous)
+            if not plan.samplers:
+                return [], []
+            samplers = plan.samplers
+            tokens, logprobs = sample_batch(
+                logits.float(),
+                self._sampling.get([t.params for t in samplers], logits.device),
+                generated=[t.output_ids for t in samplers],
+                generators=[self._generator(t) for t in samplers],
+            )
+        if graphed:
+            self._last_sampled = tokens
+        return tokens.tolist(), logprobs.tolist()
+
+    def _forward(self, plan: StepPlan, previous: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
+        """Logits `[len(plan.samplers), vocab]`, and whether a captured graph produced them."""
+        graphs = self.graph_runner
+        padded = None
+        if graphs is not None and plan.decode_only:
+            padded = graphs.padded_size(len(plan.rows))
+        if padded is not None:  # pure decode: replay a captured graph on the workspace
+            ws = self.workspace
+            same = previous is not None and ws.last_rows == tuple(plan.rows)
+            ws.prepare(
+                plan.rows,
+                plan.seq_lens,
+                None if same else plan.token_ids,
+                padded,
+                device_tokens=previous if same else None,
+            )
+            return graphs.run(padded, len(plan.rows)), True
+        if self.workspace is not None:
+            self.workspace.last_rows = None
+        kv_cache = self.pool.bind_tasks(plan.rows, plan.seq_lens, plan.q_lens)
+        ends = torch.tensor(plan.q_lens).cumsum(0) - 1
+        ids = torch.tensor(plan.token_ids, dtype=torch.int64, device=self.device)
+        pos = torch.tensor(plan.positions, dtype=torch.int64, device=self.device)
+        logits_idx = ends[plan.sample_rows].to(self.device)
+        logits = self.model.forward_packed(
+            ids, pos, kv_cache, logits_idx, max_position=max(plan.positions)
+        )
+        return logits, False
+
+    def _generator(self, task: Task) -> torch.Generator | None:
+        """The request's own generator (seeded requests), created at its first draw."""
+        if task.params.seed is None:
+            return None
+        gen = self._generators.get(task)
+        if gen is None:
+            gen = task.params.make_generator(self.device)
+            self._generators[task] = gen
+        return gen
