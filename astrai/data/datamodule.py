@@ -1,4 +1,10 @@
-"""LightningDataModule whose checkpointed state is the position in the training data.
+"""LightningDataModule that prepares its own data and checkpoints the position in it.
+
+Preparation follows litgpt's ``DataModule.connect``: the runner calls
+``connect(tokenizer_dir, data_dir)`` once the tokenizer exists; every dataset spec with a
+``prepare:`` block then points at its folder in the prepared-data cache
+(:mod:`astrai.data.cache`), and Lightning's ``prepare_data`` hook (local rank 0; the other
+ranks wait) tokenizes into it. ``setup`` on every rank opens the same, deterministic path.
 
 Lightning saves ``datamodule.state_dict()`` in every checkpoint and calls ``load_state_dict``
 when resuming (``trainer.fit(..., ckpt_path=...)``), before it builds the dataloaders. The state
@@ -16,13 +22,19 @@ transforms in ``on_after_batch_transfer`` or ``training_step`` instead.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import lightning as L
+from hydra.utils import get_class, instantiate
+from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, Dataset
 
+from astrai.data.cache import PreparedSource, prepared_source
 from astrai.data.sampler import ResumableSampler
+from astrai.tokenizer import AutoTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -35,22 +47,20 @@ class _TrainLoader(DataLoader):
     does not warn that a mid-epoch checkpoint cannot be resumed exactly).
     """
 
-    _datamodule: AstraiDataModule | None = None
+    def __init__(self, *args: Any, datamodule: AstraiDataModule, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.datamodule = datamodule
 
     def state_dict(self) -> dict[str, Any]:
-        return self._datamodule.state_dict() if self._datamodule is not None else {}
+        return self.datamodule.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if self._datamodule is not None:
-            self._datamodule.load_state_dict(state_dict)
+        self.datamodule.load_state_dict(state_dict)
 
     def __iter__(self) -> Iterator[Any]:
-        dm = self._datamodule
-        if dm is not None:
-            dm._on_train_iter_start()
+        self.datamodule.start_train_iteration()
         for batch in super().__iter__():
-            if dm is not None and dm._count_in_loader():
-                dm._delivered_batches += 1
+            self.datamodule.loader_yielded_batch()
             yield batch
 
 
@@ -59,7 +69,8 @@ class AstraiDataModule(L.LightningDataModule):
 
     Args:
         train, val, test: a ``Dataset``, or a config mapping with ``_target_`` (instantiated
-            with Hydra in ``setup``), or ``None``.
+            with Hydra in ``setup``; a ``prepare:`` block in it is run by ``prepare_data``,
+            after ``connect``), or ``None``.
         batch_size: per-rank batch size; ``val_batch_size`` defaults to it.
         num_workers, pin_memory, persistent_workers, prefetch_factor: passed to DataLoader.
         seed, shuffle: the training order (see :class:`ResumableSampler`).
@@ -87,7 +98,10 @@ class AstraiDataModule(L.LightningDataModule):
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"AstraiDataModule: batch_size must be >= 1, got {batch_size}")
-        self._specs = {"train": train, "val": val, "test": test}
+        self.specs = {split: _own(spec) for split, spec in zip(SPLITS, (train, val, test))}
+        self.prepared: dict[str, PreparedSource] = {}
+        self.tokenizer_dir: Path | None = None
+        self._data_prepared = False
         self.datasets: dict[str, Dataset | None] = {}
         self.batch_size = batch_size
         self.val_batch_size = val_batch_size or batch_size
@@ -105,19 +119,66 @@ class AstraiDataModule(L.LightningDataModule):
         self._delivered_batches = 0
         self._iter_epoch = 0
 
+    # -- preparation --------------------------------------------------------------------------
+    def connect(self, tokenizer_dir: str | os.PathLike, data_dir: str | os.PathLike) -> None:
+        """Bind the run's tokenizer and prepared-data cache; call before ``trainer.fit``.
+
+        Every dataset spec gets ``tokenizer_fingerprint`` (unless set), so opening a storage
+        built with another tokenizer fails. A spec with ``prepare:`` gets as ``source`` its
+        folder in ``data_dir``'s cache, a hash of the spec and the tokenizer: every rank
+        computes the same path here, and only ``prepare_data`` writes it. The kind is the
+        dataset class's ``kind`` unless ``prepare.kind`` says otherwise.
+        """
+        self.tokenizer_dir = Path(tokenizer_dir)
+        fingerprint = AutoTokenizer.from_pretrained(self.tokenizer_dir).fingerprint
+        for split, spec in self.specs.items():
+            if not isinstance(spec, dict):
+                continue
+            options = spec.pop("prepare", None)
+            if options is not None:
+                options = dict(options)
+                kind = options.pop("kind", None) or _dataset_kind(spec)
+                if kind is None:
+                    target = spec.get("_target_") or "the dataset"
+                    raise ValueError(f"data.{split}.prepare.kind: required, {target} has no kind")
+                job = prepared_source(
+                    kind,
+                    spec["source"],
+                    options,
+                    fingerprint=fingerprint,
+                    data_dir=data_dir,
+                    name=split,
+                )
+                self.prepared[split] = job
+                spec["source"] = job.path
+            spec.setdefault("tokenizer_fingerprint", fingerprint)
+
+    def prepare_data(self) -> None:
+        """Tokenize every ``prepare:`` split into the cache (Lightning calls this on local
+        rank 0 while the other ranks wait; a file lock keeps concurrent runs apart)."""
+        for split, job in self.prepared.items():
+            result = job.run(self.tokenizer_dir)
+            log.info("data.%s: %s", split, result.path)
+        self._data_prepared = True
+
     # -- datasets -----------------------------------------------------------------------------
     def setup(self, stage: str | None = None) -> None:
-        for split, spec in self._specs.items():
+        if self.prepared and not self._data_prepared and self._trainer_or_none() is None:
+            self.prepare_data()  # no Trainer to call the hook: a single process does it here
+        for split, spec in self.specs.items():
             if split not in self.datasets:
-                self.datasets[split] = self._build(spec)
+                self.datasets[split] = self._build(split, spec)
 
     @staticmethod
-    def _build(spec: Any) -> Dataset | None:
+    def _build(split: str, spec: Any) -> Dataset | None:
         if spec is None or isinstance(spec, Dataset):
             return spec
-        if isinstance(spec, Mapping) or hasattr(spec, "_target_"):
-            from hydra.utils import instantiate
-
+        if isinstance(spec, Mapping):
+            if "prepare" in spec:
+                raise ValueError(
+                    f"data.{split}: has a prepare: block; call "
+                    f"connect(tokenizer_dir, data_dir) before the datasets are built"
+                )
             return instantiate(spec, _convert_="all")
         if callable(spec):
             return spec()
@@ -185,9 +246,9 @@ class AstraiDataModule(L.LightningDataModule):
             sampler=self.train_sampler(),
             drop_last=self.drop_last,
             collate_fn=self._collate(ds),
+            datamodule=self,
             **self._loader_kwargs(),
         )
-        loader._datamodule = self
         return loader
 
     def _eval_loader(self, split: str) -> DataLoader | list:
@@ -212,7 +273,8 @@ class AstraiDataModule(L.LightningDataModule):
         return self._eval_loader("test")
 
     # -- position tracking --------------------------------------------------------------------
-    def _on_train_iter_start(self) -> None:
+    def start_train_iteration(self) -> None:
+        """The training loader starts iterating (an epoch, or the rest of one)."""
         assert self.sampler is not None
         s = self.sampler
         if self._iter_epoch == s.epoch:
@@ -225,8 +287,11 @@ class AstraiDataModule(L.LightningDataModule):
         self._start_consumed = s.consumed
         self._delivered_batches = 0
 
-    def _count_in_loader(self) -> bool:
-        return self._trainer_or_none() is None
+    def loader_yielded_batch(self) -> None:
+        """The training loader yielded a batch: counted here only without a trainer (under
+        one, ``on_before_batch_transfer`` counts the batches ``training_step`` receives)."""
+        if self._trainer_or_none() is None:
+            self._delivered_batches += 1
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         trainer = self._trainer_or_none()
@@ -262,3 +327,22 @@ class AstraiDataModule(L.LightningDataModule):
             state_dict.get("epoch"),
             state_dict.get("consumed"),
         )
+
+
+SPLITS = ("train", "val", "test")
+
+
+def _own(spec: Any) -> Any:
+    """A private copy of a config mapping (``connect`` sets its top-level keys and copies the
+    ``prepare`` block before editing it); datasets and factories as given."""
+    if OmegaConf.is_config(spec):
+        return OmegaConf.to_container(spec, resolve=True)
+    if isinstance(spec, Mapping):
+        return dict(spec)
+    return spec
+
+
+def _dataset_kind(spec: Mapping[str, Any]) -> str | None:
+    """The ``kind`` of the dataset class a spec instantiates (``PretrainDataset.kind``)."""
+    target = spec.get("_target_")
+    return getattr(get_class(target), "kind", None) if target else None

@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -33,8 +33,13 @@ IGNORE_INDEX = -100
 
 
 class _StorageDataset(Dataset):
-    """Opens the storage lazily per process and checks keys and tokenizer fingerprint."""
+    """Opens the storage lazily per process and checks keys and tokenizer fingerprint.
 
+    ``kind`` is the ``astrai.data.prepare`` kind that writes the keys a dataset reads; the
+    datamodule prepares a spec's ``prepare:`` block with it.
+    """
+
+    kind: ClassVar[str | None] = None
     required_keys: tuple[str, ...] = ()
 
     def __init__(
@@ -79,6 +84,8 @@ class PretrainDataset(_StorageDataset):
     ``stride < window_size`` windows overlap. ``reset_position_ids`` restarts positions at
     every document start, for models trained on packed documents.
     """
+
+    kind = "pretrain"
 
     def __init__(
         self,
@@ -155,6 +162,7 @@ class SFTDataset(_StorageDataset):
     """Chat documents with a loss mask on assistant tokens (``input_ids``, ``loss_mask``, and
     ``position_ids`` when prepared with packing). ``max_length`` truncates at load time."""
 
+    kind = "sft"
     required_keys = ("input_ids", "loss_mask")
 
     def __init__(
@@ -189,6 +197,7 @@ class SFTDataset(_StorageDataset):
 class PreferenceDataset(_StorageDataset):
     """Pairs of the same prompt with a chosen and a rejected answer, each with its loss mask."""
 
+    kind = "preference"
     required_keys = ("chosen_ids", "chosen_mask", "rejected_ids", "rejected_mask")
 
     def __init__(
@@ -221,6 +230,7 @@ class PromptDataset(_StorageDataset):
     """GRPO prompts: rendered prompt ids (generation prompt included) plus the raw record, whose
     fields (e.g. ``answer``) the reward functions read."""
 
+    kind = "prompt"
     required_keys = ("prompt_ids", "records")
 
     def __init__(
@@ -323,11 +333,3 @@ def collate_prompt(batch: Sequence[dict[str, Any]], *, pad_id: int = 0) -> dict[
         "prompt_ids": [p.tolist() for p in prompts],
         "records": [b["record"] for b in batch],
     }
-
-
-DATASETS: dict[str, type[_StorageDataset]] = {
-    "pretrain": PretrainDataset,
-    "sft": SFTDataset,
-    "preference": PreferenceDataset,
-    "prompt": PromptDataset,
-}

@@ -1,21 +1,26 @@
-"""AstraiDataModule: the data position survives state_dict round trips and Lightning checkpoints."""
+"""AstraiDataModule: connect + prepare_data fill the prepared-data cache once for every rank,
+and the data position survives state_dict round trips and Lightning checkpoints."""
 
 from __future__ import annotations
 
+import copy
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import lightning as L
 import numpy as np
 import pytest
 import torch
+from data_helpers import write_lines
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import OmegaConf
 from torch.utils.data import Dataset
 
 from astrai.data.datamodule import AstraiDataModule
-from astrai.data.datasets import PretrainDataset
+from astrai.data.datasets import PreferenceDataset, PretrainDataset, PromptDataset, SFTDataset
 from astrai.data.storage import H5Writer
+from astrai.tokenizer import AutoTokenizer
 
 
 class Indexed(Dataset):
@@ -163,3 +168,106 @@ def test_lightning_checkpoint_restores_the_data_position(tmp_path: Path, num_wor
     again = ModelCheckpoint(dirpath=tmp_path / "ckpt2", every_n_train_steps=4, save_top_k=-1)
     _trainer(tmp_path / "b", 10, [again]).fit(second, datamodule=data(), ckpt_path=path)
     assert second.seen == full.seen[4:]
+
+
+# ------------------------------------------------------------------ connect + prepare_data
+
+
+class _Rank:
+    """What the datamodule reads of a Trainer: its rank (Lightning calls prepare_data on local
+    rank 0 only, then setup on every rank)."""
+
+    training = False
+
+    def __init__(self, rank: int, world: int = 2) -> None:
+        self.global_rank, self.world_size = rank, world
+
+
+def _sft_spec(n: int = 20, **prepare: object) -> dict:
+    return {
+        "_target_": "astrai.data.SFTDataset",
+        "source": "builtin:arithmetic/sft/train",
+        "prepare": {"builtin": {"n": n, "seed": 0}, **prepare},
+    }
+
+
+def test_connect_gives_every_rank_the_path_rank_zero_prepares(tmp_path: Path, tok_dir) -> None:
+    spec = _sft_spec()
+    given = copy.deepcopy(spec)
+    ranks = [AstraiDataModule(train=spec, batch_size=2) for _ in range(2)]
+    for r, dm in enumerate(ranks):
+        dm.connect(tok_dir, tmp_path)
+        dm.trainer = _Rank(r)
+    assert spec == given  # the caller's config is not edited; each datamodule owns a copy
+    path = Path(ranks[0].specs["train"]["source"])
+    assert str(path) == ranks[1].specs["train"]["source"]  # a hash: no talking needed
+    assert path.parent.parent == tmp_path / "prepared" and path.parent.name.startswith("sft-")
+    assert path.name == "train.h5" and not path.exists()  # connect only plans
+    fingerprint = AutoTokenizer.from_pretrained(tok_dir).fingerprint
+    assert ranks[1].specs["train"]["tokenizer_fingerprint"] == fingerprint
+    assert "prepare" not in ranks[1].specs["train"]
+    # under a trainer, setup never prepares (rank 0's prepare_data hook does)
+    with pytest.raises(Exception, match="storage file not found"):
+        ranks[1].setup("fit")
+    ranks[0].prepare_data()  # Lightning: local rank 0, while the others wait
+    assert path.is_file()
+    for dm in ranks:
+        dm.setup("fit")
+        assert isinstance(dm.datasets["train"], SFTDataset) and len(dm.datasets["train"]) == 20
+
+
+def test_without_a_trainer_setup_prepares_and_a_changed_file_gets_a_new_cache(
+    tmp_path: Path, tok_dir
+) -> None:
+    corpus = tmp_path / "corpus.jsonl"
+    write_lines(corpus, [{"text": "def f(x):\n    return x + 1\n" * 20}] * 4)
+    spec = {
+        "_target_": "astrai.data.PretrainDataset",
+        "source": str(corpus),
+        "window_size": 8,
+        "prepare": {},
+    }
+    dm = AstraiDataModule(train=spec, batch_size=2)
+    dm.connect(tok_dir, tmp_path / "cache")
+    batch = next(iter(dm.train_dataloader()))
+    assert batch["input_ids"].shape == (2, 8)
+    first = dm.specs["train"]["source"]
+    assert Path(first).parent.name.startswith("pretrain-")  # PretrainDataset.kind
+    write_lines(corpus, [{"text": "other text " * 50}])
+    again = AstraiDataModule(train=spec, batch_size=2)
+    again.connect(tok_dir, tmp_path / "cache")
+    assert again.specs["train"]["source"] != first
+
+
+def test_kind_comes_from_the_dataset_class_unless_prepare_says(tmp_path: Path, tok_dir) -> None:
+    assert (PretrainDataset.kind, SFTDataset.kind) == ("pretrain", "sft")
+    assert (PreferenceDataset.kind, PromptDataset.kind) == ("preference", "prompt")
+    spec = {**_sft_spec(), "_target_": "astrai.data.PretrainDataset", "window_size": 8}
+    spec["prepare"] = {**spec["prepare"], "kind": "sft"}  # pretrain on chat-rendered tokens
+    dm = AstraiDataModule(train=spec)
+    dm.connect(tok_dir, tmp_path)
+    assert Path(dm.specs["train"]["source"]).parent.name.startswith("sft-")
+    no_kind = {"_target_": "torch.utils.data.TensorDataset", "source": "x", "prepare": {}}
+    with pytest.raises(ValueError, match=r"data\.val\.prepare\.kind: required"):
+        AstraiDataModule(val=no_kind).connect(tok_dir, tmp_path)
+
+
+def test_a_prepare_block_without_connect_is_a_clear_error() -> None:
+    dm = AstraiDataModule(train=_sft_spec())
+    with pytest.raises(ValueError, match=r"data\.train: has a prepare: block; call connect"):
+        dm.setup("fit")
+
+
+def test_concurrent_preparations_of_the_same_data_do_the_work_once(tmp_path: Path, tok_dir) -> None:
+    """Two runs (sweep jobs, nodes) preparing the same spec: the file lock serialises them
+    and the second reuses the first one's output."""
+    jobs = []
+    for _ in range(2):
+        dm = AstraiDataModule(train=_sft_spec(200))
+        dm.connect(tok_dir, tmp_path)
+        jobs.append(dm.prepared["train"])
+    assert jobs[0] == jobs[1]
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda job: job.run(tok_dir), jobs))
+    assert sorted((r.shards_written, r.shards_reused) for r in results) == [(0, 1), (1, 0)]
+    assert {r.documents for r in results} == {200}

@@ -168,7 +168,7 @@ class _Interrupt(BaseException):
 
 
 def _interrupt_after(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
-    real = prep._iter_input
+    real = prep.iter_input
 
     def iterate(*args, **kwargs):
         for i, item in enumerate(real(*args, **kwargs)):
@@ -176,7 +176,7 @@ def _interrupt_after(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
                 raise _Interrupt
             yield item
 
-    monkeypatch.setattr(prep, "_iter_input", iterate)
+    monkeypatch.setattr(prep, "iter_input", iterate)
 
 
 def test_interrupted_sharded_run_resumes(tmp_path: Path, tok, monkeypatch) -> None:
@@ -259,7 +259,7 @@ def test_cli_runs_with_hydra(tmp_path: Path, tok_dir: Path) -> None:
     data = write_lines(tmp_path / "chat.jsonl", [{"messages": CHAT}, "oops", {"messages": CHAT}])
     cmd = [
         sys.executable, "-m", "astrai.data.prepare", "kind=sft", f"input={data}",
-        f"output={tmp_path / 'out'}", f"tokenizer={tok_dir}", "skip_bad_lines=true",
+        f"output={tmp_path / 'out'}", f"tokenizer_path={tok_dir}", "skip_bad_lines=true",
         "progress=false", f"hydra.run.dir={tmp_path / 'hydra'}",
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)

@@ -1,0 +1,83 @@
+"""Where ``prepare`` reads from: files, directories or ``builtin:<name>`` records, what the
+output's signature records about them, and the tokenizer given as an object or a directory."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from astrai.data.builtin import builtin_records
+from astrai.data.storage import DataError, JsonStorage
+from astrai.tokenizer import AutoTokenizer
+
+TEXT_SUFFIXES = (".txt", ".md")
+RECORD_SUFFIXES = (".json", ".jsonl")
+BUILTIN_PREFIX = "builtin:"
+
+
+def input_files(path: Path, kind: str) -> list[Path]:
+    """The input files of a file or directory (sorted, hidden ones skipped) for ``kind``."""
+    suffixes = RECORD_SUFFIXES + (TEXT_SUFFIXES if kind == "pretrain" else ())
+    if path.is_file():
+        if path.suffix not in suffixes:
+            raise DataError(f"{path}: kind={kind} reads {', '.join(suffixes)} files")
+        return [path]
+    if path.is_dir():
+        files = sorted(
+            p
+            for p in path.rglob("*")
+            if p.is_file()
+            and p.suffix in suffixes
+            and not any(part.startswith(".") for part in p.relative_to(path).parts)
+        )
+        if not files:
+            raise DataError(f"{path}: no input files ({', '.join(suffixes)}) in this directory")
+        return files
+    raise FileNotFoundError(f"input not found: {path}")
+
+
+def iter_input(input: str, kind: str, builtin: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
+    """Yield ``(where, record)`` in input order; ``where`` is ``file:line`` for messages.
+
+    A JSONL line that is not JSON comes as a :class:`DataError` record, so that the caller
+    raises it or counts it in the shard it belongs to.
+    """
+    if input.startswith(BUILTIN_PREFIX):
+        name = input[len(BUILTIN_PREFIX) :]
+        for i, record in enumerate(builtin_records(name, **dict(builtin)), start=1):
+            yield f"{input}#{i}", record
+        return
+    for path in input_files(Path(input), kind):
+        if path.suffix in TEXT_SUFFIXES:
+            yield str(path), {"text": path.read_text(encoding="utf-8", errors="replace")}
+            continue
+        for line, record in JsonStorage(path).iter_records(with_errors=True):
+            yield f"{path}:{line}", record
+
+
+def input_identity(input: str, builtin: Mapping[str, Any], kind: str) -> Any:
+    """What the signature records about the input: names, sizes and mtimes of the files."""
+    if input.startswith(BUILTIN_PREFIX):
+        return {"builtin": input, "options": dict(builtin)}
+    files = input_files(Path(input), kind)
+    return [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+
+
+def load_tokenizer(tokenizer: Any) -> Any:
+    """An ``AutoTokenizer`` from its directory; a tokenizer object is returned as is."""
+    if isinstance(tokenizer, str | os.PathLike):
+        path = Path(tokenizer)
+        if not path.is_dir():
+            raise FileNotFoundError(f"tokenizer directory not found: {path}")
+        return AutoTokenizer.from_pretrained(str(path))
+    return tokenizer
+
+
+def default_name(input: str) -> str:
+    """The output name when none is given: the input's stem (``builtin:a/b`` -> ``a-b``)."""
+    if input.startswith(BUILTIN_PREFIX):
+        return input[len(BUILTIN_PREFIX) :].strip("/").replace("/", "-")
+    p = Path(input)
+    return p.stem if p.is_file() else p.resolve().name
