@@ -1,11 +1,9 @@
-"""`python -m astrai.train [+experiment=NAME] [overrides]`: train from the Hydra config tree.
+"""`python -m astrai.train [experiment=NAME] [overrides]`: train from the Hydra config tree.
 
 With no arguments this runs the tiny_pretrain experiment. See docs/training.md.
 """
 
 from __future__ import annotations
-
-import sys
 
 import hydra
 from omegaconf import DictConfig
@@ -13,7 +11,6 @@ from omegaconf import DictConfig
 from astrai.train.runner import (
     CONF_DIR,
     new_launch,
-    normalize_overrides,
     register_resolvers,
     train,
 )
@@ -28,5 +25,4 @@ def main(cfg: DictConfig) -> float | None:
 
 if __name__ == "__main__":
     new_launch()
-    sys.argv[1:] = normalize_overrides(sys.argv[1:])
     main()

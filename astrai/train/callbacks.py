@@ -18,8 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import Callback, ThroughputMonitor
 from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.strategies import FSDPStrategy
+from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+from astrai.model import Transformer, inject_lora, merge_lora, save_pretrained
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +96,9 @@ class ExportCallback(Callback):
             if model is True:
                 pl_module.save_pretrained(path, hf_format=self.hf_format)
             else:
-                model.save_pretrained(path, tokenizer=pl_module.tokenizer, hf_format=self.hf_format)
+                save_pretrained(
+                    model, path, tokenizer=pl_module.tokenizer, hf_format=self.hf_format
+                )
             (path / "training_state.json").write_text(
                 json.dumps({"global_step": trainer.global_step, "epoch": trainer.current_epoch})
             )
@@ -116,16 +124,8 @@ class ExportCallback(Callback):
 
 def _full_model(trainer: L.Trainer, pl_module: L.LightningModule) -> Any:
     """True to save `pl_module` as is; under FSDP a full CPU copy gathered to rank 0."""
-    from lightning.pytorch.strategies import FSDPStrategy
-
     if not isinstance(trainer.strategy, FSDPStrategy):
         return True
-    import torch
-    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    from astrai.model import Transformer, merge_lora
-
     cfg = FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
     with FSDP.state_dict_type(trainer.strategy.model, StateDictType.FULL_STATE_DICT, cfg):
         state = trainer.strategy.model.state_dict()
@@ -135,8 +135,6 @@ def _full_model(trainer: L.Trainer, pl_module: L.LightningModule) -> Any:
     state = {k.split(prefix, 1)[-1].removeprefix("model."): v for k, v in state.items()}
     model = Transformer(pl_module.model.config)
     if getattr(pl_module, "lora_config", None) is not None:
-        from astrai.model import inject_lora
-
         inject_lora(model, pl_module.lora_config)
     model.load_state_dict(state, strict=False)
     if getattr(pl_module, "lora_config", None) is not None:

@@ -17,13 +17,15 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
+
+from astrai.inference import InferenceEngine
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +93,11 @@ class EvalGenerationCallback(Callback):
         at_start: also evaluate before the first step (the starting point of the curve).
         at_end: also evaluate after the last step.
         table_rows: samples per table / JSONL entry.
-        max_batch_size, max_seq_len: engine sizes (contiguous KV cache).
+        max_batch_size, max_seq_len: engine sizes, passed to ``engine`` at the call
+            (``max_seq_len`` None: the longest prompt plus ``max_tokens``).
+        engine: the engine factory, called as ``engine(model, tokenizer, start=False,
+            max_batch_size=..., max_seq_len=...)``: the ``engine`` group (conf/engine/) as
+            a Hydra partial; None: :class:`~astrai.inference.InferenceEngine` itself.
         samples_file: JSONL of samples, relative to the trainer's ``default_root_dir``.
     """
 
@@ -116,6 +122,7 @@ class EvalGenerationCallback(Callback):
         max_batch_size: int = 32,
         max_seq_len: int | None = None,
         samples_file: str = "eval_samples.jsonl",
+        engine: Callable[..., InferenceEngine] | None = None,
     ) -> None:
         super().__init__()
         if (prompts is None) == (task is None):
@@ -147,7 +154,8 @@ class EvalGenerationCallback(Callback):
         self.max_batch_size = int(max_batch_size)
         self.max_seq_len = max_seq_len
         self.samples_file = samples_file
-        self._engine: Any = None
+        self.engine_factory: Callable[..., InferenceEngine] = engine or InferenceEngine
+        self._engine: InferenceEngine | None = None
         self._prompt_ids: list[list[int]] | None = None
         self._last_step: int | None = None
         self.history: list[dict[str, Any]] = []  # metrics per evaluation (tests, notebooks)
@@ -172,22 +180,20 @@ class EvalGenerationCallback(Callback):
                 ids.append(list(tokenizer.encode(prompt)))
         return ids
 
-    def _get_engine(self, pl_module: L.LightningModule) -> Any:
+    def _get_engine(self, pl_module: L.LightningModule) -> InferenceEngine:
         if self._engine is None:
-            from astrai.inference import InferenceEngine
-
             model, tokenizer = pl_module.model, pl_module.tokenizer
             self._prompt_ids = self._encode(tokenizer)
             longest = max(len(p) for p in self._prompt_ids) + self.sampling["max_tokens"]
             max_seq_len = self.max_seq_len or min(
                 max(longest, 64), model.config.max_position_embeddings
             )
-            self._engine = InferenceEngine(
+            self._engine = self.engine_factory(
                 model,
                 tokenizer,
+                start=False,
                 max_batch_size=min(self.max_batch_size, len(self._prompt_ids)),
                 max_seq_len=max_seq_len,
-                start=False,
             )
         return self._engine
 
@@ -210,7 +216,7 @@ class EvalGenerationCallback(Callback):
         if not trainer.is_global_zero or not self._usable(trainer, pl_module):
             return {}
         engine = self._get_engine(pl_module)
-        if step > engine.scheduler.policy_version:
+        if step > engine.policy_version:
             engine.update_weights(version=step)
         started = time.perf_counter()
         device = pl_module.device

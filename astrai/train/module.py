@@ -1,33 +1,71 @@
 """`LMModule`: the LightningModule every training strategy (pretrain, sft, dpo, grpo) extends.
 
-It owns the policy model (built from a preset or loaded from a directory), the tokenizer,
-optional LoRA adapters, the optimizer/schedule (from `astrai.train.optim`) and the
-non-finite-loss guard. A strategy implements only `compute_loss(batch) -> (loss, metrics)`;
-Lightning does the loop, precision, accumulation, clipping, distribution and checkpointing.
+It owns the policy model (from a model factory that Hydra builds out of `conf/model/`), the
+tokenizer, optional LoRA adapters, the optimizer and schedule (factories from `conf/optim/`)
+and the non-finite-loss guard. A strategy implements only `compute_loss(batch) -> (loss,
+metrics)`; Lightning does the loop, precision, accumulation, clipping, distribution and
+checkpointing. The features several strategies share live here, once: the token log-prob
+(`token_logprobs`), the language-model loss (`lm_loss`), a frozen reference policy
+(`ReferencePolicy`) and starting from an earlier export (`init_from`).
+
+The model config is instantiated to a *factory* (`_partial_: true`), not to a model: the
+strategy calls it once for the live weights, while the entry point calls it with
+`device="meta"` to check shapes, parameter counts and the tokenizer's fit before any data is
+prepared or memory allocated.
 """
 
 from __future__ import annotations
 
+import copy
+import functools
+import inspect
 import logging
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import lightning as L
+import numpy as np
 import torch
 import torch.nn.functional as F
-from omegaconf import DictConfig, OmegaConf
-from torch import Tensor
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
+from lightning.pytorch.utilities.parsing import collect_init_args
+from omegaconf import OmegaConf
+from torch import Tensor, nn
 
-from astrai.model import LoRAConfig, Transformer, inject_lora, merge_lora, preset
-from astrai.model.hub import load_pretrained
+from astrai.data.datasets import IGNORE_INDEX
+from astrai.model import (
+    LoRAConfig,
+    Transformer,
+    inject_lora,
+    load_pretrained,
+    merge_lora,
+    preset,
+    save_pretrained,
+)
+from astrai.model.hub import read_config
 from astrai.tokenizer import AutoTokenizer
+from astrai.train.optim import OptimizerFactory, ScheduleFactory, adamw, configure_optimizers
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LMModule", "NonFiniteLossError", "VocabMismatchError", "build_model"]
+__all__ = [
+    "LMModule",
+    "NonFiniteLossError",
+    "ReferencePolicy",
+    "VocabMismatchError",
+    "check_vocab",
+    "init_from_export",
+    "lm_loss",
+    "preset_model",
+    "pretrained_model",
+    "token_logprobs",
+]
+
+#: `(device=None, tokenizer=None) -> Transformer`: what a `conf/model` partial becomes.
+ModelFactory = Callable[..., Transformer]
 
 
 class NonFiniteLossError(RuntimeError):
@@ -38,62 +76,10 @@ class VocabMismatchError(ValueError):
     """The tokenizer produces ids the model's embedding table cannot hold."""
 
 
-def _plain(cfg: Any) -> Any:
-    """DictConfig/ListConfig -> plain containers (hyperparameters must be picklable YAML)."""
-    if isinstance(cfg, DictConfig) or OmegaConf.is_config(cfg):
-        return OmegaConf.to_container(cfg, resolve=True)
-    return cfg
-
-
-def build_model(
-    spec: Mapping[str, Any],
-    *,
-    tokenizer: AutoTokenizer | None = None,
-    device: str | torch.device | None = None,
-) -> Transformer:
-    """A `Transformer` from `{"preset": name, **overrides}` or `{"path": dir}`.
-
-    With a tokenizer, a preset without an explicit `vocab_size` keeps its own size; in
-    every case the tokenizer's ids must fit the embedding table, or `VocabMismatchError`
-    names both sizes (a silent mismatch would index out of range mid-run).
-    `device="meta"` builds without allocating (shape checks and parameter counts).
-    """
-    spec = dict(_plain(spec) or {})
-    path = spec.pop("path", None)
-    name = spec.pop("preset", None)
-    if (path is None) == (name is None):
-        raise ValueError(
-            f"model: give exactly one of `preset` (one of astrai.model.PRESETS) or `path` "
-            f"(a model directory); got {dict(spec, preset=name, path=path)}"
-        )
-    if path is not None:
-        if spec:
-            raise ValueError(f"model: with `path`, no other fields are allowed; got {sorted(spec)}")
-        if device is not None and torch.device(device).type == "meta":
-            from astrai.model.hub import read_config
-
-            config = read_config(path)
-            with torch.device("meta"):
-                model = Transformer(config)
-        else:
-            model = load_pretrained(path, dtype=torch.float32)
-            model.train()
-        source = f"model directory {path}"
-    else:
-        config = preset(name, **spec)
-        if device is not None:
-            with torch.device(device):
-                model = Transformer(config)
-        else:
-            model = Transformer(config)
-        source = f"model preset {name!r}"
-    if tokenizer is not None:
-        check_vocab(model.config.vocab_size, tokenizer, source=source)
-    return model
-
-
+# ---------------------------------------------------------------------- model factories
 def check_vocab(vocab_size: int, tokenizer: AutoTokenizer, *, source: str = "model") -> None:
-    """Raise `VocabMismatchError` when the tokenizer has more ids than the model's vocabulary."""
+    """Raise `VocabMismatchError` when the tokenizer has more ids than the model's vocabulary
+    (a silent mismatch would index out of range mid-run)."""
     n = len(tokenizer)
     if n > vocab_size:
         raise VocabMismatchError(
@@ -101,6 +87,166 @@ def check_vocab(vocab_size: int, tokenizer: AutoTokenizer, *, source: str = "mod
             f"use a model with vocab_size >= {n} (e.g. model.vocab_size={n}) "
             f"or a tokenizer trained with a smaller vocabulary"
         )
+
+
+def preset_model(
+    name: str,
+    *,
+    device: str | torch.device | None = None,
+    tokenizer: AutoTokenizer | None = None,
+    **overrides: Any,
+) -> Transformer:
+    """A fresh `Transformer` from the preset `name` (`astrai.model.PRESETS`) with field
+    `overrides` (`conf/model/astrai-5m.yaml`: `model.num_hidden_layers=6`). The tokenizer,
+    when given, must fit the vocabulary; `device="meta"` allocates nothing."""
+    config = preset(name, **overrides)
+    if tokenizer is not None:
+        check_vocab(config.vocab_size, tokenizer, source=f"model preset {name!r}")
+    if device is None:
+        return Transformer(config)
+    with torch.device(device):
+        return Transformer(config)
+
+
+def pretrained_model(
+    path: str | Path,
+    *,
+    device: str | torch.device | None = None,
+    tokenizer: AutoTokenizer | None = None,
+) -> Transformer:
+    """The model of a directory (astrai export or HF Llama/Qwen2/Qwen3/Mistral), in fp32 and
+    train mode (`conf/model/pretrained.yaml`). With `device="meta"` only `config.json` is
+    read: the shapes without the weights."""
+    config = read_config(path)
+    if tokenizer is not None:
+        check_vocab(config.vocab_size, tokenizer, source=f"model directory {path}")
+    if device is not None and torch.device(device).type == "meta":
+        with torch.device("meta"):
+            return Transformer(config)
+    model = load_pretrained(path, device=device or "cpu", dtype=torch.float32)
+    return model.train()
+
+
+def init_from_export(model: nn.Module, path: str | None, *, required: bool = False) -> bool:
+    """Copy the weights of an earlier run's export (e.g. ``outputs/tiny_sft/latest/export``)
+    into ``model``, whose architecture must match. A missing directory is an error when
+    ``required``, else a warning and the model keeps its fresh initialisation: the tiny
+    experiments then still run standalone on a fresh clone.
+    """
+    if not path:
+        return False
+    if not Path(path).is_dir():
+        if required:
+            raise FileNotFoundError(f"init_from: model directory {path} does not exist")
+        log.warning(
+            "init_from: %s does not exist; starting from a fresh initialisation instead "
+            "(run the earlier stage first, e.g. experiment=tiny_sft, for a meaningful start)",
+            path,
+        )
+        return False
+    src = load_pretrained(path, dtype=torch.float32)
+    ours, theirs = model.config.to_dict(), src.config.to_dict()
+    diff = {
+        k: (ours.get(k), theirs.get(k))
+        for k in set(ours) | set(theirs)
+        if ours.get(k) != theirs.get(k)
+    }
+    diff.pop("torch_dtype", None)
+    if diff:
+        raise ValueError(f"init_from: {path} does not match the configured model: {diff}")
+    # LoRA-injected models hold the base weights under `<name>.base_layer.` and add adapters.
+    theirs_sd = src.state_dict()
+    state = {
+        key: theirs_sd[key.replace(".base_layer.", ".")]
+        for key in model.state_dict()
+        if ".lora_" not in key
+    }
+    with torch.no_grad():
+        model.load_state_dict(state, strict=False)
+    log.info("init_from: loaded the weights of %s", path)
+    return True
+
+
+class ReferencePolicy:
+    """A frozen copy of a policy (eval mode, no gradients, optional `dtype`): the reference
+    of DPO and of GRPO's KL term.
+
+    Held as a plain attribute, not a submodule, so it is never in the optimizer or a
+    checkpoint and Lightning does not move it; `on(device)` follows the policy on first use.
+    Made in the strategy's `__init__`, before Lightning restores a checkpoint, so a resumed
+    run keeps the *initial* policy as its reference.
+    """
+
+    def __init__(self, policy: nn.Module, dtype: str | torch.dtype | None = None) -> None:
+        model = copy.deepcopy(policy)
+        model.eval()
+        model.requires_grad_(False)
+        if dtype is not None:
+            model.to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
+        self.model = model
+
+    def on(self, device: torch.device) -> nn.Module:
+        """The frozen model, moved to `device` if it is elsewhere."""
+        if next(self.model.parameters()).device != device:
+            self.model.to(device)
+        return self.model
+
+
+# ---------------------------------------------------------------------- losses
+def token_logprobs(logits: Tensor, targets: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
+    """`log p(targets[b, t])` under `logits[b, t]`: `[B, S, V], [B, S] -> [B, S]` in fp32,
+    0 where `targets == ignore_index`. For next-token log-probs of a sequence pass
+    `logits[:, :-1], input_ids[:, 1:]`.
+
+    `cross_entropy(reduction="none")` rather than `log_softmax` + gather: no second
+    `[B, S, V]` tensor is materialised.
+    """
+    nll = F.cross_entropy(
+        logits.flatten(0, 1).float(), targets.flatten(), ignore_index=ignore_index, reduction="none"
+    )
+    return -nll.view_as(targets)
+
+
+def lm_loss(
+    logits: Tensor, labels: Tensor, *, label_smoothing: float = 0.0
+) -> tuple[Tensor, Tensor]:
+    """Mean cross entropy over tokens whose label is not `IGNORE_INDEX`, and their count.
+
+    Labels are already shifted by the datasets (`labels[t]` follows `input_ids[t]`).
+    """
+    n = (labels != IGNORE_INDEX).sum()
+    loss = F.cross_entropy(
+        logits.float().flatten(0, 1),
+        labels.flatten(),
+        ignore_index=IGNORE_INDEX,
+        label_smoothing=label_smoothing,
+    )
+    return loss, n
+
+
+def check_label_smoothing(value: float) -> float:
+    """`strategy.label_smoothing` must lie in [0, 1)."""
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"strategy.label_smoothing: must be in [0, 1), got {value}")
+    return float(value)
+
+
+# ---------------------------------------------------------------------- hyperparameters
+def _hparam(value: Any) -> Any:
+    """A loggable stand-in for a constructor argument: a factory (partial) becomes its
+    config (`{"_target_": ..., **keywords}`), a module its class name."""
+    if isinstance(value, functools.partial):
+        target = f"{value.func.__module__}.{value.func.__qualname__}"
+        return {"_target_": target, **{k: _hparam(v) for k, v in value.keywords.items()}}
+    if isinstance(value, nn.Module):
+        return type(value).__name__
+    if OmegaConf.is_config(value):
+        return OmegaConf.to_container(value, resolve=True)
+    if isinstance(value, Mapping):
+        return {k: _hparam(v) for k, v in value.items()}
+    if callable(value) and hasattr(value, "__qualname__"):
+        return f"{value.__module__}.{value.__qualname__}"
+    return value
 
 
 def _to_safe(states: dict[str, Any]) -> dict[str, Any]:
@@ -126,62 +272,74 @@ def _from_safe(states: dict[str, Any]) -> dict[str, Any]:
         else:  # resumed on another number of GPUs: leave their generators seeded
             del out["torch.cuda"]
     if "numpy" in out:
-        import numpy as np
-
         kind, keys, *rest = states["numpy"]
         out["numpy"] = (kind, np.asarray(keys, dtype=np.uint32), *rest)
     return out
 
 
 class LMModule(L.LightningModule, ABC):
-    """Base LightningModule for language-model training strategies.
+    """Base LightningModule for language-model training strategies (the shape of
+    lightning-hydra-template's `MNISTLitModule(net, optimizer, scheduler)`).
 
     Args:
-        model: `{"preset": "astrai-5m", **overrides}` or `{"path": "<model dir>"}`.
-        optim: optimizer + schedule config, see `astrai.train.optim.configure_optimizers`.
+        model: a model factory (`conf/model/*.yaml` instantiates `preset_model` or
+            `pretrained_model` as a partial), called with `tokenizer=` to check the fit; or
+            a ready `Transformer`.
+        optimizer: `(model) -> Optimizer`, e.g. `partial(astrai.train.optim.adamw, lr=3e-3)`
+            (`conf/optim/*.yaml`); default AdamW with its defaults.
+        scheduler: `(total_steps=...) -> multiplier(step)`, e.g.
+            `partial(astrai.train.optim.cosine, warmup_steps=20)` (`conf/optim/schedule/`);
+            default constant.
         tokenizer: tokenizer directory; its size is checked against the model's vocabulary,
             and it is saved with every export.
         lora: `LoRAConfig` fields; when given, only adapters train (exports merge them).
         gradient_checkpointing: recompute block activations in backward (memory for time).
         check_grad_finite: also stop on a non-finite gradient norm, before the optimizer
             step, so no checkpoint is ever written with NaN weights.
+        init_from: an earlier run's export to start from (same architecture as `model`);
+            when the directory does not exist the run starts fresh with a warning.
+
+    Hyperparameters (`self.hparams`, logged and kept in checkpoints) are the constructor
+    arguments of the whole class chain, with factories stored as their config and modules
+    as their class name, so no model or partial is pickled into a checkpoint.
     """
 
     def __init__(
         self,
-        model: Mapping[str, Any],
-        optim: Mapping[str, Any],
+        model: ModelFactory | Transformer,
+        optimizer: OptimizerFactory | None = None,
+        scheduler: ScheduleFactory | None = None,
         tokenizer: str | None = None,
         lora: Mapping[str, Any] | None = None,
         gradient_checkpointing: bool = False,
         check_grad_finite: bool = True,
-        **kwargs: Any,
+        init_from: str | None = None,
     ) -> None:
         super().__init__()
-        model, optim, lora = _plain(model), _plain(optim), _plain(lora)
-        tokenizer = str(tokenizer) if tokenizer is not None else None
-        self.save_hyperparameters(
-            {
-                "model": model,
-                "optim": optim,
-                "tokenizer": tokenizer,
-                "lora": lora,
-                "gradient_checkpointing": gradient_checkpointing,
-                "check_grad_finite": check_grad_finite,
-                **{k: _plain(v) for k, v in kwargs.items()},
-            }
-        )
-        self.optim_config: dict[str, Any] = dict(optim or {})
+        init_args: dict[str, Any] = {}
+        for level in collect_init_args(inspect.currentframe(), [], classes=(LMModule,)):
+            init_args.update(level)
+        self.save_hyperparameters({k: _hparam(v) for k, v in init_args.items()})
+        self.make_optimizer: OptimizerFactory = optimizer or adamw
+        self.make_schedule: ScheduleFactory | None = scheduler
         self.check_grad_finite = check_grad_finite
         self.tokenizer: AutoTokenizer | None = (
-            AutoTokenizer.from_pretrained(tokenizer) if tokenizer else None
+            AutoTokenizer.from_pretrained(str(tokenizer)) if tokenizer else None
         )
-        self.model: Transformer = build_model(model, tokenizer=self.tokenizer)
+        if isinstance(model, nn.Module):
+            if self.tokenizer is not None:
+                check_vocab(model.config.vocab_size, self.tokenizer)
+            self.model: Transformer = model
+        else:
+            self.model = model(tokenizer=self.tokenizer)
         self.model.gradient_checkpointing = bool(gradient_checkpointing)
         self.lora_config: LoRAConfig | None = None
         if lora:
             self.lora_config = LoRAConfig(**lora)
             inject_lora(self.model, self.lora_config)
+        init_from_export(self.model, init_from)
+        # DPO and GRPO set a frozen copy of the initial policy here (after init_from)
+        self.reference: ReferencePolicy | None = None
         self.flops_per_token: float = 6.0 * self.model.num_parameters()
         self.flops_per_batch: float | None = None  # read by Lightning's ThroughputMonitor
 
@@ -194,36 +352,16 @@ class LMModule(L.LightningModule, ABC):
     def forward(self, input_ids: Tensor, **kwargs: Any) -> Tensor:
         return self.model(input_ids, **kwargs)
 
-    @staticmethod
-    def token_logprobs(
-        model: torch.nn.Module,
-        input_ids: Tensor,
-        attention_mask: Tensor | None = None,
-        position_ids: Tensor | None = None,
-    ) -> Tensor:
-        """`[B, S-1]` log p(x_t | x_<t) for t = 1..S-1, in fp32.
-
-        Uses `cross_entropy(reduction="none")` rather than a full `log_softmax` + gather, so
-        no second `[B, S, V]` tensor is materialised.
-        """
-        logits = model(input_ids, position_ids=position_ids, attention_mask=attention_mask)
-        logits = logits[:, :-1].float()
-        targets = input_ids[:, 1:]
-        nll = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
-        return -nll.view_as(targets)
-
     def export_model(self) -> Transformer:
         """The model as it should be saved: LoRA adapters merged into a copy when present."""
         if self.lora_config is None:
             return self.model
-        import copy
-
         return merge_lora(copy.deepcopy(self.model))
 
     def save_pretrained(self, path: str | Path, **kwargs: Any) -> Path:
-        """`save_pretrained` the (merged) model with the tokenizer into `path`."""
+        """`astrai.model.save_pretrained` the (merged) model with the tokenizer into `path`."""
         path = Path(path)
-        self.export_model().save_pretrained(path, tokenizer=self.tokenizer, **kwargs)
+        save_pretrained(self.export_model(), path, tokenizer=self.tokenizer, **kwargs)
         return path
 
     @staticmethod
@@ -284,8 +422,6 @@ class LMModule(L.LightningModule, ABC):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Add every rank's RNG states (Lightning's checkpoint has none), for exact resume of
         anything random (dropout, LoRA dropout, sampling) across an interruption."""
-        from lightning.fabric.utilities.seed import _collect_rng_states
-
         states = _to_safe(_collect_rng_states(include_cuda=torch.cuda.is_available()))
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             gathered: list[Any] = [None] * torch.distributed.get_world_size()
@@ -302,18 +438,16 @@ class LMModule(L.LightningModule, ABC):
         # builds dataloaders (which draw from the global RNG) between loading and this step
         states = getattr(self, "_resume_rng", None)
         if states:
-            from lightning.fabric.utilities.seed import _set_rng_states
-
             rank = self.global_rank if self._trainer is not None else 0
             if rank < len(states):
                 _set_rng_states(_from_safe(states[rank]))
             self._resume_rng = None
 
     def configure_optimizers(self) -> Any:
-        from astrai.train.optim import configure_optimizers
-
         total = None
         if self._trainer is not None:
             est = self.trainer.estimated_stepping_batches
             total = int(est) if est is not None and math.isfinite(est) else None
-        return configure_optimizers(self.model, self.optim_config, total_steps=total)
+        return configure_optimizers(
+            self.model, self.make_optimizer, self.make_schedule, total_steps=total
+        )

@@ -1,21 +1,29 @@
-"""Optimizers and learning-rate schedules, built from the `optim` config group.
+"""Optimizers and learning-rate schedules: plain functions that Hydra configs point at.
+
+An optimizer is a function `(model, **settings) -> Optimizer`, configured in
+`conf/optim/NAME.yaml` with `_target_` and `_partial_: true`; `LMModule.configure_optimizers`
+calls the partial with the policy model. Our functions exist (rather than `torch.optim.*`
+targets) because they build parameter groups: weight decay on hidden matrices only, and
+Muon's split into hidden matrices and the rest.
 
 - `adamw`: AdamW with weight decay on matrices only (not on norms, biases, embeddings).
 - `muon`: PyTorch's `torch.optim.Muon` for the 2-D hidden matrices (attention and MLP
   projections) and AdamW for everything else (embeddings, output head, norms, biases),
   as Muon's authors prescribe. The two are wrapped in one `CombinedOptimizer` so that
   Lightning's automatic optimisation, clipping, checkpointing and one LR schedule apply.
+- `sgd`: SGD with momentum (the worked example of docs/training.md: one function, one YAML).
 
-Schedules (`cosine`, `wsd` = warmup-stable-decay, `constant`) are `LambdaLR` multipliers
-stepped once per optimizer step (`interval: step`), so they are exact under gradient
-accumulation and resume with the checkpoint.
+A schedule is a function `(total_steps, **settings) -> multiplier(step)` configured in
+`conf/optim/schedule/NAME.yaml` (`cosine`, `wsd` = warmup-stable-decay, `constant`); the
+multiplier drives a `LambdaLR` stepped once per optimizer step (`interval: step`), so it is
+exact under gradient accumulation and resumes with the checkpoint.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from typing import Any
 
 import torch
@@ -27,14 +35,21 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "CombinedOptimizer",
-    "build_optimizer",
+    "adamw",
     "configure_optimizers",
-    "lr_lambda",
+    "constant",
+    "cosine",
+    "muon",
+    "param_groups",
+    "sgd",
     "split_params",
+    "wsd",
 ]
 
-OPTIMIZERS = ("adamw", "muon")
-SCHEDULES = ("cosine", "wsd", "constant")
+#: `(model) -> Optimizer`: what a `conf/optim` partial becomes once Hydra instantiates it.
+OptimizerFactory = Callable[[nn.Module], Optimizer]
+#: `(total_steps=...) -> multiplier(step)`: what a `conf/optim/schedule` partial becomes.
+ScheduleFactory = Callable[..., Callable[[int], float]]
 
 
 # ---------------------------------------------------------------------- parameter groups
@@ -54,64 +69,116 @@ def split_params(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:
             out["hidden"].append((name, p))
         else:
             out["other"].append((name, p))
+    if not any(out.values()):
+        raise ValueError("optim: the model has no trainable parameters")
     return out
 
 
-def _adamw(groups: list[dict[str, Any]], cfg: Mapping[str, Any]) -> torch.optim.AdamW:
+def param_groups(
+    model: nn.Module,
+    weight_decay: float = 0.0,
+    embedding_weight_decay: float = 0.0,
+    roles: Sequence[str] = ("hidden", "embed", "other"),
+) -> list[dict[str, Any]]:
+    """Named optimizer groups (`hidden`, `embed`, `other`; empty ones left out): decay
+    `weight_decay` on hidden matrices, `embedding_weight_decay` on the embedding/head, none
+    on norms and biases. The names show in the LR monitor (`lr/hidden`)."""
+    parts = split_params(model)
+    decay = {"hidden": weight_decay, "embed": embedding_weight_decay, "other": 0.0}
+    return [
+        {"params": [p for _, p in parts[role]], "weight_decay": float(decay[role]), "name": role}
+        for role in roles
+        if parts[role]
+    ]
+
+
+# ---------------------------------------------------------------------- optimizers
+def adamw(
+    model: nn.Module,
+    *,
+    lr: float = 1e-3,
+    betas: Sequence[float] = (0.9, 0.95),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    embedding_weight_decay: float = 0.0,
+    fused: bool | None = None,
+) -> torch.optim.AdamW:
+    """AdamW over `param_groups(model, weight_decay, embedding_weight_decay)`."""
     return torch.optim.AdamW(
-        [g for g in groups if g["params"]],
-        lr=float(cfg.get("lr", 1e-3)),
-        betas=tuple(cfg.get("betas", (0.9, 0.95))),
-        eps=float(cfg.get("eps", 1e-8)),
-        fused=bool(cfg["fused"]) if cfg.get("fused") is not None else None,
+        param_groups(model, weight_decay, embedding_weight_decay),
+        lr=float(lr),
+        betas=(float(betas[0]), float(betas[1])),
+        eps=float(eps),
+        fused=fused,
     )
 
 
-def build_optimizer(model: nn.Module, cfg: Mapping[str, Any]) -> Optimizer:
-    """The optimizer named by `cfg["name"]` over the model's trainable parameters."""
-    name = str(cfg.get("name", "adamw")).lower()
-    if name not in OPTIMIZERS:
-        raise ValueError(f"optim.name: unknown optimizer {name!r}; choose one of {OPTIMIZERS}")
-    parts = split_params(model)
-    wd = float(cfg.get("weight_decay", 0.0))
-    embed_wd = float(cfg.get("embedding_weight_decay", 0.0))
-    if not any(parts.values()):
-        raise ValueError("optim: the model has no trainable parameters")
-    if name == "adamw":
-        groups = [
-            {"params": [p for _, p in parts["hidden"]], "weight_decay": wd, "name": "hidden"},
-            {"params": [p for _, p in parts["embed"]], "weight_decay": embed_wd, "name": "embed"},
-            {"params": [p for _, p in parts["other"]], "weight_decay": 0.0, "name": "other"},
-        ]
-        return _adamw(groups, cfg)
+def muon(
+    model: nn.Module,
+    *,
+    lr: float = 1e-3,
+    betas: Sequence[float] = (0.9, 0.95),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    embedding_weight_decay: float = 0.0,
+    fused: bool | None = None,
+    muon_lr: float = 0.02,
+    momentum: float = 0.95,
+    nesterov: bool = True,
+    ns_steps: int = 5,
+    muon_weight_decay: float | None = None,
+    adjust_lr_fn: str | None = None,
+) -> Optimizer:
+    """`torch.optim.Muon` (`muon_lr`, `momentum`, ...) on the hidden matrices and AdamW
+    (`lr`, `betas`, ...) on the rest, as one `CombinedOptimizer`. `muon_weight_decay`
+    defaults to `weight_decay`."""
     muon_cls = getattr(torch.optim, "Muon", None)
     if muon_cls is None:
         raise RuntimeError(
-            "optim.name=muon needs torch.optim.Muon (PyTorch >= 2.9); "
+            "optim=muon needs torch.optim.Muon (PyTorch >= 2.9); "
             f"this is torch {torch.__version__}. Use optim=adamw."
         )
-    mcfg = dict(cfg.get("muon") or {})
+    hidden = param_groups(model, roles=("hidden",))
     optimizers: dict[str, Optimizer] = {}
-    if parts["hidden"]:
+    if hidden:
         optimizers["muon"] = muon_cls(
-            [{"params": [p for _, p in parts["hidden"]], "name": "hidden"}],
-            lr=float(mcfg.get("lr", 0.02)),
-            weight_decay=float(mcfg.get("weight_decay", wd)),
-            momentum=float(mcfg.get("momentum", 0.95)),
-            nesterov=bool(mcfg.get("nesterov", True)),
-            ns_steps=int(mcfg.get("ns_steps", 5)),
-            adjust_lr_fn=mcfg.get("adjust_lr_fn"),
+            [{"params": hidden[0]["params"], "name": "hidden"}],
+            lr=float(muon_lr),
+            weight_decay=float(weight_decay if muon_weight_decay is None else muon_weight_decay),
+            momentum=float(momentum),
+            nesterov=bool(nesterov),
+            ns_steps=int(ns_steps),
+            adjust_lr_fn=adjust_lr_fn,
         )
-    rest = [
-        {"params": [p for _, p in parts["embed"]], "weight_decay": embed_wd, "name": "embed"},
-        {"params": [p for _, p in parts["other"]], "weight_decay": 0.0, "name": "other"},
-    ]
-    if any(g["params"] for g in rest):
-        optimizers["adamw"] = _adamw(rest, cfg)
-    return (
-        optimizers["muon"]
-        if len(optimizers) == 1 and "muon" in optimizers
-        else (CombinedOptimizer(optimizers))
+    rest = param_groups(model, weight_decay, embedding_weight_decay, roles=("embed", "other"))
+    if rest:
+        optimizers["adamw"] = torch.optim.AdamW(
+            rest,
+            lr=float(lr),
+            betas=(float(betas[0]), float(betas[1])),
+            eps=float(eps),
+            fused=fused,
+        )
+    if list(optimizers) == ["muon"]:
+        return optimizers["muon"]
+    return CombinedOptimizer(optimizers)
+
+
+def sgd(
+    model: nn.Module,
+    *,
+    lr: float = 0.1,
+    momentum: float = 0.9,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+    embedding_weight_decay: float = 0.0,
+) -> torch.optim.SGD:
+    """SGD with momentum over the same groups as `adamw` (decay on hidden matrices only)."""
+    return torch.optim.SGD(
+        param_groups(model, weight_decay, embedding_weight_decay),
+        lr=float(lr),
+        momentum=float(momentum),
+        nesterov=bool(nesterov),
     )
 
 
@@ -193,7 +260,7 @@ class CombinedOptimizer(Optimizer):
             raise ValueError(
                 f"CombinedOptimizer: checkpoint holds optimizers "
                 f"{sorted(inner) if isinstance(inner, Mapping) else inner!r}, "
-                f"expected {sorted(self.optimizers)} (was optim.name changed?)"
+                f"expected {sorted(self.optimizers)} (was the optim config changed?)"
             )
         for k, o in self.optimizers.items():
             o.load_state_dict(inner[k])
@@ -201,91 +268,102 @@ class CombinedOptimizer(Optimizer):
 
 
 # ---------------------------------------------------------------------- schedules
-def lr_lambda(
-    name: str,
-    *,
+def _warmup(step: int, warmup_steps: int) -> float | None:
+    """Linear warmup multiplier `(step + 1) / warmup_steps`, or None once warmed up."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    return None
+
+
+def _run_length(total_steps: int | None, name: str) -> int:
+    if not total_steps:
+        raise ValueError(
+            f"optim.schedule ({name}) needs the run length: set trainer.max_steps "
+            f"(or optim.schedule.total_steps)"
+        )
+    return int(total_steps)
+
+
+def constant(total_steps: int | None = None, *, warmup_steps: int = 0) -> Callable[[int], float]:
+    """Linear warmup, then 1 (the run length is not needed)."""
+    warmup = max(int(warmup_steps), 0)
+    return lambda step: _warmup(step, warmup) or 1.0
+
+
+def cosine(
+    total_steps: int | None, *, warmup_steps: int = 0, min_lr_ratio: float = 0.0
+) -> Callable[[int], float]:
+    """Linear warmup, then cosine from 1 to `min_lr_ratio` at `total_steps`."""
+    total = _run_length(total_steps, "cosine")
+    warmup = max(int(warmup_steps), 0)
+
+    def fn(step: int) -> float:
+        w = _warmup(step, warmup)
+        if w is not None:
+            return w
+        progress = min(max((step - warmup) / max(total - warmup, 1), 0.0), 1.0)
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return fn
+
+
+DECAY_SHAPES: dict[str, Callable[[float], float]] = {
+    "linear": lambda progress: 1 - progress,
+    "sqrt": lambda progress: 1 - math.sqrt(progress),
+    "cosine": lambda progress: 0.5 * (1 + math.cos(math.pi * progress)),
+}
+
+
+def wsd(
     total_steps: int | None,
+    *,
     warmup_steps: int = 0,
     min_lr_ratio: float = 0.0,
     decay_steps: int | None = None,
     decay_fraction: float = 0.2,
     decay_shape: str = "linear",
 ) -> Callable[[int], float]:
-    """Multiplier of the base lr at optimizer step `step` (0-based).
-
-    - `constant`: linear warmup, then 1.
-    - `cosine`: linear warmup, then cosine from 1 to `min_lr_ratio` at `total_steps`.
-    - `wsd`: linear warmup, stable at 1, then decay (linear or `sqrt`/`cosine`) to
-      `min_lr_ratio` over the last `decay_steps` (or `decay_fraction` of the run).
-    """
-    name = name.lower()
-    if name not in SCHEDULES:
+    """Warmup-stable-decay: linear warmup, stable at 1, then decay (`decay_shape`: linear,
+    sqrt or cosine) to `min_lr_ratio` over the last `decay_steps` (or `decay_fraction` of
+    the run)."""
+    if decay_shape not in DECAY_SHAPES:
         raise ValueError(
-            f"optim.schedule.name: unknown schedule {name!r}; choose one of {SCHEDULES}"
+            f"optim.schedule.decay_shape: {decay_shape!r} (choose one of {sorted(DECAY_SHAPES)})"
         )
+    shape = DECAY_SHAPES[decay_shape]
+    total = _run_length(total_steps, "wsd")
     warmup = max(int(warmup_steps), 0)
-    if name != "constant" and not total_steps:
-        raise ValueError(
-            f"optim.schedule.name={name} needs the run length: set trainer.max_steps "
-            f"(or optim.schedule.total_steps)"
-        )
-    total = int(total_steps or 0)
-
-    def warm(step: int) -> float | None:
-        if warmup and step < warmup:
-            return (step + 1) / warmup
-        return None
-
-    if name == "constant":
-        return lambda step: warm(step) or 1.0
-
-    if name == "cosine":
-
-        def cosine(step: int) -> float:
-            w = warm(step)
-            if w is not None:
-                return w
-            progress = min(max((step - warmup) / max(total - warmup, 1), 0.0), 1.0)
-            return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-        return cosine
-
     n_decay = int(decay_steps) if decay_steps is not None else round(decay_fraction * total)
     n_decay = min(max(n_decay, 1), max(total - warmup, 1))
     decay_start = total - n_decay
 
-    def wsd(step: int) -> float:
-        w = warm(step)
+    def fn(step: int) -> float:
+        w = _warmup(step, warmup)
         if w is not None:
             return w
         if step < decay_start:
             return 1.0
         progress = min((step - decay_start + 1) / n_decay, 1.0)
-        if decay_shape == "sqrt":
-            frac = 1 - math.sqrt(progress)
-        elif decay_shape == "cosine":
-            frac = 0.5 * (1 + math.cos(math.pi * progress))
-        elif decay_shape == "linear":
-            frac = 1 - progress
-        else:
-            raise ValueError(f"optim.schedule.decay_shape: {decay_shape!r} (linear|sqrt|cosine)")
-        return min_lr_ratio + (1 - min_lr_ratio) * frac
+        return min_lr_ratio + (1 - min_lr_ratio) * shape(progress)
 
-    return wsd
+    return fn
 
 
 def configure_optimizers(
-    model: nn.Module, cfg: Mapping[str, Any], *, total_steps: int | None = None
+    model: nn.Module,
+    optimizer: OptimizerFactory,
+    schedule: ScheduleFactory | None = None,
+    *,
+    total_steps: int | None = None,
 ) -> dict[str, Any]:
-    """Lightning's `configure_optimizers` return value: optimizer + per-step `LambdaLR`."""
-    cfg = dict(cfg)
-    optimizer = build_optimizer(model, cfg)
-    sched = dict(cfg.get("schedule") or {"name": "constant"})
-    name = sched.pop("name", "constant")
-    total = sched.pop("total_steps", None) or total_steps
-    fn = lr_lambda(name, total_steps=total, **sched)
-    scheduler = LambdaLR(optimizer, fn)
+    """Lightning's `configure_optimizers` value: `optimizer(model)` plus a per-step `LambdaLR`
+    from `schedule(total_steps=...)` (default `constant`). A `total_steps` set in the
+    schedule's config wins over `total_steps` here (the trainer's estimate)."""
+    schedule = schedule or constant
+    fixed = getattr(schedule, "keywords", {}).get("total_steps")  # a functools.partial's
+    opt = optimizer(model)
+    scheduler = LambdaLR(opt, schedule(total_steps=fixed or total_steps))
     return {
-        "optimizer": optimizer,
+        "optimizer": opt,
         "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1, "name": "lr"},
     }

@@ -3,9 +3,10 @@
 1. Check every input path (data, model, tokenizer) so a typo fails before any model is built.
 2. Tokenizer: an existing directory, or trained once from `tokenizer.train` and cached under
    `${paths.data_dir}/tokenizers/<hash>`.
-3. Data: every dataset spec with a `prepare:` block is tokenized once with
-   `astrai.data.prepare` into `${paths.data_dir}/prepared/<hash>` (reused afterwards).
-4. Instantiate datamodule, strategy (LightningModule), callbacks, loggers and Trainer from
+3. Data: the datamodule is connected to the tokenizer and `${paths.data_dir}`
+   (`AstraiDataModule.connect`); Lightning's `prepare_data` hook then tokenizes every dataset
+   spec with a `prepare:` block once into `${paths.data_dir}/prepared/<hash>`.
+4. Instantiate strategy (LightningModule), callbacks, loggers and Trainer from
    their `_target_`s, resolve `ckpt_path` (`last` = this run's or the newest of this
    experiment), and `trainer.fit`. The export callback writes the `save_pretrained` directory.
 
@@ -15,8 +16,6 @@ Hydra composes; Lightning runs. Nothing here re-implements either.
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -29,16 +28,12 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
+from astrai.data.cache import digest, file_lock
+
 log = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF_DIR = ROOT / "conf"
-DATASET_KINDS = {
-    "PretrainDataset": "pretrain",
-    "SFTDataset": "sft",
-    "PreferenceDataset": "preference",
-    "PromptDataset": "prompt",
-}
 SPLITS = ("train", "val", "test")
 WANDB_STATE_FILE = "wandb_run.json"
 
@@ -69,56 +64,21 @@ def register_resolvers() -> None:
     OmegaConf.register_new_resolver("astrai.uid", _launch_uid, replace=True)
 
 
-SLOT_GROUPS = ("experiment", "hparams_search", "debug")
-
-
-def normalize_overrides(overrides: list[str]) -> list[str]:
-    """Accept `+experiment=NAME` as well as `experiment=NAME`.
-
-    train.yaml keeps `experiment: null` (and `hparams_search`, `debug`) as slots in its
-    defaults list, where Hydra only accepts `experiment=NAME`; `+experiment=NAME` (the form
-    of the lightning-hydra-template docs) would fail with "Multiple values for experiment".
-    """
-    out = []
-    for arg in overrides:
-        for group in SLOT_GROUPS:
-            if arg.startswith(f"+{group}=") or arg.startswith(f"+{group}@"):
-                arg = arg[1:]
-                break
-        out.append(arg)
-    return out
-
-
 def compose(overrides: list[str] | None = None) -> DictConfig:
-    """The composed training config (Hydra's compose API), e.g. for tests and notebooks."""
+    """The composed training config (Hydra's compose API), e.g. for tests and notebooks.
+
+    Overrides are Hydra's, as on the command line: `experiment=NAME`, `debug=fast` and
+    `hparams_search=optuna` fill the slots that train.yaml's defaults list keeps for them.
+    """
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
     register_resolvers()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return hydra_compose(
-            "train", overrides=normalize_overrides(list(overrides or [])), return_hydra_config=True
-        )
+        return hydra_compose("train", overrides=list(overrides or []), return_hydra_config=True)
 
 
 # ---------------------------------------------------------------------- helpers
-def _digest(obj: Any, n: int = 12) -> str:
-    text = json.dumps(obj, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:n]
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    """Serialise preparation between concurrent runs (sweep jobs, DDP ranks, two sweeps)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def _container(cfg: Any) -> Any:
     return OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else cfg
 
@@ -205,10 +165,10 @@ def prepare_tokenizer(tok_cfg: Mapping[str, Any], data_dir: str | Path) -> Path:
     corpus = spec.pop("corpus")
     vocab_size = int(spec.pop("vocab_size"))
     max_bytes = spec.pop("max_bytes", None)
-    out = Path(data_dir) / "tokenizers" / f"bpe{vocab_size}-{_digest(tok_cfg['train'])}"
+    out = Path(data_dir) / "tokenizers" / f"bpe{vocab_size}-{digest(tok_cfg['train'])}"
     if (out / "tokenizer.json").is_file():
         return out
-    with _file_lock(out.with_suffix(".lock")):
+    with file_lock(out.with_suffix(".lock")):
         if (out / "tokenizer.json").is_file():  # another process finished it meanwhile
             return out
         from astrai.tokenizer import AutoTokenizer
@@ -220,43 +180,6 @@ def prepare_tokenizer(tok_cfg: Mapping[str, Any], data_dir: str | Path) -> Path:
         tok.save_pretrained(tmp)
         os.replace(tmp, out)
     return out
-
-
-# ---------------------------------------------------------------------- 3. data
-def prepare_data(data_cfg: DictConfig, tokenizer_dir: Path, data_dir: str | Path) -> dict:
-    """The datamodule config with every `prepare:`d source replaced by its cached H5 path."""
-    from astrai.data.prepare import prepare
-    from astrai.tokenizer import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    data = dict(_container(data_cfg))
-    for split in SPLITS:
-        spec = data.get(split)
-        if not isinstance(spec, dict):
-            continue
-        spec = dict(spec)
-        prep = spec.pop("prepare", None)
-        if prep is not None:
-            prep = dict(prep)
-            target = str(spec.get("_target_", "")).rsplit(".", 1)[-1]
-            kind = prep.pop("kind", None) or DATASET_KINDS.get(target)
-            if kind is None:
-                raise ValueError(f"data.{split}.prepare.kind: required for {target or 'dataset'}")
-            source = str(spec["source"])
-            ident = {"kind": kind, "source": source, "prepare": prep, "tok": tok.fingerprint}
-            if not _is_builtin(source):  # a changed file must not reuse a stale cache
-                st = Path(source).stat()
-                ident["stat"] = [st.st_size, st.st_mtime_ns]
-            out = Path(data_dir) / "prepared" / f"{kind}-{_digest(ident)}"
-            prep.setdefault("name", split)
-            prep.setdefault("progress", False)
-            with _file_lock(out.with_suffix(".lock")):
-                result = prepare(kind, source, out, tokenizer_dir, **prep)
-            log.info("data.%s: %s", split, result.path)
-            spec["source"] = result.path
-        spec.setdefault("tokenizer_fingerprint", tok.fingerprint)
-        data[split] = spec
-    return data
 
 
 # ---------------------------------------------------------------------- 4. run
@@ -352,6 +275,25 @@ def read_wandb_state(ckpt: Path | None) -> dict[str, Any] | None:
     return None
 
 
+def instantiate_strategy(cfg: DictConfig, tokenizer_dir: str | Path | None) -> Any:
+    """The strategy LightningModule, built by Hydra recursively (lightning-hydra-template's
+    shape): `model` arrives as a model factory, `optimizer` (the `optim` node) and `scheduler`
+    (`optim.schedule`) as factories, and nested `_target_` nodes of the strategy itself
+    (GRPO's `engine`) as objects or partials."""
+    from hydra.utils import instantiate
+
+    optim = dict(_container(cfg.optim))
+    schedule = optim.pop("schedule", None)
+    return instantiate(
+        cfg.strategy,
+        model=_container(cfg.model),
+        optimizer=optim,
+        scheduler=schedule,
+        tokenizer=str(tokenizer_dir) if tokenizer_dir is not None else None,
+        _convert_="all",
+    )
+
+
 def train(cfg: DictConfig) -> float | None:
     """Run one training job from a composed config; returns `optimized_metric` (sweepers)."""
     import lightning as L
@@ -368,22 +310,12 @@ def train(cfg: DictConfig) -> float | None:
     tokenizer_dir = prepare_tokenizer(cfg.tokenizer, paths.data_dir)
     # the tokenizer must fit the model: checked on a meta-device model before data preparation
     from astrai.tokenizer import AutoTokenizer
-    from astrai.train.module import build_model
 
-    build_model(
-        _container(cfg.model), tokenizer=AutoTokenizer.from_pretrained(tokenizer_dir), device="meta"
-    )
-    data = prepare_data(cfg.data, tokenizer_dir, paths.data_dir)
-    datamodule = instantiate(OmegaConf.create(data), _convert_="all", _recursive_=False)
+    instantiate(cfg.model)(device="meta", tokenizer=AutoTokenizer.from_pretrained(tokenizer_dir))
+    datamodule = instantiate(cfg.data, _convert_="all", _recursive_=False)
+    datamodule.connect(tokenizer_dir, paths.data_dir)
 
-    module = instantiate(
-        cfg.strategy,
-        model=_container(cfg.model),
-        optim=_container(cfg.optim),
-        tokenizer=str(tokenizer_dir),
-        _convert_="all",
-        _recursive_=False,
-    )
+    module = instantiate_strategy(cfg, tokenizer_dir)
 
     ckpt = resolve_ckpt_path(cfg.get("ckpt_path"), output_dir, log_dir, str(cfg.name))
     callbacks = _instantiate_dict(cfg.get("callbacks"), "callbacks")

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
 import torch
 
 from astrai.model import Transformer, preset
+from astrai.train.module import preset_model
+from astrai.train.optim import adamw, constant
 from astrai.train.strategies.dpo import (
     batch_pair_keys,
     dpo_loss,
-    label_logprobs,
     precompute_reference,
     preference_logprobs,
 )
@@ -108,14 +110,6 @@ def test_preference_logprobs_and_loss_on_a_fixed_batch():
     assert loss.item() == pytest.approx(expected, abs=1e-5)
 
 
-def test_label_logprobs_ignores_masked_positions():
-    logits = torch.randn(1, 3, 5)
-    labels = torch.tensor([[2, -100, 4]])
-    out = label_logprobs(logits, labels)
-    assert out[0, 1] == 0.0
-    assert out[0, 0].item() == pytest.approx(torch.log_softmax(logits[0, 0], -1)[2].item())
-
-
 def test_precomputed_reference_is_keyed_by_content():
     torch.manual_seed(0)
     model = Transformer(preset("tiny"))
@@ -162,8 +156,9 @@ def _module(root, vocab, **kw):
 
     torch.manual_seed(0)
     return DPOModule(
-        model={"preset": "tiny", "vocab_size": vocab},
-        optim={"name": "adamw", "lr": 1e-2, "schedule": {"name": "constant"}},
+        model=functools.partial(preset_model, "tiny", vocab_size=vocab),
+        optimizer=functools.partial(adamw, lr=1e-2),
+        scheduler=constant,
         tokenizer=str(root / "tok"),
         beta=0.5,
         **kw,
@@ -208,8 +203,8 @@ def test_dpo_module_loss_reference_and_training(pref_setup, tmp_path):
     dm.setup()
     batch = next(iter(dm.train_dataloader()))
     # The reference is a frozen copy of the initial policy, outside the module tree.
-    assert not any(k.startswith("_reference") for k in module.state_dict())
-    ref = module.reference_model()
+    assert set(module.state_dict()) == {f"model.{k}" for k in module.model.state_dict()}
+    ref = module.reference.on(module.device)
     assert all(not p.requires_grad for p in ref.parameters())
     assert {id(p) for p in ref.parameters()}.isdisjoint({id(p) for p in module.parameters()})
     loss, metrics = module.compute_loss(batch)
@@ -231,17 +226,17 @@ def test_dpo_module_loss_reference_and_training(pref_setup, tmp_path):
     # A few optimizer steps raise the reward accuracy on the training pairs; the reference
     # does not move.
     module = _module(root, vocab)
-    before = {k: v.clone() for k, v in module.reference_model().state_dict().items()}
+    before = {k: v.clone() for k, v in module.reference.model.state_dict().items()}
     trainer = _trainer(tmp_path, 12)
     trainer.fit(module, datamodule=_datamodule(root))
-    after = module.reference_model().state_dict()
+    after = module.reference.model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     _, m = module.compute_loss(batch)
     assert m["rewards/margin"].item() > 0
     ckpt = torch.load(
         trainer.checkpoint_callback.best_model_path or _last(tmp_path), weights_only=False
     )
-    assert not any("_reference" in k for k in ckpt["state_dict"])
+    assert set(ckpt["state_dict"]) == {f"model.{k}" for k in module.model.state_dict()}
 
 
 def _last(path):
@@ -255,7 +250,7 @@ def test_dpo_precomputed_reference_matches_copy(pref_setup, tmp_path):
     root, vocab = pref_setup
     copy_mod = _module(root, vocab)
     pre_mod = _module(root, vocab, reference="precomputed")
-    assert not pre_mod._reference  # no second model
+    assert pre_mod.reference is None  # no second model
     trainer = _trainer(tmp_path, 1)
     trainer.fit(pre_mod, datamodule=_datamodule(root))
     assert pre_mod._ref_table is not None and len(pre_mod._ref_table) == 48 + 16
@@ -300,7 +295,7 @@ def test_tiny_dpo_fast_via_entry_point(tmp_path, data_dir):
 
     proc = cli(
         [
-            "+experiment=tiny_dpo",
+            "experiment=tiny_dpo",
             "debug=fast",
             "tokenizer.train.max_bytes=400000",  # shared with the other CLI tests' cache
             "data.train.prepare.builtin.n=64",
@@ -321,22 +316,3 @@ def test_tiny_dpo_fast_via_entry_point(tmp_path, data_dir):
     for key in ("train/loss", "train/rewards/accuracy", "train/rewards/margin", "val/loss"):
         assert key in keys, key
     assert "eval/exact_match" in keys
-
-
-def test_init_from_export(tmp_path, caplog):
-    from astrai.train.strategies.dpo import init_from_export
-
-    torch.manual_seed(0)
-    src = Transformer(preset("tiny"))
-    src.save_pretrained(tmp_path / "export")
-    dst = Transformer(preset("tiny"))
-    assert init_from_export(dst, str(tmp_path / "export"))
-    assert all(
-        torch.equal(a, b) for a, b in zip(src.state_dict().values(), dst.state_dict().values())
-    )
-    assert not init_from_export(dst, str(tmp_path / "missing"))
-    assert "does not exist" in caplog.text
-    with pytest.raises(FileNotFoundError):
-        init_from_export(dst, str(tmp_path / "missing"), required=True)
-    with pytest.raises(ValueError, match="does not match"):
-        init_from_export(Transformer(preset("tiny", num_hidden_layers=1)), str(tmp_path / "export"))

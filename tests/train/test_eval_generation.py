@@ -121,6 +121,29 @@ def test_evaluates_live_weights_logs_metrics_and_keeps_rng(tok, tmp_path):
     assert cb._engine is None
 
 
+def test_engine_factory_gets_sizes_from_the_prompts(tok, tmp_path):
+    """The callback calls its engine factory (conf/engine/) with its own batch and context."""
+    from hydra.utils import instantiate
+
+    from astrai.inference import InferenceEngine
+    from astrai.train.runner import compose
+
+    cfg = compose(["callbacks=eval_generation", "paths.output_dir=/tmp/unused"])
+    node = cfg.callbacks.eval_generation.engine
+    assert node.cache_mode == "contiguous" and node._target_ == "astrai.inference.InferenceEngine"
+    factory = mock.Mock(side_effect=instantiate(node))
+    model = _model(tok)
+    module = SimpleNamespace(model=model, tokenizer=tok, device=torch.device("cpu"))
+    cb = EvalGenerationCallback(task="arithmetic", num_prompts=3, max_tokens=8, engine=factory)
+    cb.evaluate(_trainer(tmp_path), module)
+    (args, kw) = factory.call_args
+    assert args == (model, tok) and kw["start"] is False and kw["max_batch_size"] == 3
+    longest = max(len(p) for p in cb._prompt_ids) + 8
+    assert kw["max_seq_len"] == max(longest, 64)
+    assert isinstance(cb._engine, InferenceEngine) and cb._engine.max_seq_len == kw["max_seq_len"]
+    cb.teardown(_trainer(tmp_path), module, "fit")
+
+
 def test_hook_schedule_and_wandb_table(tok, tmp_path):
     from lightning.pytorch.loggers import WandbLogger
 

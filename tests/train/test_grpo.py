@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
 import torch
 
+from astrai.inference import InferenceEngine
+from astrai.train.module import preset_model
+from astrai.train.optim import adamw, constant
 from astrai.train.strategies.grpo import (
     build_rollouts,
     group_advantages,
@@ -14,7 +18,6 @@ from astrai.train.strategies.grpo import (
     k3_kl,
     parse_rewards,
     score,
-    target_logprobs,
 )
 
 
@@ -111,18 +114,6 @@ def test_build_rollouts_aligns_logprobs_with_targets():
         build_rollouts([[1]], [[2, 3]], [[-0.1]])
 
 
-def test_target_logprobs_match_a_loop():
-    torch.manual_seed(0)
-    logits = torch.randn(2, 4, 7)
-    ids = torch.randint(0, 7, (2, 4))
-    out = target_logprobs(logits, ids)
-    for b in range(2):
-        for t in range(3):
-            assert out[b, t].item() == pytest.approx(
-                torch.log_softmax(logits[b, t], -1)[ids[b, t + 1]].item(), abs=1e-6
-            )
-
-
 def test_rewards_config_and_scoring():
     assert parse_rewards("exact_match") == [("exact_match", 1.0)]
     assert parse_rewards([{"name": "exact_match"}, {"name": "format", "weight": 0.5}]) == [
@@ -171,15 +162,16 @@ def _grpo(root, tok, **kw):
 
     torch.manual_seed(0)
     args = dict(
-        model={"preset": "tiny", "vocab_size": 320},
-        optim={"name": "adamw", "lr": 1e-3, "schedule": {"name": "constant"}},
+        model=functools.partial(preset_model, "tiny", vocab_size=320),
+        optimizer=functools.partial(adamw, lr=1e-3),
+        scheduler=constant,
         tokenizer=str(root / "tok"),
         num_generations=4,
         max_new_tokens=6,
         rewards=[{"name": "exact_match", "weight": 1.0}, {"name": "format", "weight": 0.5}],
         kl_coef=0.1,
         clip_eps=0.2,
-        engine={"max_batch_size": 16, "max_seq_len": 64},
+        engine=functools.partial(InferenceEngine, max_batch_size=16, max_seq_len=64),
     )
     args.update(kw)
     return GRPOModule(**args)
@@ -220,7 +212,7 @@ def test_grpo_compute_loss_matches_hand_computation(prompt_setup, monkeypatch):
         std = math.sqrt(sum((x - mean) ** 2 for x in g) / 3)
         adv += [(x - mean) / (std + 1e-4) for x in g]
     total, count = 0.0, 0
-    ref = module._reference[0]
+    ref = module.reference.model
     with torch.no_grad():
         for i, (c, lp) in enumerate(zip(completions, old)):
             seq = torch.tensor([prompts[i // 4] + c])
@@ -271,7 +263,7 @@ def test_grpo_trains_under_lightning(prompt_setup, tmp_path):
         check_val_every_n_epoch=None,
         use_distributed_sampler=False,
     )
-    ref_before = [p.clone() for p in module._reference[0].parameters()]
+    ref_before = [p.clone() for p in module.reference.model.parameters()]
     trainer.fit(module, datamodule=dm)
     logged = trainer.logged_metrics
     for key in (
@@ -289,8 +281,8 @@ def test_grpo_trains_under_lightning(prompt_setup, tmp_path):
     assert 0 < float(logged["train/gen_time_frac"]) < 1
     assert module._engine is None  # shut down in teardown
     # the reference stayed, the policy moved
-    assert all(torch.equal(a, b) for a, b in zip(ref_before, module._reference[0].parameters()))
-    assert not any("_reference" in k for k in module.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(ref_before, module.reference.model.parameters()))
+    assert set(module.state_dict()) == {f"model.{k}" for k in module.model.state_dict()}
 
 
 def test_grpo_engine_version_follows_optimizer_steps(prompt_setup):
@@ -298,9 +290,10 @@ def test_grpo_engine_version_follows_optimizer_steps(prompt_setup):
 
     root, tok = prompt_setup
     module = _grpo(root, tok, kl_coef=0.0)
-    assert not module._reference  # kl_coef 0: no reference model
+    assert module.reference is None  # kl_coef 0: no reference model
     engine = module.engine
     assert engine.model is module.model  # live weights, no copy
+    assert engine.max_seq_len == 64  # the factory's sizes (conf: strategy.engine)
     assert engine.scheduler.policy_version == 0
     # Lightning after 3 optimizer steps: the engine's policy version follows.
     with mock.patch.object(type(module), "global_step", new_callable=mock.PropertyMock) as gs:
@@ -329,7 +322,7 @@ def test_tiny_grpo_fast_via_entry_point(tmp_path, data_dir):
 
     cli(
         [
-            "+experiment=tiny_grpo",
+            "experiment=tiny_grpo",
             "debug=fast",
             "tokenizer.train.max_bytes=400000",  # shared with the other CLI tests' cache
             "data.train.prepare.builtin.n=32",
@@ -366,9 +359,32 @@ def test_tiny_grpo_fast_via_entry_point(tmp_path, data_dir):
 def test_closeness_reward():
     from astrai.data.rewards import get_reward
 
-    fn = get_reward("closeness")  # registered by the GRPO module
+    fn = get_reward("closeness")  # registered by astrai.data.rewards itself
     assert fn({"answer": "12"}, "The answer is 12.") == 1.0
     assert fn({"answer": "12"}, "3 * 4 = 12. The answer is 10.") == pytest.approx(1 / 3)
     assert fn({"answer": "-5"}, "no number here") == 0.0
     with pytest.raises(KeyError):
         fn({}, "The answer is 1.")
+
+
+def test_grpo_engine_comes_from_the_engine_group():
+    """strategy.engine is the conf/engine/ factory with GRPO's sizes; grpo_1b selects paged."""
+    from hydra.utils import instantiate
+
+    from astrai.train.runner import compose
+
+    cfg = compose(["strategy=grpo", "paths.output_dir=/tmp/unused"])
+    factory = instantiate(cfg.strategy.engine)
+    assert isinstance(factory, functools.partial) and factory.func is InferenceEngine
+    kw = factory.keywords
+    assert (kw["cache_mode"], kw["max_batch_size"], kw["max_seq_len"]) == ("contiguous", 64, 512)
+    assert kw["page_size"] == 16  # the group's default, written once in conf/engine/
+    tiny = compose(["experiment=tiny_grpo", "paths.output_dir=/tmp/unused"]).strategy.engine
+    assert (tiny.cache_mode, tiny.max_batch_size, tiny.max_seq_len) == ("contiguous", 64, 128)
+    big = compose(["experiment=grpo_1b", "paths.output_dir=/tmp/unused"]).strategy.engine
+    assert (big.cache_mode, big.max_seq_len, big.kv_tokens, big.page_size) == (
+        "paged",
+        2048,
+        262144,
+        16,
+    )

@@ -1,39 +1,60 @@
-"""LMModule, the pretrain and SFT strategies, and model building (in-process, fast)."""
+"""LMModule, the pretrain and SFT strategies, and the model factories (in-process, fast)."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from astrai.data.datasets import IGNORE_INDEX
-from astrai.model import AutoModel
+from astrai.model import AutoModel, Transformer, preset, save_pretrained
 from astrai.train.module import (
-    LMModule,
     NonFiniteLossError,
+    ReferencePolicy,
     VocabMismatchError,
-    build_model,
     check_vocab,
+    init_from_export,
+    preset_model,
+    pretrained_model,
+    token_logprobs,
 )
+from astrai.train.optim import adamw, constant
 from astrai.train.strategies.pretrain import PretrainModule
 from astrai.train.strategies.sft import SFTModule
 
-OPTIM = {"name": "adamw", "lr": 1e-3, "schedule": {"name": "constant"}}
+TINY = functools.partial(preset_model, name="tiny")
+OPTIM = {"optimizer": functools.partial(adamw, lr=1e-3), "scheduler": constant}
 
 
 def test_token_logprobs_match_log_softmax() -> None:
     torch.manual_seed(0)
-    m = PretrainModule(model={"preset": "tiny"}, optim=OPTIM)
+    m = PretrainModule(model=TINY, **OPTIM)
     ids = torch.randint(0, 512, (3, 12))
-    lp = LMModule.token_logprobs(m.model, ids)
-    ref = torch.log_softmax(m.model(ids).float(), -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+    logits = m.model(ids)
+    lp = token_logprobs(logits[:, :-1], ids[:, 1:])
+    ref = torch.log_softmax(logits.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
     assert lp.shape == (3, 11)
     torch.testing.assert_close(lp, ref, rtol=1e-5, atol=1e-5)
+    # and position by position, against a loop
+    for b in range(3):
+        for t in range(11):
+            expected = torch.log_softmax(logits[b, t].float(), -1)[ids[b, t + 1]]
+            assert lp[b, t].item() == pytest.approx(expected.item(), abs=1e-5)
+
+
+def test_token_logprobs_ignore_masked_positions() -> None:
+    logits = torch.randn(1, 3, 5)
+    labels = torch.tensor([[2, IGNORE_INDEX, 4]])
+    out = token_logprobs(logits, labels)
+    assert out[0, 1] == 0.0
+    assert out[0, 0].item() == pytest.approx(torch.log_softmax(logits[0, 0], -1)[2].item())
 
 
 def test_pretrain_loss_is_cross_entropy_with_label_smoothing() -> None:
     torch.manual_seed(0)
-    m = PretrainModule(model={"preset": "tiny"}, optim=OPTIM, label_smoothing=0.1)
+    m = PretrainModule(model=TINY, **OPTIM, label_smoothing=0.1)
     ids = torch.randint(0, 512, (2, 10))
     labels = torch.randint(0, 512, (2, 10))
     labels[0, :3] = IGNORE_INDEX
@@ -43,11 +64,14 @@ def test_pretrain_loss_is_cross_entropy_with_label_smoothing() -> None:
     ref = F.cross_entropy(logits[keep], labels[keep], label_smoothing=0.1)
     torch.testing.assert_close(loss, ref)
     assert metrics["tokens"].item() == keep.sum().item()
+    for strategy in (PretrainModule, SFTModule):
+        with pytest.raises(ValueError, match="label_smoothing"):
+            strategy(model=TINY, label_smoothing=1.0)
 
 
 def test_sft_loss_ignores_non_assistant_tokens() -> None:
     torch.manual_seed(0)
-    m = SFTModule(model={"preset": "tiny"}, optim=OPTIM)
+    m = SFTModule(model=TINY, **OPTIM)
     ids = torch.randint(0, 512, (2, 16))
     loss_mask = torch.zeros(2, 16, dtype=torch.bool)
     loss_mask[:, 9:] = True  # the assistant turn
@@ -72,7 +96,7 @@ def test_sft_loss_ignores_non_assistant_tokens() -> None:
 
 def test_sft_packed_documents_do_not_attend_across() -> None:
     torch.manual_seed(0)
-    m = SFTModule(model={"preset": "tiny"}, optim=OPTIM)
+    m = SFTModule(model=TINY, **OPTIM)
     a, b = torch.randint(0, 512, (1, 6)), torch.randint(0, 512, (1, 5))
     c = torch.randint(0, 512, (1, 6))  # a different first document
     pos = torch.cat([torch.arange(6), torch.arange(5)])[None]
@@ -101,8 +125,8 @@ def test_sft_packed_documents_do_not_attend_across() -> None:
 def test_lora_trains_adapters_only_and_exports_merged(tmp_path) -> None:
     torch.manual_seed(0)
     m = SFTModule(
-        model={"preset": "tiny"},
-        optim=OPTIM,
+        model=TINY,
+        **OPTIM,
         lora={"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]},
     )
     trainable = [n for n, p in m.model.named_parameters() if p.requires_grad]
@@ -119,35 +143,110 @@ def test_lora_trains_adapters_only_and_exports_merged(tmp_path) -> None:
     assert any("lora_" in n for n, _ in m.model.named_parameters())  # live model untouched
 
 
-def test_vocab_mismatch_is_a_clear_error() -> None:
-    class Tok:
-        def __len__(self) -> int:
-            return 600
+class _Tok:
+    def __len__(self) -> int:
+        return 600
 
+
+def test_vocab_mismatch_is_a_clear_error(tmp_path) -> None:
     with pytest.raises(
         VocabMismatchError,
         match="tokenizer has 600 tokens but model preset 'tiny' has vocab_size=512",
     ):
-        build_model({"preset": "tiny"}, tokenizer=Tok())  # type: ignore[arg-type]
-    check_vocab(600, Tok())  # type: ignore[arg-type]
+        preset_model("tiny", tokenizer=_Tok())  # type: ignore[arg-type]
+    check_vocab(600, _Tok())  # type: ignore[arg-type]
+    assert preset_model("tiny", vocab_size=600, tokenizer=_Tok()).config.vocab_size == 600
+    save_pretrained(Transformer(preset("tiny")), tmp_path / "m")
+    with pytest.raises(VocabMismatchError, match=r"but model directory .* has vocab_size=512"):
+        pretrained_model(tmp_path / "m", tokenizer=_Tok())  # type: ignore[arg-type]
 
 
-def test_model_spec_errors() -> None:
-    with pytest.raises(ValueError, match="exactly one of `preset`"):
-        build_model({})
-    with pytest.raises(ValueError, match="exactly one of `preset`"):
-        build_model({"preset": "tiny", "path": "x"})
+def test_model_factory_errors() -> None:
     with pytest.raises(KeyError, match="unknown model preset"):
-        build_model({"preset": "nope"})
+        preset_model("nope")
+    with pytest.raises(FileNotFoundError, match=r"no config\.json"):
+        pretrained_model("/nonexistent/model")
 
 
-def test_build_model_on_meta_device() -> None:
-    m = build_model({"preset": "astrai-1b"}, device="meta")
+def test_model_factories_on_meta_device(tmp_path) -> None:
+    m = preset_model("astrai-1b", device="meta")
+    assert m.embed_tokens.weight.device.type == "meta"
+    assert m.num_parameters() == m.config.num_parameters()
+    preset("astrai-1b").save(tmp_path / "config.json")  # the shape only: no weights needed
+    m = pretrained_model(tmp_path, device="meta")
     assert m.embed_tokens.weight.device.type == "meta"
     assert m.num_parameters() == m.config.num_parameters()
 
 
+def test_pretrained_model_loads_fp32_in_train_mode(tmp_path) -> None:
+    torch.manual_seed(0)
+    src = Transformer(preset("tiny"))
+    save_pretrained(src, tmp_path / "m", dtype=torch.bfloat16)
+    m = pretrained_model(tmp_path / "m")
+    assert m.training and m.embed_tokens.weight.dtype == torch.float32
+    torch.testing.assert_close(
+        m.embed_tokens.weight, src.embed_tokens.weight.to(torch.bfloat16).float()
+    )
+
+
+def test_module_takes_a_ready_model_or_a_factory() -> None:
+    model = Transformer(preset("tiny"))
+    m = PretrainModule(model=model)
+    assert m.model is model
+    assert isinstance(m.configure_optimizers()["optimizer"], torch.optim.AdamW)  # the default
+
+
+def test_hparams_hold_configs_not_objects() -> None:
+    m = PretrainModule(model=TINY, **OPTIM, label_smoothing=0.1)
+    hp = dict(m.hparams)
+    assert hp["model"] == {"_target_": "astrai.train.module.preset_model", "name": "tiny"}
+    assert hp["optimizer"] == {"_target_": "astrai.train.optim.adamw", "lr": 1e-3}
+    assert hp["scheduler"] == "astrai.train.optim.constant"
+    assert hp["label_smoothing"] == 0.1 and hp["lora"] is None
+    assert PretrainModule(model=Transformer(preset("tiny"))).hparams["model"] == "Transformer"
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        PretrainModule(model=TINY, label_smothing=0.1)  # a typo in the config is an error
+
+
+def test_reference_policy_is_a_frozen_copy_outside_the_module() -> None:
+    m = PretrainModule(model=TINY)
+    m.reference = ReferencePolicy(m.model, "bfloat16")
+    ref = m.reference.on(m.device)
+    assert not ref.training and all(not p.requires_grad for p in ref.parameters())
+    assert all(p.dtype == torch.bfloat16 for p in ref.parameters())
+    assert {id(p) for p in ref.parameters()}.isdisjoint({id(p) for p in m.parameters()})
+    assert set(m.state_dict()) == {f"model.{k}" for k in m.model.state_dict()}
+    with torch.no_grad():
+        m.model.embed_tokens.weight.add_(1.0)
+    assert not torch.equal(ref.embed_tokens.weight.float(), m.model.embed_tokens.weight)
+
+
+def test_init_from_export(tmp_path, caplog) -> None:
+    torch.manual_seed(0)
+    src = Transformer(preset("tiny"))
+    save_pretrained(src, tmp_path / "export")
+    dst = Transformer(preset("tiny"))
+    assert init_from_export(dst, str(tmp_path / "export"))
+    assert all(
+        torch.equal(a, b) for a, b in zip(src.state_dict().values(), dst.state_dict().values())
+    )
+    assert not init_from_export(dst, str(tmp_path / "missing"))
+    assert "does not exist" in caplog.text
+    with pytest.raises(FileNotFoundError):
+        init_from_export(dst, str(tmp_path / "missing"), required=True)
+    with pytest.raises(ValueError, match="does not match"):
+        init_from_export(Transformer(preset("tiny", num_hidden_layers=1)), str(tmp_path / "export"))
+    # through the module (any strategy): the export's weights, LoRA adapters on top
+    m = SFTModule(
+        model=TINY,
+        init_from=str(tmp_path / "export"),
+        lora={"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]},
+    )
+    ids = torch.randint(0, 512, (1, 8))
+    torch.testing.assert_close(m.model(ids), src(ids))  # LoRA's B starts at zero
+
+
 def test_non_finite_loss_raises_before_the_step() -> None:
-    m = PretrainModule(model={"preset": "tiny"}, optim=OPTIM)
+    m = PretrainModule(model=TINY, **OPTIM)
     with pytest.raises(NonFiniteLossError, match="the training loss is nan"):
         m._check_finite(torch.tensor(float("nan")), "the training loss")

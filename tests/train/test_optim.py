@@ -1,7 +1,8 @@
-"""Optimizers and LR schedules (astrai.train.optim)."""
+"""Optimizers and LR schedules (astrai.train.optim), called as Hydra builds them: partials."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
@@ -11,10 +12,14 @@ import torch
 from astrai.model import Transformer, preset
 from astrai.train.optim import (
     CombinedOptimizer,
-    build_optimizer,
+    adamw,
     configure_optimizers,
-    lr_lambda,
+    constant,
+    cosine,
+    muon,
+    sgd,
     split_params,
+    wsd,
 )
 
 
@@ -33,16 +38,19 @@ def test_split_params_roles(model: Transformer) -> None:
     assert all(p.ndim == 1 for _, p in parts["other"])
     total = sum(p.numel() for v in parts.values() for _, p in v)
     assert total == model.num_parameters()
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        split_params(torch.nn.Linear(2, 2).requires_grad_(False))
 
 
-def test_adamw_no_decay_on_norms_and_embeddings(model: Transformer) -> None:
-    opt = build_optimizer(model, {"name": "adamw", "lr": 1e-3, "weight_decay": 0.1})
+@pytest.mark.parametrize("factory", [adamw, sgd])
+def test_decay_on_hidden_matrices_only(model: Transformer, factory) -> None:
+    opt = factory(model, lr=1e-3, weight_decay=0.1)
     decay = {g["name"]: g["weight_decay"] for g in opt.param_groups}
     assert decay == {"hidden": 0.1, "embed": 0.0, "other": 0.0}
 
 
 def test_muon_for_hidden_matrices_adamw_for_the_rest(model: Transformer) -> None:
-    opt = build_optimizer(model, {"name": "muon", "lr": 1e-3, "muon": {"lr": 0.02}})
+    opt = muon(model, lr=1e-3, muon_lr=0.02)
     assert isinstance(opt, CombinedOptimizer)
     assert isinstance(opt.optimizers["muon"], torch.optim.Muon)
     assert isinstance(opt.optimizers["adamw"], torch.optim.AdamW)
@@ -58,7 +66,7 @@ def test_muon_for_hidden_matrices_adamw_for_the_rest(model: Transformer) -> None
     changed = [n for n, p in model.named_parameters() if not torch.equal(before[n], p)]
     assert len(changed) == len(before)  # Muon moved the matrices, AdamW the rest
     state = opt.state_dict()
-    fresh = build_optimizer(model, {"name": "muon", "lr": 1e-3, "muon": {"lr": 0.02}})
+    fresh = muon(model, lr=1e-3, muon_lr=0.02)
     fresh.load_state_dict(state)
     for key in opt.optimizers:
         a, b = opt.optimizers[key].state_dict(), fresh.optimizers[key].state_dict()
@@ -70,22 +78,21 @@ def test_muon_for_hidden_matrices_adamw_for_the_rest(model: Transformer) -> None
 
 
 def test_combined_optimizer_rejects_foreign_state(model: Transformer) -> None:
-    opt = build_optimizer(model, {"name": "muon"})
-    with pytest.raises(ValueError, match=r"was optim\.name changed"):
+    opt = muon(model)
+    with pytest.raises(ValueError, match=r"was the optim config changed"):
         opt.load_state_dict(torch.optim.AdamW(model.parameters()).state_dict())
 
 
-def test_unknown_optimizer_and_schedule() -> None:
-    with pytest.raises(ValueError, match="unknown optimizer 'sgdx'"):
-        build_optimizer(torch.nn.Linear(2, 2), {"name": "sgdx"})
-    with pytest.raises(ValueError, match="unknown schedule 'poly'"):
-        lr_lambda("poly", total_steps=10)
-    with pytest.raises(ValueError, match=r"trainer\.max_steps"):
-        lr_lambda("cosine", total_steps=None)
+def test_schedules_need_the_run_length() -> None:
+    for schedule in (cosine, wsd):
+        with pytest.raises(ValueError, match=r"trainer\.max_steps"):
+            schedule(None)
+    with pytest.raises(ValueError, match="decay_shape"):
+        wsd(10, decay_shape="poly")
 
 
 def test_cosine_with_warmup() -> None:
-    f = lr_lambda("cosine", total_steps=110, warmup_steps=10, min_lr_ratio=0.1)
+    f = cosine(110, warmup_steps=10, min_lr_ratio=0.1)
     assert f(0) == pytest.approx(0.1)
     assert f(9) == pytest.approx(1.0)
     assert f(10) == pytest.approx(1.0)
@@ -97,23 +104,29 @@ def test_cosine_with_warmup() -> None:
 
 
 def test_warmup_stable_decay() -> None:
-    f = lr_lambda("wsd", total_steps=100, warmup_steps=10, decay_fraction=0.2, min_lr_ratio=0.0)
+    f = wsd(100, warmup_steps=10, decay_fraction=0.2, min_lr_ratio=0.0)
     assert f(4) == pytest.approx(0.5)
     assert all(f(s) == 1.0 for s in range(10, 80))
     assert f(80) == pytest.approx(1 - 1 / 20)
     assert f(99) == pytest.approx(0.0)
-    g = lr_lambda("wsd", total_steps=100, decay_steps=50, decay_shape="sqrt")
+    g = wsd(100, decay_steps=50, decay_shape="sqrt")
     assert f(50) == 1.0 and g(50) == pytest.approx(1 - math.sqrt(1 / 50))
+    h = wsd(100, decay_steps=50, decay_shape="cosine")
+    assert h(74) == pytest.approx(0.5 * (1 + math.cos(math.pi * 25 / 50)))
 
 
 def test_constant() -> None:
-    f = lr_lambda("constant", total_steps=None, warmup_steps=4)
+    f = constant(None, warmup_steps=4)
     assert [f(s) for s in range(6)] == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0, 1.0])
 
 
 def test_schedule_steps_per_optimizer_step(model: Transformer) -> None:
-    cfg = {"name": "adamw", "lr": 1.0, "schedule": {"name": "constant", "warmup_steps": 4}}
-    out = configure_optimizers(model, cfg, total_steps=10)
+    out = configure_optimizers(
+        model,
+        functools.partial(adamw, lr=1.0),
+        functools.partial(constant, warmup_steps=4),
+        total_steps=10,
+    )
     assert out["lr_scheduler"]["interval"] == "step"
     opt, sched = out["optimizer"], out["lr_scheduler"]["scheduler"]
     lrs = []
@@ -122,16 +135,28 @@ def test_schedule_steps_per_optimizer_step(model: Transformer) -> None:
         opt.step()
         sched.step()
     assert lrs == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0])
+    # no schedule: a flat learning rate
+    out = configure_optimizers(model, functools.partial(adamw, lr=0.5))
+    assert out["lr_scheduler"]["scheduler"].lr_lambdas[0](0) == 1.0
+
+
+def test_total_steps_in_the_schedule_config_wins(model: Transformer) -> None:
+    schedule = functools.partial(cosine, warmup_steps=0, min_lr_ratio=0.0, total_steps=4)
+    out = configure_optimizers(model, adamw, schedule, total_steps=1000)
+    fn = out["lr_scheduler"]["scheduler"].lr_lambdas[0]
+    assert fn(4) == pytest.approx(0.0)  # the run length is 4, not the trainer's 1000
+    unset = functools.partial(cosine, warmup_steps=0, min_lr_ratio=0.0, total_steps=None)
+    out = configure_optimizers(model, adamw, unset, total_steps=8)
+    assert out["lr_scheduler"]["scheduler"].lr_lambdas[0](4) == pytest.approx(0.5)
 
 
 def test_muon_schedule_scales_both_learning_rates(model: Transformer) -> None:
-    cfg = {
-        "name": "muon",
-        "lr": 1e-3,
-        "muon": {"lr": 0.02},
-        "schedule": {"name": "cosine", "warmup_steps": 0, "min_lr_ratio": 0.0},
-    }
-    out = configure_optimizers(model, cfg, total_steps=10)
+    out = configure_optimizers(
+        model,
+        functools.partial(muon, lr=1e-3, muon_lr=0.02),
+        functools.partial(cosine, warmup_steps=0, min_lr_ratio=0.0),
+        total_steps=10,
+    )
     opt, sched = out["optimizer"], out["lr_scheduler"]["scheduler"]
     for _ in range(5):
         opt.step()

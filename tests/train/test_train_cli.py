@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from safetensors.torch import load_file
 from train_helpers import REPO, SMALL, TINY_MODEL, cli, run_dirs
 
@@ -76,7 +77,7 @@ def test_tiny_sft_fast_with_lora(tmp_path: Path, data_dir: Path) -> None:
     the export holds merged plain weights."""
     cli(
         [
-            "+experiment=tiny_sft",
+            "experiment=tiny_sft",
             "debug=fast",
             "tokenizer.train.max_bytes=400000",
             "data.train.prepare.builtin.n=300",
@@ -255,3 +256,13 @@ def test_missing_data_path_fails_before_building_anything(tmp_path: Path, data_d
     assert "data.train.source: /nonexistent/corpus.jsonl does not exist" in proc.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
     assert time.time() - start < 120
+
+
+def test_experiment_is_chosen_with_hydras_own_syntax() -> None:
+    """`experiment=NAME` fills train.yaml's slot, and a later slot wins over it (debug=fast
+    shortens the experiment); `+experiment=NAME` is Hydra's own error (no argv rewriting)."""
+    proc = cli(["experiment=tiny_sft", "debug=fast", "--cfg", "job"], timeout=120)
+    cfg = OmegaConf.create(proc.stdout)
+    assert cfg.name == "tiny_sft" and cfg.trainer.max_steps == 3
+    proc = cli(["+experiment=tiny_sft", "--cfg", "job"], check=False, timeout=120)
+    assert proc.returncode != 0 and "Multiple values for experiment" in proc.stderr

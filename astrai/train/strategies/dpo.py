@@ -14,7 +14,6 @@ in the Lightning checkpoint so a resumed run uses the same ones).
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import logging
 import time
@@ -24,8 +23,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.data import DataLoader, Subset
 
-from astrai.train.module import LMModule
+from astrai.train.module import LMModule, ReferencePolicy, token_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -33,19 +33,6 @@ REFERENCE_MODES = ("copy", "precomputed")
 
 
 # ---------------------------------------------------------------------------- pure functions
-
-
-def label_logprobs(logits: Tensor, labels: Tensor, ignore_index: int = -100) -> Tensor:
-    """``log p(labels[t] | ...)`` per position ``[B, S]`` from logits ``[B, S, V]`` (already
-    shifted labels, as the data layer produces them); 0 where ``labels == ignore_index``."""
-    # cross_entropy instead of log_softmax + gather: no second [B, S, V] tensor.
-    nll = F.cross_entropy(
-        logits.flatten(0, 1).float(),
-        labels.flatten(),
-        ignore_index=ignore_index,
-        reduction="none",
-    )
-    return -nll.view_as(labels)
 
 
 def sequence_logprobs(token_logps: Tensor, mask: Tensor) -> Tensor:
@@ -79,58 +66,6 @@ def dpo_loss(
     return losses.mean(), chosen_rewards, rejected_rewards
 
 
-def frozen_copy(model: nn.Module) -> nn.Module:
-    """A deep copy in eval mode with gradients off (the reference policy)."""
-    ref = copy.deepcopy(model)
-    ref.eval()
-    ref.requires_grad_(False)
-    return ref
-
-
-def init_from_export(model: nn.Module, path: str | None, *, required: bool = False) -> bool:
-    """Copy the weights of an earlier run's export (e.g. ``outputs/tiny_sft/latest/export``)
-    into ``model``, whose architecture must match. A missing directory is an error when
-    ``required``, else a warning and the model keeps its fresh initialisation: the tiny
-    experiments then still run standalone on a fresh clone.
-    """
-    if not path:
-        return False
-    from pathlib import Path
-
-    from astrai.model.hub import load_pretrained
-
-    if not Path(path).is_dir():
-        if required:
-            raise FileNotFoundError(f"init_from: model directory {path} does not exist")
-        log.warning(
-            "init_from: %s does not exist; starting from a fresh initialisation instead "
-            "(run the earlier stage first, e.g. +experiment=tiny_sft, for a meaningful start)",
-            path,
-        )
-        return False
-    src = load_pretrained(path, dtype=torch.float32)
-    ours, theirs = model.config.to_dict(), src.config.to_dict()
-    diff = {
-        k: (ours.get(k), theirs.get(k))
-        for k in set(ours) | set(theirs)
-        if ours.get(k) != theirs.get(k)
-    }
-    diff.pop("torch_dtype", None)
-    if diff:
-        raise ValueError(f"init_from: {path} does not match the configured model: {diff}")
-    # LoRA-injected models hold the base weights under `<name>.base_layer.` and add adapters.
-    theirs_sd = src.state_dict()
-    state = {}
-    for key in model.state_dict():
-        if ".lora_" in key:
-            continue
-        state[key] = theirs_sd[key.replace(".base_layer.", ".")]
-    with torch.no_grad():
-        model.load_state_dict(state, strict=False)
-    log.info("init_from: loaded the weights of %s", path)
-    return True
-
-
 def pair_key(chosen_ids: Tensor, rejected_ids: Tensor) -> str:
     """Content key of one preference pair (unpadded ids): looks up precomputed reference
     log-probs independently of sampler order, rank count or batch composition."""
@@ -160,7 +95,7 @@ def preference_logprobs(model: nn.Module, batch: Mapping[str, Tensor]) -> tuple[
     # Right padding under a causal mask never changes the logits of real tokens, so no
     # attention mask is needed (and SDPA keeps its fast causal path).
     logits = model(ids)
-    seq = sequence_logprobs(label_logprobs(logits, labels), mask.bool() & (labels != -100))
+    seq = sequence_logprobs(token_logprobs(logits, labels), mask.bool() & (labels != -100))
     b = batch["chosen_input_ids"].shape[0]
     return seq[:b], seq[b:]
 
@@ -207,30 +142,26 @@ class DPOModule(LMModule):
     Args:
         beta: inverse temperature of the implicit reward (0.1 is the usual default).
         label_smoothing: cDPO's label-noise rate (0 = plain DPO).
-        reference: ``copy`` keeps a frozen copy of the initial policy (not registered as a
-            submodule: not in the optimizer, not saved in checkpoints, moved to the device on
-            first use); ``precomputed`` computes the reference log-probs of every train/val
+        reference: ``copy`` keeps a frozen copy of the initial policy (``self.reference``, a
+            ``ReferencePolicy``: not in the optimizer, not in checkpoints, moved to the device
+            on first use); ``precomputed`` computes the reference log-probs of every train/val
             pair once in ``on_fit_start`` and stores them in the checkpoint instead.
         reference_dtype: e.g. ``bfloat16`` to halve the frozen copy's memory.
         precompute_batch_size: batch size of the precomputation pass.
-        init_from: an earlier run's export to start from (architecture = ``model``); when
-            the directory does not exist the run starts fresh with a warning.
+
+    The other arguments (``model``, ``optimizer``, ``tokenizer``, ``init_from``, ...) are
+    ``LMModule``'s; ``init_from`` (typically the SFT export) is applied before the reference
+    copy is taken.
     """
 
     def __init__(
         self,
-        model: Mapping[str, Any],
-        optim: Mapping[str, Any],
-        tokenizer: str | None = None,
-        lora: Mapping[str, Any] | None = None,
-        gradient_checkpointing: bool = False,
         *,
         beta: float = 0.1,
         label_smoothing: float = 0.0,
         reference: str = "copy",
         reference_dtype: str | None = None,
         precompute_batch_size: int = 16,
-        init_from: str | None = None,
         **kwargs: Any,
     ) -> None:
         if reference not in REFERENCE_MODES:
@@ -239,48 +170,20 @@ class DPOModule(LMModule):
             raise ValueError(f"DPO beta must be > 0, got {beta}")
         if not 0.0 <= label_smoothing < 0.5:
             raise ValueError(f"DPO label_smoothing must be in [0, 0.5), got {label_smoothing}")
-        super().__init__(
-            model,
-            optim,
-            tokenizer=tokenizer,
-            lora=lora,
-            gradient_checkpointing=gradient_checkpointing,
-            beta=beta,
-            label_smoothing=label_smoothing,
-            reference=reference,
-            reference_dtype=reference_dtype,
-            precompute_batch_size=precompute_batch_size,
-            init_from=init_from,
-            **kwargs,
-        )
-        init_from_export(self.model, init_from)
+        super().__init__(**kwargs)
         self.beta = float(beta)
         self.label_smoothing = float(label_smoothing)
         self.reference_mode = reference
         self.precompute_batch_size = int(precompute_batch_size)
-        # A list, not an attribute: an nn.Module attribute would be registered, trained by
-        # nothing but saved in every checkpoint. Copied here, before Lightning restores a
-        # checkpoint, so a resumed run keeps the *initial* policy as its reference.
-        self._reference: list[nn.Module] = []
         if reference == "copy":
-            ref = frozen_copy(self.model)
-            if reference_dtype:
-                ref.to(getattr(torch, reference_dtype))
-            self._reference.append(ref)
+            self.reference = ReferencePolicy(self.model, reference_dtype)
         self._ref_table: dict[str, tuple[float, float]] | None = None
 
     # ------------------------------------------------------------------ reference
-    def reference_model(self) -> nn.Module:
-        """The frozen reference on this module's device."""
-        ref = self._reference[0]
-        if next(ref.parameters()).device != self.device:
-            ref.to(self.device)
-        return ref
-
     def reference_logprobs(self, batch: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
         if self.reference_mode == "copy":
             with torch.no_grad():
-                return preference_logprobs(self.reference_model(), batch)
+                return preference_logprobs(self.reference.on(self.device), batch)
         if self._ref_table is None:
             raise RuntimeError("DPO reference log-probs were not precomputed (on_fit_start)")
         vals = []
@@ -301,8 +204,6 @@ class DPOModule(LMModule):
             self._ref_table = self._precompute()
 
     def _precompute(self) -> dict[str, tuple[float, float]]:
-        from torch.utils.data import DataLoader, Subset
-
         dm = self.trainer.datamodule
         datasets = getattr(dm, "datasets", None) or {}
         rank, world = self.trainer.global_rank, self.trainer.world_size
@@ -315,7 +216,7 @@ class DPOModule(LMModule):
             loader = DataLoader(
                 shard,
                 batch_size=self.precompute_batch_size,
-                collate_fn=dm._collate(ds) if hasattr(dm, "_collate") else ds.collate,
+                collate_fn=getattr(dm, "collate_fn", None) or ds.collate,
             )
             started = time.perf_counter()
             table.update(precompute_reference(self.model, loader, self.device))

@@ -16,17 +16,18 @@ after every optimizer step, which drops prefix-cache pages built with older weig
 from __future__ import annotations
 
 import logging
-import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 from torch import Tensor
 
-from astrai.data.rewards import register_reward
-from astrai.train.module import LMModule
+from astrai.data.rewards import get_reward
+from astrai.inference import InferenceEngine
+from astrai.train.module import LMModule, ReferencePolicy, token_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -101,27 +102,6 @@ def grpo_loss(
     return loss, metrics
 
 
-@register_reward("closeness")
-def closeness(record: Mapping[str, Any], completion: str) -> float:
-    """Dense partial credit ``1 / (1 + |answer - final number|)`` (0 without a number).
-
-    Exact match alone gives a policy that is never right only zero-variance groups, hence no
-    gradient; this shaping term lets a weak starting point climb towards the right answers.
-    """
-    from astrai.data.rewards import extract_final_number
-
-    if "answer" not in record:
-        raise KeyError(f"closeness needs an 'answer' field in the record (has: {sorted(record)})")
-    got = extract_final_number(completion)
-    try:
-        expected = float(str(record["answer"]).replace(",", ""))
-    except ValueError:
-        return 0.0
-    if got is None or not math.isfinite(got):
-        return 0.0
-    return 1.0 / (1.0 + abs(got - expected))
-
-
 @dataclass
 class Rollouts:
     """Prompt + completion sequences, right-padded, ready for a training forward.
@@ -171,17 +151,9 @@ def build_rollouts(
     return Rollouts(ids, mask, old, lens)
 
 
-def target_logprobs(logits: Tensor, input_ids: Tensor) -> Tensor:
-    """``log p(input_ids[:, t+1] | input_ids[:, :t+1])``: ``[B, S, V] -> [B, S-1]`` (fp32)."""
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    return logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-
-
 def parse_rewards(rewards: Any) -> list[tuple[str, float]]:
     """Config -> ``[(name, weight)]``: a name, a list of names, a list of ``{name, weight}``
     or a ``{name: weight}`` mapping. Unknown names fail here, before any model is built."""
-    from astrai.data.rewards import get_reward
-
     if isinstance(rewards, str):
         items: list[tuple[str, float]] = [(rewards, 1.0)]
     elif isinstance(rewards, Mapping):
@@ -204,8 +176,6 @@ def score(
     records: Sequence[Mapping[str, Any]], texts: Sequence[str], rewards: Sequence[tuple[str, float]]
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Weighted sum of the rewards per completion ``[N]``, and each reward's mean."""
-    from astrai.data.rewards import get_reward
-
     total = torch.zeros(len(texts))
     parts: dict[str, Tensor] = {}
     for name, weight in rewards:
@@ -234,21 +204,21 @@ class GRPOModule(LMModule):
         adv_eps: added to the group std.
         rollout_seed: rollouts are seeded by this plus the micro-batch count, so a resumed
             run samples the same completions as an uninterrupted one.
-        engine: extra ``InferenceEngine`` arguments (``max_seq_len``, ``cache_mode``,
-            ``kv_tokens``, ``page_size``, ...); built once, lazily, on the live weights.
+        engine: the rollout engine factory, called once, lazily, as ``engine(model,
+            tokenizer, start=False)`` on the live weights: the ``engine`` group
+            (conf/engine/) as a Hydra partial, sized in conf/strategy/grpo.yaml; None:
+            :class:`~astrai.inference.InferenceEngine` with its own defaults.
         val_max_new_tokens: greedy validation generations (``val/reward``, ``val/<reward>``;
             ``val/loss`` is the negated weighted reward so that "lower is better" monitors work).
-        init_from: an earlier run's export to start from, typically the SFT stage's
-            (architecture = ``model``); when missing the run starts fresh with a warning.
+        reference_dtype: e.g. ``bfloat16`` to halve the frozen reference's memory.
+
+    The other arguments (``model``, ``optimizer``, ``tokenizer`` (required: rewards read
+    decoded completions), ``init_from`` (typically the SFT stage's export), ...) are
+    ``LMModule``'s; ``init_from`` is applied before the reference copy is taken.
     """
 
     def __init__(
         self,
-        model: Mapping[str, Any],
-        optim: Mapping[str, Any],
-        tokenizer: str | None = None,
-        lora: Mapping[str, Any] | None = None,
-        gradient_checkpointing: bool = False,
         *,
         num_generations: int = 8,
         max_new_tokens: int = 64,
@@ -260,42 +230,17 @@ class GRPOModule(LMModule):
         kl_coef: float = 0.04,
         adv_eps: float = 1e-4,
         rollout_seed: int = 0,
-        engine: Mapping[str, Any] | None = None,
+        engine: Callable[..., InferenceEngine] | None = None,
         val_max_new_tokens: int | None = None,
         reference_dtype: str | None = None,
-        init_from: str | None = None,
         **kwargs: Any,
     ) -> None:
         if num_generations < 2:
             raise ValueError(f"GRPO num_generations must be >= 2, got {num_generations}")
-        if tokenizer is None:
+        if kwargs.get("tokenizer") is None:
             raise ValueError("GRPO needs a tokenizer (rewards read decoded completions)")
         reward_items = parse_rewards(_plain_rewards(rewards))
-        super().__init__(
-            model,
-            optim,
-            tokenizer=tokenizer,
-            lora=lora,
-            gradient_checkpointing=gradient_checkpointing,
-            num_generations=num_generations,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            rewards=[{"name": n, "weight": w} for n, w in reward_items],
-            clip_eps=clip_eps,
-            kl_coef=kl_coef,
-            adv_eps=adv_eps,
-            rollout_seed=rollout_seed,
-            engine=dict(engine or {}),
-            val_max_new_tokens=val_max_new_tokens,
-            reference_dtype=reference_dtype,
-            init_from=init_from,
-            **kwargs,
-        )
-        from astrai.train.strategies.dpo import frozen_copy, init_from_export
-
-        init_from_export(self.model, init_from)
+        super().__init__(**kwargs)
         self.num_generations = int(num_generations)
         self.sampling = {
             "max_tokens": int(max_new_tokens),
@@ -309,31 +254,21 @@ class GRPOModule(LMModule):
         self.kl_coef = float(kl_coef)
         self.adv_eps = float(adv_eps)
         self.rollout_seed = int(rollout_seed)
-        self.engine_config = dict(engine or {})
-        # Kept out of the module tree (see DPOModule): not optimised, not checkpointed; copied
-        # before Lightning restores a checkpoint, so it is the *initial* policy on resume too.
-        self._reference: list[torch.nn.Module] = []
-        if self.kl_coef > 0:
-            ref = frozen_copy(self.model)
-            if reference_dtype:
-                ref.to(getattr(torch, reference_dtype))
-            self._reference.append(ref)
-        self._engine: Any = None
+        self.make_engine: Callable[..., InferenceEngine] = engine or InferenceEngine
+        if self.kl_coef > 0:  # else no reference model is kept at all
+            self.reference = ReferencePolicy(self.model, reference_dtype)
+        self._engine: InferenceEngine | None = None
         self._gen_seconds = 0.0
         self._batch_started: float | None = None
 
     # ------------------------------------------------------------------ engine
     @property
-    def engine(self) -> Any:
+    def engine(self) -> InferenceEngine:
         """The rollout engine on the live policy weights (built on first use)."""
         if self._engine is None:
-            from astrai.inference import InferenceEngine
-
-            cfg = dict(self.engine_config)
-            cfg.setdefault("max_seq_len", min(self.model.config.max_position_embeddings, 1024))
-            cfg.setdefault("max_batch_size", 64)
-            self._engine = InferenceEngine(self.model, self.tokenizer, start=False, **cfg)
-            self._engine.update_weights(version=int(self.global_step))
+            self._engine = self.make_engine(self.model, self.tokenizer, start=False)
+            if self.global_step > self._engine.policy_version:  # versions only advance
+                self._engine.update_weights(version=int(self.global_step))
         return self._engine
 
     def _generate(
@@ -348,7 +283,8 @@ class GRPOModule(LMModule):
             if r.error or r.finish_reason in ("rejected", "aborted"):
                 raise RuntimeError(
                     f"GRPO rollout {i} failed ({r.finish_reason}): {r.error}; prompt length "
-                    f"{len(prompts[i])}, engine {self.engine_config} (raise engine.max_seq_len?)"
+                    f"{len(prompts[i])}, engine context {self.engine.max_seq_len} (raise "
+                    "strategy.engine.max_seq_len?)"
                 )
         return results
 
@@ -394,11 +330,13 @@ class GRPOModule(LMModule):
             device=self.device,
         )
         self.flops_per_batch = self.flops_per_token * r.input_ids.numel()
-        logp = self.token_logprobs(self.model, r.input_ids)
+        targets = r.input_ids[:, 1:]
+        logp = token_logprobs(self.model(r.input_ids)[:, :-1], targets)
         ref_logp = None
-        if self._reference:
+        if self.reference is not None:
             with torch.no_grad():
-                ref_logp = self.token_logprobs(self._reference_model(), r.input_ids)
+                ref_logits = self.reference.on(self.device)(r.input_ids)
+                ref_logp = token_logprobs(ref_logits[:, :-1], targets)
         loss, metrics = grpo_loss(
             logp,
             r.old_logp,
@@ -420,12 +358,6 @@ class GRPOModule(LMModule):
         )
         return loss, metrics
 
-    def _reference_model(self) -> torch.nn.Module:
-        ref = self._reference[0]
-        if next(ref.parameters()).device != self.device:
-            ref.to(self.device)
-        return ref
-
     # ------------------------------------------------------------------ hooks
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> Any:
         out = super().on_train_batch_start(batch, batch_idx)  # restores RNG states on resume
@@ -441,12 +373,12 @@ class GRPOModule(LMModule):
                 self.log("train/gen_time_frac", self._gen_seconds / total, batch_size=1)
         # New weights after an optimizer step: bump the policy version (drops prefix-cache
         # pages computed with the old weights).
-        if self._engine is not None and self.global_step > self._engine.scheduler.policy_version:
+        if self._engine is not None and self.global_step > self._engine.policy_version:
             self._engine.update_weights(version=int(self.global_step))
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
         """Greedy completions for the val prompts; the reward is the metric."""
-        if self._engine is not None and self.global_step > self._engine.scheduler.policy_version:
+        if self._engine is not None and self.global_step > self._engine.policy_version:
             self._engine.update_weights(version=int(self.global_step))
         prompts = [list(p) for p in batch["prompt_ids"]]
         results = self._generate(
@@ -469,8 +401,6 @@ class GRPOModule(LMModule):
 
 
 def _plain_rewards(rewards: Any) -> Any:
-    from omegaconf import OmegaConf
-
     return (
         OmegaConf.to_container(rewards, resolve=True) if OmegaConf.is_config(rewards) else rewards
     )

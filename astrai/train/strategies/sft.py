@@ -13,11 +13,17 @@ from typing import Any
 from torch import Tensor
 
 from astrai.data.datasets import IGNORE_INDEX
-from astrai.train.strategies.pretrain import PretrainModule, lm_loss
+from astrai.train.module import LMModule, check_label_smoothing, lm_loss
 
 
-class SFTModule(PretrainModule):
-    """Assistant-only cross entropy (mean over assistant tokens of the batch)."""
+class SFTModule(LMModule):
+    """Assistant-only cross entropy (mean over assistant tokens of the batch); the other
+    arguments are `LMModule`'s."""
+
+    def __init__(self, *, label_smoothing: float = 0.0, **kwargs: Any) -> None:
+        label_smoothing = check_label_smoothing(label_smoothing)  # before the model is built
+        super().__init__(**kwargs)
+        self.label_smoothing = label_smoothing
 
     def compute_loss(self, batch: dict[str, Any]) -> tuple[Tensor, dict[str, Tensor]]:
         labels = batch["labels"]
