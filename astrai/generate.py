@@ -1,12 +1,13 @@
-"""Batch generation: `python -m astrai.generate model=<dir> input=<jsonl> output=<jsonl>`.
+"""Batch generation: `python -m astrai.generate model_path=<dir> input=<jsonl> output=<jsonl>`.
 
 Each input line is a JSON object with `prompt` (raw text) or `messages` (a chat, rendered
 with the model's chat template and a generation prompt); optional per-line `max_tokens`,
-`temperature`, `top_p`, `top_k`, `seed` override the config. All lines are submitted to one
-`InferenceEngine` at once (continuous batching), and the output holds exactly one line per
-input line, in order: the input's fields plus `completion`, `finish_reason` and token
-counts, or `error` naming what was wrong with that line. A bad line never stops the others.
-The output is written to a temporary file and renamed when complete.
+`temperature`, `top_p`, `top_k`, `seed` override the config. All lines are submitted at
+once (continuous batching) to one `InferenceEngine`, built from the `engine` group
+(conf/engine/: `engine=contiguous`, `engine.max_batch_size=64`). The output holds exactly
+one line per input line, in order: the input's fields plus `completion`, `finish_reason`
+and token counts, or `error` naming what was wrong with that line. A bad line never stops
+the others. The output is written to a temporary file and renamed when complete.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import hydra
+from hydra.utils import instantiate
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from astrai.cli import model_arg_to_model_path
 from astrai.inference import GenerateResult, InferenceEngine
 from astrai.model import AutoModel
 from astrai.tokenizer import AutoTokenizer
@@ -103,7 +104,7 @@ def generate_file(
 def _run(cfg: DictConfig) -> None:
     model_dir = Path(cfg.model_path)
     if not model_dir.is_dir():
-        raise SystemExit(f"model directory not found: {model_dir} (pass model=<dir>)")
+        raise SystemExit(f"model directory not found: {model_dir} (pass model_path=<dir>)")
     model = AutoModel.from_pretrained(model_dir, device=cfg.device)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     sampling = {
@@ -114,13 +115,7 @@ def _run(cfg: DictConfig) -> None:
     }
     if cfg.seed is not None:
         sampling["seed"] = cfg.seed
-    with InferenceEngine(
-        model,
-        tokenizer,
-        max_batch_size=cfg.max_batch_size,
-        cache_mode=cfg.cache_mode,
-        page_size=cfg.page_size,
-    ) as engine:
+    with instantiate(cfg.engine)(model, tokenizer) as engine:
         counts = generate_file(engine, cfg.input, cfg.output, sampling, progress=cfg.progress)
     print(
         f"generated {counts['ok']} of {counts['lines']} lines "
@@ -129,7 +124,6 @@ def _run(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    model_arg_to_model_path()
     hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="generate")(_run)()
 
 

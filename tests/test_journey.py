@@ -86,7 +86,7 @@ def test_train_serve_and_ask_through_openai(tmp_path: Path) -> None:
 
     # Fine-tune from that checkpoint (SFT), with its own tokenizer.
     _run(
-        [sys.executable, "-m", "astrai.train", "+experiment=tiny_sft", "debug=fast",
+        [sys.executable, "-m", "astrai.train", "experiment=tiny_sft", "debug=fast",
          "model=pretrained", "model.path=outputs/tiny_pretrain/latest/export",
          "tokenizer=from_model", "callbacks.eval_generation=null"],
         clone,

@@ -1,8 +1,8 @@
 """Benchmarks: ``python -m astrai.bench <name> [key=value ...]``.
 
-Each benchmark is a module with ``DEFAULTS`` (its options), ``main(overrides) -> report`` and
-optionally ``format_report(report) -> str``; :data:`BENCHMARKS` maps names to modules, which
-are imported only when run.
+Each benchmark is a module with ``run(cfg) -> report`` and ``format_report(report) -> str``;
+its options and their defaults are ``conf/bench/<name>.yaml``. :data:`BENCHMARKS` maps
+names to modules, which are imported only when run.
 """
 
 BENCHMARKS: dict[str, str] = {

@@ -1,7 +1,8 @@
 """``python -m astrai.bench <name> [key=value ...] [out=report.json]``: run one benchmark.
 
-Values are parsed as YAML scalars (``n=5``, ``skip_hf=true``, ``ratio=0.5``) and checked
-against the benchmark's ``DEFAULTS``; ``out=<path>`` also writes the report as JSON.
+The options of benchmark ``<name>`` are ``conf/bench/<name>.yaml``, composed by Hydra with
+the ``key=value`` overrides (Hydra's syntax: ``n=5``, ``skip_hf=true``,
+``hf_batch_sizes=[1,all]``). ``out=<path>`` also writes the report as JSON.
 """
 
 from __future__ import annotations
@@ -13,58 +14,76 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import yaml
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from astrai.bench import BENCHMARKS
 
+ROOT = Path(__file__).resolve().parents[2]
+# The benchmarks' own config directory: `model=` there is a preset name, where in conf/ it
+# would choose an option of the training `model` group. conf/engine/ is on its search path,
+# so a benchmark config takes the engine group's settings with `- /contiguous@engine`.
+BENCH_CONF = ROOT / "conf" / "bench"
+ENGINE_CONF = ROOT / "conf" / "engine"
 USAGE = "usage: python -m astrai.bench <name> [key=value ...] [out=report.json]"
 
 
-def parse_overrides(args: list[str], defaults: dict[str, Any]) -> dict[str, Any]:
-    """``key=value`` strings to a dict, typed like the defaults; unknown keys are an error."""
-    out: dict[str, Any] = {}
-    for arg in args:
-        key, sep, raw = arg.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"expected key=value, got {arg!r}\n{USAGE}")
-        if key not in defaults:
-            raise SystemExit(f"unknown option {key!r}; options: {', '.join(sorted(defaults))}")
-        value = yaml.safe_load(raw) if raw else ""
-        default = defaults[key]
+def typed_like(defaults: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:
+    """`cfg` with each scalar option converted to its default's type (`tokenizer=123` is the
+    string "123", `ratio=1` the float 1.0); a value that does not convert, or an option the
+    defaults lack (`+key=value`), is an error."""
+    unknown = sorted(set(cfg) - set(defaults))
+    if unknown:
+        raise SystemExit(f"unknown option {unknown[0]!r}; options: {', '.join(sorted(defaults))}")
+    out = dict(cfg)
+    for key, default in defaults.items():
+        value = cfg[key]
+        if default is None or value is None or isinstance(default, (list, dict)):
+            continue
         if isinstance(default, str) and not isinstance(value, str):
-            value = raw  # e.g. "1,8,all" or "123" for a string option
+            out[key] = str(value)
         elif isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        elif default is not None and not isinstance(value, type(default)):
-            raise SystemExit(f"option {key}={raw!r}: expected {type(default).__name__}")
-        out[key] = value
+            out[key] = float(value)
+        elif type(value) is not type(default):
+            raise SystemExit(f"option {key}={value!r}: expected {type(default).__name__}")
     return out
 
 
+def bench_config(name: str, overrides: list[str] | None = None) -> dict[str, Any]:
+    """The options of benchmark `name` with `overrides`, resolved; an unknown benchmark, an
+    unknown option or a badly typed value is a `SystemExit` naming it."""
+    if name not in BENCHMARKS:
+        raise SystemExit(f"unknown benchmark {name!r}; available: {', '.join(sorted(BENCHMARKS))}")
+    search = f"hydra.searchpath=['file://{ENGINE_CONF}']"
+    try:
+        with initialize_config_dir(config_dir=str(BENCH_CONF), version_base="1.3"):
+            defaults = OmegaConf.to_container(compose(name, [search]), resolve=True)
+            cfg = OmegaConf.to_container(compose(name, [*(overrides or []), search]), resolve=True)
+    except (HydraException, OmegaConfBaseException) as err:
+        raise SystemExit(f"{name}: {err}\n{USAGE}") from None
+    assert isinstance(defaults, dict) and isinstance(cfg, dict)
+    return typed_like(defaults, cfg)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark that `argv` (default: the command line) names; returns its report."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(f"{USAGE}\nbenchmarks: {', '.join(sorted(BENCHMARKS))}")
         raise SystemExit(0 if argv else 2)
-    name, args = argv[0], argv[1:]
-    if name not in BENCHMARKS:
-        raise SystemExit(f"unknown benchmark {name!r}; available: {', '.join(sorted(BENCHMARKS))}")
-    out_path = None
-    rest = []
-    for arg in args:
-        if arg.startswith("out="):
-            out_path = Path(arg[len("out=") :])
-        else:
-            rest.append(arg)
+    name, overrides = argv[0], argv[1:]
+    cfg = bench_config(name, overrides)
+    out_path = cfg.pop("out")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     module = importlib.import_module(BENCHMARKS[name])
-    overrides = parse_overrides(rest, getattr(module, "DEFAULTS", {}))
-    report = module.main(overrides)
-    formatter = getattr(module, "format_report", None)
-    print(formatter(report) if formatter else json.dumps(report, indent=2))
+    report = module.run(cfg)
+    print(module.format_report(report))
     if out_path is not None:
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        out_path.write_text(json.dumps(report, indent=2) + "\n")
+        out = Path(out_path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
     return report
 
 

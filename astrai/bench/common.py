@@ -14,6 +14,13 @@ if TYPE_CHECKING:
     from astrai.model import Transformer
 
 
+def as_list(value: Any) -> list[Any]:
+    """A list option given as a list (``[1,8,all]``), a comma string (``"1,8"``) or one value."""
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    return [v.strip() for v in value.split(",")] if isinstance(value, str) else [value]
+
+
 def percentile(values: list[float], q: float) -> float:
     """Nearest-rank percentile, `q` in [0, 1]."""
     values = sorted(values)

@@ -9,7 +9,7 @@
    resident set size (``VmRSS``) is sampled throughout. The target is < 100 MB growth for a
    50M-token corpus: the storage must not load the corpus into memory.
 
-``python -m astrai.bench data`` (options: see ``DEFAULTS``, e.g. ``tokens=5000000``).
+``python -m astrai.bench data`` (options: ``conf/bench/data.yaml``, e.g. ``tokens=5000000``).
 """
 
 from __future__ import annotations
@@ -29,22 +29,6 @@ import numpy as np
 from tqdm import tqdm
 
 log = logging.getLogger(__name__)
-
-DEFAULTS: dict[str, Any] = {
-    "tokens": 50_000_000,  # synthetic corpus size
-    "vocab_size": 32_000,  # ids drawn from [0, vocab_size): stored as uint16
-    "doc_min": 256,
-    "doc_max": 8192,
-    "window_size": 2048,
-    "reads": 20_000,  # random windows
-    "doc_reads": 20_000,  # random documents
-    "prepare_bytes": 8_000_000,  # stdlib text for the pretrain prepare throughput
-    "sft_records": 5_000,  # arithmetic chats for the sft prepare throughput
-    "tokenizer": "",  # tokenizer directory; empty: train one on the stdlib
-    "tokenizer_vocab": 8192,
-    "seed": 0,
-    "workdir": "",  # parent of the temporary directory (default: the system's)
-}
 
 
 def rss_mb() -> float:
@@ -227,8 +211,8 @@ def machine() -> dict[str, Any]:
     return info
 
 
-def main(overrides: dict[str, Any]) -> dict[str, Any]:
-    cfg = {**DEFAULTS, **overrides}
+def run(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The whole benchmark with the options of conf/bench/data.yaml."""
     report: dict[str, Any] = {"config": cfg, "machine": machine()}
     with tempfile.TemporaryDirectory(dir=cfg["workdir"] or None, prefix="astrai-bench-") as tmp:
         work = Path(tmp)

@@ -8,6 +8,7 @@ sizes and the best is reported; its useful tokens are the ones each request aske
 A second workload shares 90% of every prompt and compares TTFT with and without the
 radix prefix cache. `repeats=N` measures every configuration N times and keeps each one's
 best run, which damps the noise of a shared machine without favouring either side.
+Options: ``conf/bench/engine.yaml``; the engine is the engine group's (``engine.*``).
 """
 
 from __future__ import annotations
@@ -16,39 +17,19 @@ import logging
 import random
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from hydra.utils import instantiate
 from tqdm import tqdm
 
-from astrai.bench.common import bench_model, percentile
+from astrai.bench.common import as_list, bench_model, percentile
 from astrai.inference import InferenceEngine
-from astrai.model import Transformer
+from astrai.model import Transformer, save_pretrained
 from astrai.tokenizer import AutoTokenizer
 
 logger = logging.getLogger(__name__)
-
-DEFAULTS: dict[str, Any] = {
-    "model": "astrai-30m",
-    "requests": 64,
-    "prompt_min": 16,
-    "prompt_max": 256,
-    "output_min": 16,
-    "output_max": 256,
-    "hf_batch_sizes": "1,8,all",
-    "max_batch_size": 64,
-    "prefix_requests": 32,
-    "prefix_len": 512,
-    "seed": 0,
-    "threads": 0,
-    "device": "cpu",
-    "dtype": "float32",
-    "cache_mode": "contiguous",
-    "page_size": 16,
-    "kv_tokens": 0,
-    "skip_hf": False,
-    "repeats": 1,
-}
 
 
 def _workload(cfg: dict[str, Any], vocab: int) -> list[tuple[list[int], int]]:
@@ -66,13 +47,15 @@ def _workload(cfg: dict[str, Any], vocab: int) -> list[tuple[list[int], int]]:
 
 
 def run_astrai(
+    engine: Callable[..., InferenceEngine],
     model: Transformer,
     tokenizer: AutoTokenizer,
     work: list[tuple[list[int], int]],
     **engine_kw: Any,
 ) -> dict[str, float]:
+    """All of `work` submitted at once to `engine(model, tokenizer, **engine_kw)`."""
     max_len = max(len(p) + n for p, n in work) + 1
-    with InferenceEngine(model, tokenizer, max_seq_len=max_len, **engine_kw) as eng:
+    with engine(model, tokenizer, max_seq_len=max_len, **engine_kw) as eng:
         eng.generate([[1, 2, 3]], max_tokens=2, temperature=0.0)  # warm-up
         start = time.perf_counter()
         results = [eng.submit(p, max_tokens=n, temperature=0.0, ignore_eos=True) for p, n in work]
@@ -143,8 +126,9 @@ def run_hf(
     }
 
 
-def main(overrides: dict[str, Any]) -> dict[str, Any]:
-    cfg = {**DEFAULTS, **overrides}
+def run(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Both systems on the workload of conf/bench/engine.yaml, then the shared-prefix runs."""
+    engine = instantiate(cfg["engine"])
     model, tokenizer, device = bench_model(cfg)
     model_cfg, dtype = model.config, getattr(torch, cfg["dtype"])
     report: dict[str, Any] = {
@@ -155,22 +139,15 @@ def main(overrides: dict[str, Any]) -> dict[str, Any]:
         "threads": torch.get_num_threads(),
     }
     work = _workload(cfg, model_cfg.vocab_size)
-    kw: dict[str, Any] = dict(
-        max_batch_size=cfg["max_batch_size"],
-        cache_mode=cfg["cache_mode"],
-        page_size=cfg["page_size"],
-        kv_tokens=cfg["kv_tokens"] or None,
-    )
+    graphs = None if device.type == "cuda" else False
     runs = [
-        run_astrai(
-            model, tokenizer, work, decode_graphs=None if device.type == "cuda" else False, **kw
-        )
+        run_astrai(engine, model, tokenizer, work, decode_graphs=graphs)
         for _ in range(cfg["repeats"])
     ]
     report["astrai"] = max(runs, key=lambda r: r["tokens_per_s"])
     if device.type == "cuda":  # the same engine with decode CUDA graphs off
         runs = [
-            run_astrai(model, tokenizer, work, decode_graphs=False, **kw)
+            run_astrai(engine, model, tokenizer, work, decode_graphs=False)
             for _ in range(cfg["repeats"])
         ]
         report["astrai_eager_decode"] = max(runs, key=lambda r: r["tokens_per_s"])
@@ -180,13 +157,10 @@ def main(overrides: dict[str, Any]) -> dict[str, Any]:
         import transformers
 
         with tempfile.TemporaryDirectory() as tmp:
-            model.save_pretrained(tmp, hf_format=True)
+            save_pretrained(model, tmp, hf_format=True)
             hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype)
             hf = hf.to(device).eval()
-        sizes = [
-            len(work) if s.strip() == "all" else int(s)
-            for s in str(cfg["hf_batch_sizes"]).split(",")
-        ]
+        sizes = [len(work) if s == "all" else int(s) for s in as_list(cfg["hf_batch_sizes"])]
         report["transformers"] = {}
         for bs in sizes:
             runs = [run_hf(hf, work, bs, pad_id=0) for _ in range(cfg["repeats"])]
@@ -206,9 +180,8 @@ def main(overrides: dict[str, Any]) -> dict[str, Any]:
     ]
     report["prefix"] = {}
     for name, radix in (("no_cache", False), ("radix", True)):
-        kw = dict(cache_mode="paged", page_size=16, max_batch_size=cfg["max_batch_size"])
-        kw.update(prefix_cache=radix, max_seq_len=cfg["prefix_len"] + 32, start=False)
-        with InferenceEngine(model, tokenizer, **kw) as eng:
+        kw = dict(cache_mode="paged", prefix_cache=radix, max_seq_len=cfg["prefix_len"] + 32)
+        with engine(model, tokenizer, start=False, **kw) as eng:
             eng.run_batch([prefix_work[0][0]], max_tokens=1, temperature=0.0)  # warm the cache
             ttft = []
             for prompt, _ in tqdm(prefix_work[1:], desc=f"prefix {name}", leave=False):

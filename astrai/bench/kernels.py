@@ -16,19 +16,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-logger = logging.getLogger(__name__)
+from astrai.bench.common import as_list
 
-DEFAULTS: dict[str, Any] = {
-    "batch_sizes": "1,16,64,256",
-    "seq_lens": "1024,4096",
-    "n_heads": 16,
-    "n_kv_heads": 8,
-    "head_dim": 128,
-    "num_splits": 4,
-    "dtype": "bfloat16",
-    "iters": 50,
-    "copy_mib": 1024,
-}
+logger = logging.getLogger(__name__)
 
 
 def _time_cuda(fn, iters: int) -> float:
@@ -54,8 +44,8 @@ def copy_bandwidth(mib: int, iters: int) -> float:
     return 2 * src.numel() / seconds
 
 
-def main(overrides: dict[str, Any]) -> dict[str, Any]:
-    cfg = {**DEFAULTS, **overrides}
+def run(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Decode attention at every batch size x sequence length of conf/bench/kernels.yaml."""
     if not torch.cuda.is_available():
         raise SystemExit("the kernels benchmark needs a CUDA device")
     from astrai.extension.ops import decode_attention
@@ -70,9 +60,7 @@ def main(overrides: dict[str, Any]) -> dict[str, Any]:
         "decode": [],
     }
     cases = [
-        (int(b), int(s))
-        for b in str(cfg["batch_sizes"]).split(",")
-        for s in str(cfg["seq_lens"]).split(",")
+        (int(b), int(s)) for b in as_list(cfg["batch_sizes"]) for s in as_list(cfg["seq_lens"])
     ]
     for batch, seq in tqdm(cases, desc="decode attention"):
         size = batch * seq

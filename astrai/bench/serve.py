@@ -8,7 +8,8 @@ side submits the same prompt ids straight to the engine; the HTTP side streams
 `/v1/chat/completions` from a client in a separate process (so the client's SSE parsing
 does not compete with the server for the GIL). Reported: tokens/s of both, their ratio
 (target >= 0.9) and TTFT p50/p99 (HTTP TTFT: request sent to first content chunk, seen by
-the client; and request parsed to first token, seen by the server).
+the client; and request parsed to first token, seen by the server). Options:
+``conf/bench/serve.yaml``; the engine is the engine group's (``engine.*``).
 """
 
 from __future__ import annotations
@@ -24,21 +25,6 @@ from typing import Any
 from astrai.bench.common import bench_model, percentile
 
 logger = logging.getLogger(__name__)
-
-DEFAULTS: dict[str, Any] = {
-    "model": "astrai-30m",
-    "requests": 64,
-    "prompt_min": 16,
-    "prompt_max": 256,
-    "output_min": 16,
-    "output_max": 128,
-    "max_batch_size": 64,
-    "cache_mode": "contiguous",
-    "seed": 0,
-    "threads": 0,
-    "device": "cpu",
-    "repeats": 1,
-}
 
 
 async def _stream_all(url: str, bodies: list[dict[str, Any]]) -> dict[str, Any]:
@@ -88,13 +74,14 @@ def _client(url: str, bodies: list[dict[str, Any]]) -> dict[str, Any]:
     return asyncio.run(_stream_all(url, bodies))
 
 
-def main(overrides: dict[str, Any]) -> dict[str, Any]:
+def run(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Offline and HTTP throughput on the workload of conf/bench/serve.yaml."""
+    # Imported here: the spawned client process imports this module and needs none of them.
     import torch
+    from hydra.utils import instantiate
 
-    from astrai.inference import InferenceEngine
     from astrai.serve import ServerThread, ServeSettings, create_app
 
-    cfg = {**DEFAULTS, **overrides}
     model, tokenizer, device = bench_model(cfg)
 
     rng = random.Random(cfg["seed"])
@@ -114,13 +101,7 @@ def main(overrides: dict[str, Any]) -> dict[str, Any]:
         for p in prompts
     ]
     max_len = max(len(p) + n for p, n in zip(ids, outputs)) + 1
-    engine = InferenceEngine(
-        model,
-        tokenizer,
-        max_batch_size=cfg["max_batch_size"],
-        max_seq_len=max_len,
-        cache_mode=cfg["cache_mode"],
-    )
+    engine = instantiate(cfg["engine"])(model, tokenizer, max_seq_len=max_len)
     report: dict[str, Any] = {
         "config": cfg,
         "model": cfg["model"],

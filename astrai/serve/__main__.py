@@ -1,7 +1,10 @@
-"""``python -m astrai.serve [model=<dir>] [key=value ...]``: serve a model directory over HTTP.
+"""``python -m astrai.serve [model_path=<dir>] [key=value ...]``: serve a model directory.
 
-Options are in ``conf/serve.yaml`` (Hydra). The model defaults to ``$ASTRAI_MODEL`` or
-``outputs/latest/export``, where ``make train`` exports its last run.
+Options are in ``conf/serve.yaml`` (Hydra), the engine's in the ``engine`` group
+(``engine=contiguous``, ``engine.max_batch_size=64``). The model defaults to
+``$ASTRAI_MODEL`` or ``outputs/latest/export``, where ``make train`` exports its last run.
+Heavy imports (torch, the model, uvicorn, the app) are deferred into the functions so that
+a missing model directory fails at once, before them.
 """
 
 from __future__ import annotations
@@ -10,18 +13,22 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from astrai.inference import InferenceEngine
 
 CONF_DIR = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "conf"))
 
 logger = logging.getLogger("astrai.serve")
 
 
-def build_engine(cfg: dict[str, Any]) -> Any:
-    """Load the model and tokenizer from `cfg["model"]` and start an `InferenceEngine`."""
+def build_engine(cfg: dict[str, Any]) -> InferenceEngine:
+    """Load the model and tokenizer from `cfg["model_path"]` and start the engine that the
+    `engine` group (conf/engine/) describes."""
     import torch
+    from hydra.utils import instantiate
 
-    from astrai.inference import InferenceEngine
     from astrai.model import AutoModel
     from astrai.tokenizer import AutoTokenizer
 
@@ -34,18 +41,7 @@ def build_engine(cfg: dict[str, Any]) -> Any:
     dtype = getattr(torch, cfg["dtype"]) if cfg.get("dtype") else None
     model = AutoModel.from_pretrained(path, device=device, dtype=dtype).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    return InferenceEngine(
-        model,
-        tokenizer,
-        max_batch_size=cfg["max_batch_size"],
-        max_seq_len=cfg.get("max_seq_len"),
-        cache_mode=cfg["cache_mode"],
-        page_size=cfg["page_size"],
-        kv_tokens=cfg.get("kv_tokens"),
-        memory_fraction=cfg.get("memory_fraction"),
-        max_prefill_tokens=cfg["max_prefill_tokens"],
-        max_queue=cfg.get("max_queue"),
-    )
+    return instantiate(cfg["engine"])(model, tokenizer)
 
 
 def serve(cfg: dict[str, Any]) -> None:
@@ -54,7 +50,7 @@ def serve(cfg: dict[str, Any]) -> None:
     if not path.is_dir():  # checked before the heavy imports: fail fast with the fix
         raise SystemExit(
             f"model directory {str(path)!r} does not exist: run `make train` first "
-            "or pass model=<dir>"
+            "or pass model_path=<dir>"
         )
     import uvicorn
 
@@ -105,9 +101,6 @@ def _cli(cfg: Any) -> None:
 def main() -> None:
     import hydra
 
-    from astrai.cli import model_arg_to_model_path
-
-    model_arg_to_model_path()
     hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="serve")(_cli)()
 
 

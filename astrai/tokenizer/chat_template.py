@@ -140,6 +140,13 @@ class _TemplateDict:
         return dict.fromkeys(*args, **kwargs)
 
 
+def _check_namespace_name(name: Any) -> None:
+    if isinstance(name, str) and name.startswith("_"):
+        raise SecurityError(
+            f"chat templates cannot store underscore-prefixed attributes on a namespace: {name!r}"
+        )
+
+
 class _TemplateNamespace(jinja2.utils.Namespace):
     """``namespace`` global that refuses underscore names, like HF's, to block dunder games."""
 
@@ -148,19 +155,12 @@ class _TemplateNamespace(jinja2.utils.Namespace):
         self, args = args[0], args[1:]
         attrs = dict(*args, **kwargs)
         for name in attrs:
-            _TemplateNamespace._check_name(name)
+            _check_namespace_name(name)
         jinja2.utils.Namespace.__init__(self, attrs)
 
     def __setitem__(self, name: str, value: Any) -> None:
-        _TemplateNamespace._check_name(name)
+        _check_namespace_name(name)
         jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check_name(name: Any) -> None:
-        if isinstance(name, str) and name.startswith("_"):
-            raise SecurityError(
-                f"chat templates cannot store underscore-prefixed attributes on a namespace: {name!r}"
-            )
 
 
 class _GenerationBlock(jinja2.ext.Extension):

@@ -1,10 +1,16 @@
-"""The engine benchmark runs end to end on a tiny workload (figures are not checked here)."""
+"""The engine and serve benchmarks run end to end on a tiny workload (figures are not checked
+here); `python -m astrai.bench` composes each benchmark's options with Hydra."""
 
 import json
+import re
+import shlex
+from pathlib import Path
 
 import pytest
 
-from astrai.bench.__main__ import main
+from astrai.bench.__main__ import bench_config, main
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
@@ -19,7 +25,7 @@ def test_engine_benchmark_cli_writes_a_report(tmp_path):
             "prompt_max=12",
             "output_min=2",
             "output_max=5",
-            "hf_batch_sizes=1,all",
+            "hf_batch_sizes=[1,all]",
             "prefix_requests=3",
             "prefix_len=64",
             f"out={out}",
@@ -35,6 +41,53 @@ def test_engine_benchmark_cli_writes_a_report(tmp_path):
 def test_unknown_option_is_refused():
     with pytest.raises(SystemExit, match="requestz"):
         main(["engine", "requestz=3"])
+    with pytest.raises(SystemExit, match="unknown option 'requestz'"):
+        main(["engine", "+requestz=3"])
+    with pytest.raises(SystemExit, match="unknown benchmark 'engin'"):
+        main(["engin"])
+
+
+def test_engine_benchmark_takes_the_engine_group():
+    cfg = bench_config("engine")
+    assert cfg["engine"]["_target_"] == "astrai.inference.InferenceEngine"
+    assert cfg["engine"]["page_size"] == 16 and cfg["engine"]["kv_tokens"] is None  # conf/engine
+    assert (cfg["engine"]["cache_mode"], cfg["engine"]["max_batch_size"]) == ("contiguous", 64)
+    cfg = bench_config("engine", ["cache_mode=paged", "max_batch_size=256", "engine.page_size=32"])
+    assert (cfg["engine"]["cache_mode"], cfg["engine"]["max_batch_size"]) == ("paged", 256)
+    assert cfg["engine"]["page_size"] == 32 and cfg["model"] == "astrai-30m"
+    assert bench_config("serve", ["cache_mode=paged"])["engine"]["cache_mode"] == "paged"
+
+
+def _recorded_commands():
+    """Every `python -m astrai.bench ...` command in the Makefile, experiments/, README and docs."""
+    texts = [(ROOT / "Makefile").read_text().replace("\\\n", " ")]
+    texts += [(ROOT / p).read_text() for p in ("experiments/README.md", "README.md")]
+    texts += [p.read_text() for p in sorted((ROOT / "docs").glob("*.md"))]
+    texts += [p.read_text() for p in sorted((ROOT / "experiments" / "bench").glob("*.md"))]
+    found = []
+    for text in texts:
+        text = re.sub(r"\s+", " ", text)
+        for m in re.finditer(r"-m astrai\.bench ([a-z]+(?: [a-z_+.]+=[^ `]+)*)", text):
+            found.append(shlex.split(m.group(1)))
+    return found
+
+
+def test_recorded_commands_still_compose():
+    commands = _recorded_commands()
+    assert len(commands) >= 5 and ["kernels", "out=experiments/bench/kernels-gpu.json"] in commands
+    for name, *overrides in commands:
+        bench_config(name, overrides)  # every recorded option still exists, typed as before
+    gpu = next(c for c in commands if "model=qwen3-0.6b" in c)
+    cfg = bench_config(gpu[0], gpu[1:])
+    assert cfg["model"] == "qwen3-0.6b" and cfg["engine"]["cache_mode"] == "paged"
+    assert cfg["hf_batch_sizes"] == "all" and cfg["engine"]["max_batch_size"] == 256
+
+
+def test_values_are_typed_by_the_defaults():
+    cfg = bench_config("engine", ["model=123", "repeats=2", "skip_hf=true"])
+    assert cfg["model"] == "123" and cfg["repeats"] == 2 and cfg["skip_hf"] is True
+    with pytest.raises(SystemExit, match="expected int"):
+        bench_config("engine", ["requests=many"])
 
 
 @pytest.mark.slow
