@@ -28,6 +28,12 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from astrai.data.builtin import stdlib_corpus
+from astrai.data.datasets import PretrainDataset
+from astrai.data.prepare import prepare
+from astrai.data.storage import H5Storage, H5Writer, token_dtype
+from astrai.tokenizer import AutoTokenizer
+
 log = logging.getLogger(__name__)
 
 
@@ -52,16 +58,11 @@ def peak_rss_mb() -> float:
 
 
 def bench_prepare(cfg: dict[str, Any], work: Path) -> dict[str, Any]:
-    from astrai.data.prepare import prepare
-    from astrai.tokenizer import AutoTokenizer
-
     out: dict[str, Any] = {}
     if cfg["tokenizer"]:
         tok = AutoTokenizer.from_pretrained(cfg["tokenizer"])
         out["tokenizer"] = cfg["tokenizer"]
     else:
-        from astrai.data.builtin import stdlib_corpus
-
         t0 = time.perf_counter()
         tok = AutoTokenizer.train(
             stdlib_corpus("train", max_bytes=2_000_000), cfg["tokenizer_vocab"]
@@ -88,7 +89,6 @@ def bench_prepare(cfg: dict[str, Any], work: Path) -> dict[str, Any]:
 
 def write_corpus(cfg: dict[str, Any], path: Path) -> dict[str, Any]:
     """Random ids in documents of random length, generated and written chunk by chunk."""
-    from astrai.data.storage import H5Writer, token_dtype
 
     rng = np.random.default_rng(cfg["seed"])
     total, docs = int(cfg["tokens"]), 0
@@ -126,9 +126,6 @@ def write_corpus(cfg: dict[str, Any], path: Path) -> dict[str, Any]:
 
 def index_job(path: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """Runs in a fresh process, so that RSS reflects only opening and indexing the corpus."""
-    from astrai.data.datasets import PretrainDataset
-    from astrai.data.storage import H5Storage
-
     rss_start = rss_mb()
     t0 = time.perf_counter()
     storage = H5Storage(path)

@@ -17,6 +17,7 @@ import torch
 from tqdm import tqdm
 
 from astrai.bench.common import as_list
+from astrai.extension.ops import decode_attention
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +49,6 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     """Decode attention at every batch size x sequence length of conf/bench/kernels.yaml."""
     if not torch.cuda.is_available():
         raise SystemExit("the kernels benchmark needs a CUDA device")
-    from astrai.extension.ops import decode_attention
-
     dtype = getattr(torch, cfg["dtype"])
     h, hkv, d = cfg["n_heads"], cfg["n_kv_heads"], cfg["head_dim"]
     copy_bw = copy_bandwidth(cfg["copy_mib"], cfg["iters"])

@@ -140,18 +140,6 @@ def prepare(
     Returns the counts; the CLI prints ``result.summary()``.
     """
     started = time.perf_counter()
-    if kind not in KINDS:
-        raise DataError(f"kind must be one of {KINDS}, got {kind!r}")
-    input = os.fspath(input)
-    if pack and kind != "sft":
-        where = (
-            "pretrain data is windowed at load time (PretrainDataset window_size/stride; "
-            "reset_position_ids=true for per-document positions)"
-            if kind == "pretrain"
-            else f"kind={kind} keeps one sequence per record"
-        )
-        raise DataError(f"pack=true applies to kind=sft only: {where}")
-    started = time.perf_counter()
     opts = PrepareOptions.parse(
         kind,
         max_length=max_length,

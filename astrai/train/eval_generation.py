@@ -25,6 +25,8 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from astrai.data.builtin import arithmetic_problems, stdlib_records
+from astrai.data.rewards import get_reward
 from astrai.inference import InferenceEngine
 
 log = logging.getLogger(__name__)
@@ -42,13 +44,9 @@ def builtin_prompts(
     held-out standard-library files, as raw-text prompts for pretrained models.
     """
     if task == "arithmetic":
-        from astrai.data.builtin import arithmetic_problems
-
         problems = arithmetic_problems(n, seed=seed, split="val", **options)
         return [{"prompt": p["prompt"], "answer": p["answer"]} for p in problems], True
     if task == "stdlib":
-        from astrai.data.builtin import stdlib_records
-
         out = []
         for rec in stdlib_records("val"):
             lines = [ln for ln in rec["text"].splitlines() if ln.strip()][:3]
@@ -146,8 +144,6 @@ class EvalGenerationCallback(Callback):
         }
         self.seed = int(seed)
         metrics = [metric] if isinstance(metric, str) else list(metric or [])
-        from astrai.data.rewards import get_reward
-
         self.metrics = {name: get_reward(name) for name in metrics}  # unknown names fail now
         self.at_start, self.at_end = bool(at_start), bool(at_end)
         self.table_rows = int(table_rows)

@@ -84,7 +84,7 @@ def check_vocab(vocab_size: int, tokenizer: AutoTokenizer, *, source: str = "mod
     if n > vocab_size:
         raise VocabMismatchError(
             f"tokenizer has {n} tokens but {source} has vocab_size={vocab_size}; "
-            f"use a model with vocab_size >= {n} (e.g. model.vocab_size={n}) "
+            f"use a model with vocab_size >= {n} (e.g. +model.vocab_size={n}) "
             f"or a tokenizer trained with a smaller vocabulary"
         )
 
@@ -97,7 +97,7 @@ def preset_model(
     **overrides: Any,
 ) -> Transformer:
     """A fresh `Transformer` from the preset `name` (`astrai.model.PRESETS`) with field
-    `overrides` (`conf/model/astrai-5m.yaml`: `model.num_hidden_layers=6`). The tokenizer,
+    `overrides` (`conf/model/astrai-5m.yaml`: `+model.num_hidden_layers=6`). The tokenizer,
     when given, must fit the vocabulary; `device="meta"` allocates nothing."""
     config = preset(name, **overrides)
     if tokenizer is not None:

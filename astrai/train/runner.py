@@ -10,7 +10,10 @@
    their `_target_`s, resolve `ckpt_path` (`last` = this run's or the newest of this
    experiment), and `trainer.fit`. The export callback writes the `save_pretrained` directory.
 
-Hydra composes; Lightning runs. Nothing here re-implements either.
+Hydra composes; Lightning runs. Nothing here re-implements either. Lightning (and
+`astrai.train.callbacks`, which imports it) is imported inside `train()` and the logger
+factory only: importing it costs about 5 s, which `--cfg job`, `--help` and `compose()`
+(tests, notebooks) should not pay.
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
+from astrai.data.builtin import builtin_records
 from astrai.data.cache import digest, file_lock
+from astrai.tokenizer import AutoTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -129,8 +134,6 @@ def check_inputs(cfg: DictConfig) -> None:
 def _corpus_texts(corpus: str, max_bytes: int | None) -> Iterator[str]:
     """Texts for BPE training: builtin records, or .txt / .jsonl (`text`) files."""
     if _is_builtin(corpus):
-        from astrai.data.builtin import builtin_records
-
         records = builtin_records(corpus.removeprefix("builtin:"), max_bytes=max_bytes)
         texts: Iterator[str] = (r.get("text") or json.dumps(r) for r in records)
     else:
@@ -171,8 +174,6 @@ def prepare_tokenizer(tok_cfg: Mapping[str, Any], data_dir: str | Path) -> Path:
     with file_lock(out.with_suffix(".lock")):
         if (out / "tokenizer.json").is_file():  # another process finished it meanwhile
             return out
-        from astrai.tokenizer import AutoTokenizer
-
         log.info("training a %d-token BPE tokenizer on %s -> %s", vocab_size, corpus, out)
         tok = AutoTokenizer.train(_corpus_texts(corpus, max_bytes), vocab_size, **spec)
         tmp = out.with_name(out.name + f".tmp{os.getpid()}")
@@ -309,8 +310,6 @@ def train(cfg: DictConfig) -> float | None:
 
     tokenizer_dir = prepare_tokenizer(cfg.tokenizer, paths.data_dir)
     # the tokenizer must fit the model: checked on a meta-device model before data preparation
-    from astrai.tokenizer import AutoTokenizer
-
     instantiate(cfg.model)(device="meta", tokenizer=AutoTokenizer.from_pretrained(tokenizer_dir))
     datamodule = instantiate(cfg.data, _convert_="all", _recursive_=False)
     datamodule.connect(tokenizer_dir, paths.data_dir)

@@ -294,7 +294,7 @@ def test_grpo_engine_version_follows_optimizer_steps(prompt_setup):
     engine = module.engine
     assert engine.model is module.model  # live weights, no copy
     assert engine.max_seq_len == 64  # the factory's sizes (conf: strategy.engine)
-    assert engine.scheduler.policy_version == 0
+    assert engine.policy_version == 0
     # Lightning after 3 optimizer steps: the engine's policy version follows.
     with mock.patch.object(type(module), "global_step", new_callable=mock.PropertyMock) as gs:
         gs.return_value = 3
