@@ -180,10 +180,6 @@ class ModelConfig:
         return cls.from_json(path.read_text(), source=str(path))
 
     # ------------------------------------------------------------------ derived sizes
-    @property
-    def num_kv_groups(self) -> int:
-        return self.num_attention_heads // self.num_key_value_heads
-
     def num_parameters(self) -> int:
         """Parameter count computed from the shapes alone (no tensors are created)."""
         h, d = self.hidden_size, self.head_dim

@@ -389,7 +389,7 @@ def save_pretrained(
         _atomic_write_text(path / "generation_config.json", json.dumps(generation, indent=2))
         _atomic_write_text(path / CONFIG_NAME, json.dumps(data, indent=2))
     else:
-        _atomic_write_text(path / CONFIG_NAME, config.to_json())
+        config.save(path / CONFIG_NAME)
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
     logger.info("saved model (%d tensors, %d file(s)) to %s", len(state), len(names), path)
@@ -402,8 +402,3 @@ class AutoModel:
     @staticmethod
     def from_pretrained(path: str | os.PathLike, **kwargs: Any) -> Transformer:
         return load_pretrained(path, **kwargs)
-
-    @staticmethod
-    def from_config(config: ModelConfig, *, device: str | torch.device = "cpu") -> Transformer:
-        with torch.device(device):
-            return Transformer(config)

@@ -37,8 +37,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("astrai.serve")
 
-# Internal finish reasons; builders map them to their protocol's names.
-FINISH_REASONS = ("stop", "stop_sequence", "length", "tool_calls", "error")
+# Internal finish reasons (stop, stop_sequence, length, tool_calls, error); the builders map
+# them to their protocol's names.
 
 
 @dataclass

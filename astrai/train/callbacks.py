@@ -88,7 +88,6 @@ class ExportCallback(Callback):
         self.every_n_train_steps = every_n_train_steps
         self.enabled = enabled
         self.hf_format = hf_format
-        self.last_export: Path | None = None
 
     def export(self, trainer: L.Trainer, pl_module: L.LightningModule, path: Path) -> None:
         model = _full_model(trainer, pl_module)  # collective under FSDP: every rank calls
@@ -103,7 +102,6 @@ class ExportCallback(Callback):
                 json.dumps({"global_step": trainer.global_step, "epoch": trainer.current_epoch})
             )
             log.info("exported model to %s (step %d)", path, trainer.global_step)
-            self.last_export = path
         trainer.strategy.barrier("astrai-export")
 
     def on_train_batch_end(
