@@ -39,13 +39,12 @@ from astrai.data.datasets import IGNORE_INDEX
 from astrai.model import (
     LoRAConfig,
     Transformer,
+    check_vocab,
     inject_lora,
     load_pretrained,
     merge_lora,
-    preset,
     save_pretrained,
 )
-from astrai.model.hub import read_config
 from astrai.tokenizer import AutoTokenizer
 from astrai.train.optim import OptimizerFactory, ScheduleFactory, adamw, configure_optimizers
 
@@ -55,76 +54,18 @@ __all__ = [
     "LMModule",
     "NonFiniteLossError",
     "ReferencePolicy",
-    "VocabMismatchError",
-    "check_vocab",
     "init_from_export",
     "lm_loss",
-    "preset_model",
-    "pretrained_model",
     "token_logprobs",
 ]
 
-#: `(device=None, tokenizer=None) -> Transformer`: what a `conf/model` partial becomes.
+#: `(device=None, tokenizer=None) -> Transformer`: what a `conf/model` partial becomes
+#: (`astrai.model.preset_model` / `pretrained_model`).
 ModelFactory = Callable[..., Transformer]
 
 
 class NonFiniteLossError(RuntimeError):
     """Raised when the loss (or gradient norm) is NaN/inf, before any weight is changed."""
-
-
-class VocabMismatchError(ValueError):
-    """The tokenizer produces ids the model's embedding table cannot hold."""
-
-
-# ---------------------------------------------------------------------- model factories
-def check_vocab(vocab_size: int, tokenizer: AutoTokenizer, *, source: str = "model") -> None:
-    """Raise `VocabMismatchError` when the tokenizer has more ids than the model's vocabulary
-    (a silent mismatch would index out of range mid-run)."""
-    n = len(tokenizer)
-    if n > vocab_size:
-        raise VocabMismatchError(
-            f"tokenizer has {n} tokens but {source} has vocab_size={vocab_size}; "
-            f"use a model with vocab_size >= {n} (e.g. +model.vocab_size={n}) "
-            f"or a tokenizer trained with a smaller vocabulary"
-        )
-
-
-def preset_model(
-    name: str,
-    *,
-    device: str | torch.device | None = None,
-    tokenizer: AutoTokenizer | None = None,
-    **overrides: Any,
-) -> Transformer:
-    """A fresh `Transformer` from the preset `name` (`astrai.model.PRESETS`) with field
-    `overrides` (`conf/model/astrai-5m.yaml`: `+model.num_hidden_layers=6`). The tokenizer,
-    when given, must fit the vocabulary; `device="meta"` allocates nothing."""
-    config = preset(name, **overrides)
-    if tokenizer is not None:
-        check_vocab(config.vocab_size, tokenizer, source=f"model preset {name!r}")
-    if device is None:
-        return Transformer(config)
-    with torch.device(device):
-        return Transformer(config)
-
-
-def pretrained_model(
-    path: str | Path,
-    *,
-    device: str | torch.device | None = None,
-    tokenizer: AutoTokenizer | None = None,
-) -> Transformer:
-    """The model of a directory (astrai export or HF Llama/Qwen2/Qwen3/Mistral), in fp32 and
-    train mode (`conf/model/pretrained.yaml`). With `device="meta"` only `config.json` is
-    read: the shapes without the weights."""
-    config = read_config(path)
-    if tokenizer is not None:
-        check_vocab(config.vocab_size, tokenizer, source=f"model directory {path}")
-    if device is not None and torch.device(device).type == "meta":
-        with torch.device("meta"):
-            return Transformer(config)
-    model = load_pretrained(path, device=device or "cpu", dtype=torch.float32)
-    return model.train()
 
 
 def init_from_export(model: nn.Module, path: str | None, *, required: bool = False) -> bool:

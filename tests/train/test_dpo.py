@@ -8,8 +8,7 @@ import math
 import pytest
 import torch
 
-from astrai.model import Transformer, preset
-from astrai.train.module import preset_model
+from astrai.model import Transformer, preset, preset_model
 from astrai.train.optim import adamw, constant
 from astrai.train.strategies.dpo import (
     batch_pair_keys,

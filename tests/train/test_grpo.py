@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from astrai.inference import InferenceEngine
-from astrai.train.module import preset_model
+from astrai.model import preset_model
 from astrai.train.optim import adamw, constant
 from astrai.train.strategies.grpo import (
     build_rollouts,

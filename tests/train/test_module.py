@@ -9,15 +9,20 @@ import torch
 import torch.nn.functional as F
 
 from astrai.data.datasets import IGNORE_INDEX
-from astrai.model import AutoModel, Transformer, preset, save_pretrained
+from astrai.model import (
+    AutoModel,
+    Transformer,
+    VocabMismatchError,
+    check_vocab,
+    preset,
+    preset_model,
+    pretrained_model,
+    save_pretrained,
+)
 from astrai.train.module import (
     NonFiniteLossError,
     ReferencePolicy,
-    VocabMismatchError,
-    check_vocab,
     init_from_export,
-    preset_model,
-    pretrained_model,
     token_logprobs,
 )
 from astrai.train.optim import adamw, constant
@@ -199,7 +204,7 @@ def test_module_takes_a_ready_model_or_a_factory() -> None:
 def test_hparams_hold_configs_not_objects() -> None:
     m = PretrainModule(model=TINY, **OPTIM, label_smoothing=0.1)
     hp = dict(m.hparams)
-    assert hp["model"] == {"_target_": "astrai.train.module.preset_model", "name": "tiny"}
+    assert hp["model"] == {"_target_": "astrai.model.factory.preset_model", "name": "tiny"}
     assert hp["optimizer"] == {"_target_": "astrai.train.optim.adamw", "lr": 1e-3}
     assert hp["scheduler"] == "astrai.train.optim.constant"
     assert hp["label_smoothing"] == 0.1 and hp["lora"] is None

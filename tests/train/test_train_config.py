@@ -163,7 +163,7 @@ def test_unknown_option_lists_the_choices() -> None:
 def test_missing_paths_fail_before_any_model_is_built(monkeypatch, tmp_path: Path) -> None:
     built = []
     for factory in ("preset_model", "pretrained_model"):
-        monkeypatch.setattr(f"astrai.train.module.{factory}", lambda *a, **k: built.append(1))
+        monkeypatch.setattr(f"astrai.model.{factory}", lambda *a, **k: built.append(1))
     for override, message in [
         (
             "data.train.source=/nope/train.jsonl",
@@ -181,7 +181,7 @@ def test_missing_paths_fail_before_any_model_is_built(monkeypatch, tmp_path: Pat
 
 
 def test_tokenizer_larger_than_model_vocab(tmp_path: Path, data_dir: Path) -> None:
-    from astrai.train.module import VocabMismatchError
+    from astrai.model import VocabMismatchError
 
     cfg = compose(
         [
