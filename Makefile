@@ -38,8 +38,8 @@ gpu-check:
 	$(GPU_PY) -m pytest -m gpu tests/extension tests/inference -q
 	$(GPU_PY) -m astrai.bench kernels out=experiments/bench/kernels-gpu.json
 	$(GPU_PY) -m astrai.bench engine device=cuda dtype=bfloat16 model=qwen3-0.6b \
-		cache_mode=paged requests=256 prompt_min=100 prompt_max=1024 output_min=100 \
-		output_max=1024 max_batch_size=256 hf_batch_sizes=all prefix_requests=16 \
+		engine=paged engine.max_batch_size=256 requests=256 prompt_min=100 prompt_max=1024 \
+		output_min=100 output_max=1024 hf_batch_sizes=all prefix_requests=16 \
 		out=experiments/bench/engine-gpu.json
 
 lint: setup

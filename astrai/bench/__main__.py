@@ -1,8 +1,9 @@
 """``python -m astrai.bench <name> [key=value ...] [out=report.json]``: run one benchmark.
 
-The options of benchmark ``<name>`` are ``conf/bench/<name>.yaml``, composed by Hydra with
-the ``key=value`` overrides (Hydra's syntax: ``n=5``, ``skip_hf=true``,
-``hf_batch_sizes=[1,all]``). ``out=<path>`` also writes the report as JSON.
+Hydra composes ``conf/bench.yaml`` with ``bench=<name>`` (the benchmark's options and
+defaults, ``conf/bench/<name>.yaml``) and the ``key=value`` overrides in Hydra's syntax
+(``n=5``, ``skip_hf=true``, ``hf_batch_sizes=[1,all]``, ``model=qwen3-0.6b``,
+``engine=paged``). ``out=<path>`` also writes the report as JSON.
 """
 
 from __future__ import annotations
@@ -21,12 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from astrai.bench import BENCHMARKS
 
-ROOT = Path(__file__).resolve().parents[2]
-# The benchmarks' own config directory: `model=` there is a preset name, where in conf/ it
-# would choose an option of the training `model` group. conf/engine/ is on its search path,
-# so a benchmark config takes the engine group's settings with `- /contiguous@engine`.
-BENCH_CONF = ROOT / "conf" / "bench"
-ENGINE_CONF = ROOT / "conf" / "engine"
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 USAGE = "usage: python -m astrai.bench <name> [key=value ...] [out=report.json]"
 
 
@@ -56,11 +52,13 @@ def bench_config(name: str, overrides: list[str] | None = None) -> dict[str, Any
     unknown option or a badly typed value is a `SystemExit` naming it."""
     if name not in BENCHMARKS:
         raise SystemExit(f"unknown benchmark {name!r}; available: {', '.join(sorted(BENCHMARKS))}")
-    search = f"hydra.searchpath=['file://{ENGINE_CONF}']"
+    choice = f"bench={name}"
     try:
-        with initialize_config_dir(config_dir=str(BENCH_CONF), version_base="1.3"):
-            defaults = OmegaConf.to_container(compose(name, [search]), resolve=True)
-            cfg = OmegaConf.to_container(compose(name, [*(overrides or []), search]), resolve=True)
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            defaults = OmegaConf.to_container(compose("bench", [choice]), resolve=True)
+            cfg = OmegaConf.to_container(
+                compose("bench", [choice, *(overrides or [])]), resolve=True
+            )
     except (HydraException, OmegaConfBaseException) as err:
         raise SystemExit(f"{name}: {err}\n{USAGE}") from None
     assert isinstance(defaults, dict) and isinstance(cfg, dict)

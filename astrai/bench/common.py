@@ -34,20 +34,25 @@ def bench_tokenizer(vocab: int) -> AutoTokenizer:
     return AutoTokenizer.train(texts, vocab_size=min(vocab, 2048))
 
 
-def bench_model(cfg: dict[str, Any]) -> tuple[Transformer, AutoTokenizer, torch.device]:
-    """The random-weight preset `cfg["model"]` on `cfg["device"]` in `cfg.get("dtype")`
-    (fp32 by default), with `cfg["threads"]` (0: torch's default) and `cfg["seed"]` applied,
-    and a tokenizer that fits its vocabulary. Imports torch only when called: the serve
-    benchmark's client process imports this module too."""
-    import torch
+def model_name(cfg: dict[str, Any]) -> str:
+    """The benchmark's model for reports: the preset's name, or the model directory."""
+    spec = cfg["model"]
+    return str(spec.get("name") or spec.get("path"))
 
-    from astrai.model import Transformer, preset
+
+def bench_model(cfg: dict[str, Any]) -> tuple[Transformer, AutoTokenizer, torch.device]:
+    """The model of the `model` group (`cfg["model"]`, a conf/model/ factory: a preset with
+    random weights) on `cfg["device"]` in `cfg.get("dtype")` (fp32 by default), with
+    `cfg["threads"]` (0: torch's default) and `cfg["seed"]` applied, and a tokenizer that
+    fits its vocabulary. Imports torch only when called: the serve benchmark's client process
+    imports this module too."""
+    import torch
+    from hydra.utils import instantiate
 
     if cfg["threads"]:
         torch.set_num_threads(int(cfg["threads"]))
     torch.manual_seed(cfg["seed"])
     device = torch.device(cfg["device"])
-    model_cfg = preset(cfg["model"])
-    with device:
-        model = Transformer(model_cfg).to(getattr(torch, cfg.get("dtype", "float32"))).eval()
-    return model, bench_tokenizer(model_cfg.vocab_size), device
+    model = instantiate(cfg["model"])(device=device)
+    model = model.to(getattr(torch, cfg.get("dtype", "float32"))).eval()
+    return model, bench_tokenizer(model.config.vocab_size), device

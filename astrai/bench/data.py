@@ -59,9 +59,9 @@ def peak_rss_mb() -> float:
 
 def bench_prepare(cfg: dict[str, Any], work: Path) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    if cfg["tokenizer"]:
-        tok = AutoTokenizer.from_pretrained(cfg["tokenizer"])
-        out["tokenizer"] = cfg["tokenizer"]
+    if cfg["tokenizer_path"]:
+        tok = AutoTokenizer.from_pretrained(cfg["tokenizer_path"])
+        out["tokenizer"] = cfg["tokenizer_path"]
     else:
         t0 = time.perf_counter()
         tok = AutoTokenizer.train(

@@ -24,7 +24,7 @@ import torch
 from hydra.utils import instantiate
 from tqdm import tqdm
 
-from astrai.bench.common import as_list, bench_model, percentile
+from astrai.bench.common import as_list, bench_model, model_name, percentile
 from astrai.inference import InferenceEngine
 from astrai.model import Transformer, save_pretrained
 from astrai.tokenizer import AutoTokenizer
@@ -133,7 +133,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     model_cfg, dtype = model.config, getattr(torch, cfg["dtype"])
     report: dict[str, Any] = {
         "config": cfg,
-        "model": cfg["model"],
+        "model": model_name(cfg),
         "parameters": model.num_parameters(),
         "device": str(device),
         "threads": torch.get_num_threads(),

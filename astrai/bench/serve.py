@@ -22,7 +22,7 @@ import random
 import time
 from typing import Any
 
-from astrai.bench.common import bench_model, percentile
+from astrai.bench.common import bench_model, model_name, percentile
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     engine = instantiate(cfg["engine"])(model, tokenizer, max_seq_len=max_len)
     report: dict[str, Any] = {
         "config": cfg,
-        "model": cfg["model"],
+        "model": model_name(cfg),
         "parameters": model.num_parameters(),
         "device": str(device),
         "threads": torch.get_num_threads(),
@@ -147,7 +147,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     ]
     try:
         engine.generate("warm up", max_tokens=2, temperature=0.0)
-        app = create_app(engine, ServeSettings(model_name=cfg["model"]))
+        app = create_app(engine, ServeSettings(model_name=model_name(cfg)))
         with (
             ServerThread(app) as server,
             multiprocessing.get_context("spawn").Pool(1) as pool,

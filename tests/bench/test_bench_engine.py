@@ -47,15 +47,23 @@ def test_unknown_option_is_refused():
         main(["engin"])
 
 
-def test_engine_benchmark_takes_the_engine_group():
+def test_engine_benchmark_takes_the_model_and_engine_groups():
     cfg = bench_config("engine")
+    assert cfg["model"] == {  # conf/model/astrai-30m.yaml, as training composes it
+        "_target_": "astrai.model.preset_model",
+        "_partial_": True,
+        "name": "astrai-30m",
+    }
     assert cfg["engine"]["_target_"] == "astrai.inference.InferenceEngine"
     assert cfg["engine"]["page_size"] == 16 and cfg["engine"]["kv_tokens"] is None  # conf/engine
     assert (cfg["engine"]["cache_mode"], cfg["engine"]["max_batch_size"]) == ("contiguous", 64)
-    cfg = bench_config("engine", ["cache_mode=paged", "max_batch_size=256", "engine.page_size=32"])
+    cfg = bench_config(
+        "engine", ["engine=paged", "engine.max_batch_size=256", "engine.page_size=32"]
+    )
     assert (cfg["engine"]["cache_mode"], cfg["engine"]["max_batch_size"]) == ("paged", 256)
-    assert cfg["engine"]["page_size"] == 32 and cfg["model"] == "astrai-30m"
-    assert bench_config("serve", ["cache_mode=paged"])["engine"]["cache_mode"] == "paged"
+    assert cfg["engine"]["page_size"] == 32
+    assert bench_config("serve", ["engine=paged"])["engine"]["cache_mode"] == "paged"
+    assert bench_config("engine", ["model=tiny"])["model"]["name"] == "tiny"
 
 
 def _recorded_commands():
@@ -79,13 +87,13 @@ def test_recorded_commands_still_compose():
         bench_config(name, overrides)  # every recorded option still exists, typed as before
     gpu = next(c for c in commands if "model=qwen3-0.6b" in c)
     cfg = bench_config(gpu[0], gpu[1:])
-    assert cfg["model"] == "qwen3-0.6b" and cfg["engine"]["cache_mode"] == "paged"
+    assert cfg["model"]["name"] == "qwen3-0.6b" and cfg["engine"]["cache_mode"] == "paged"
     assert cfg["hf_batch_sizes"] == "all" and cfg["engine"]["max_batch_size"] == 256
 
 
 def test_values_are_typed_by_the_defaults():
-    cfg = bench_config("engine", ["model=123", "repeats=2", "skip_hf=true"])
-    assert cfg["model"] == "123" and cfg["repeats"] == 2 and cfg["skip_hf"] is True
+    cfg = bench_config("engine", ["device=123", "repeats=2", "skip_hf=true"])
+    assert cfg["device"] == "123" and cfg["repeats"] == 2 and cfg["skip_hf"] is True
     with pytest.raises(SystemExit, match="expected int"):
         bench_config("engine", ["requests=many"])
 

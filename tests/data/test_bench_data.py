@@ -22,8 +22,8 @@ def test_corpus_and_random_access_report(tmp_path: Path) -> None:
 
 def test_overrides_are_typed_by_the_defaults() -> None:
     """conf/bench/data.yaml composed by Hydra; values typed like the defaults."""
-    got = bench_config("data", ["tokens=1000", "workdir=/tmp", "tokenizer=123"])
-    assert (got["tokens"], got["workdir"], got["tokenizer"]) == (1000, "/tmp", "123")
+    got = bench_config("data", ["tokens=1000", "workdir=/tmp", "tokenizer_path=123"])
+    assert (got["tokens"], got["workdir"], got["tokenizer_path"]) == (1000, "/tmp", "123")
     assert got["reads"] == 20_000 and got["out"] is None  # conf/bench/data.yaml defaults
     with pytest.raises(SystemExit, match="Could not override 'token'"):
         bench_config("data", ["token=5"])
