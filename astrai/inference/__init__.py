@@ -6,7 +6,12 @@ forward and samples, and `InferenceScheduler.postprocess(...)` appends the token
 applies the stop rules. A request's settings travel as one `SamplingParams`.
 """
 
-from astrai.inference.engine import BatchResult, EngineNotReady, InferenceEngine
+from astrai.inference.engine import (
+    BatchResult,
+    EngineNotReady,
+    InferenceEngine,
+    RequestRejected,
+)
 from astrai.inference.result import GenerateResult
 from astrai.inference.runner import ModelRunner
 from astrai.inference.sampling import SamplingParams
@@ -20,6 +25,7 @@ __all__ = [
     "InferenceEngine",
     "InferenceScheduler",
     "ModelRunner",
+    "RequestRejected",
     "SamplingParams",
     "StepPlan",
     "Task",

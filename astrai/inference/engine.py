@@ -32,11 +32,23 @@ from astrai.tokenizer import AutoTokenizer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BatchResult", "EngineNotReady", "GenerateResult", "InferenceEngine"]
+__all__ = [
+    "BatchResult",
+    "EngineNotReady",
+    "GenerateResult",
+    "InferenceEngine",
+    "RequestRejected",
+]
 
 
 class EngineNotReady(RuntimeError):
     """The engine was shut down, or its loop crashed."""
+
+
+class RequestRejected(ValueError):
+    """Valid settings, but a prompt that can never run (empty, too long, ids outside the
+    vocabulary, `max_tokens` <= 0, the engine crashed): `submit` ends such a request at once
+    with finish reason `rejected` instead of raising."""
 
 
 @dataclass
@@ -244,15 +256,20 @@ class InferenceEngine:
         return list(prompt)
 
     def check_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
-        """The one request check: raise ValueError naming what is wrong, else return.
+        """The one request check, run once per request by `submit` and `run_batch`.
 
-        Bad settings name the parameter (`top_p must be ...`); a prompt that can never run
-        says why (empty, too long, token ids outside the vocabulary, `max_tokens` <= 0).
+        Bad settings raise `ValueError` naming the parameter (`top_p must be ...`); a prompt
+        that can never run raises `RequestRejected` (a `ValueError`) saying why.
         """
         params.validate(vocab_size=self.vocab_size)
         problem = self.scheduler.problem(prompt_ids, params)
         if problem is not None:
-            raise ValueError(problem)
+            raise RequestRejected(problem)
+
+    def _queue(self, task: Task, rejection: str | None) -> Task:
+        if rejection is None:
+            return self.scheduler.submit(task)
+        return self.scheduler.reject(task, rejection)
 
     def submit(
         self,
@@ -271,12 +288,17 @@ class InferenceEngine:
         if self._closed:
             raise EngineNotReady("the engine has been shut down")
         params = _params(params, sampling)
-        params.validate(vocab_size=self.vocab_size)
-        task = Task(prompt_ids=self.encode(prompt), params=params, backend=selected_backend())
+        prompt_ids = self.encode(prompt)
+        rejection = None
+        try:
+            self.check_request(prompt_ids, params)  # bad settings raise: nothing is queued
+        except RequestRejected as err:
+            rejection = str(err)
+        task = Task(prompt_ids=prompt_ids, params=params, backend=selected_backend())
         result = GenerateResult(task, self.tokenizer)
         task.on_token = result.on_token
         task.on_finish = result.on_finish
-        self.scheduler.submit(task)
+        self._queue(task, rejection)
         return result
 
     def cancel(self, result: GenerateResult | int) -> bool:
@@ -384,24 +406,22 @@ class InferenceEngine:
             frequency_penalty=frequency_penalty,
             max_tokens=max_tokens,
             ignore_eos=ignore_eos,
-        ).validate(vocab_size=self.vocab_size)
+        )
+        backend = selected_backend()
+        checked: list[tuple[Task, str | None]] = []
+        for i, ids in enumerate(prompt_ids_list):  # every check before anything runs
+            p = params if seed is None else dataclasses.replace(params, seed=seed + i)
+            task = Task(prompt_ids=list(ids), params=p, backend=backend)
+            try:
+                self.check_request(task.prompt_ids, p)
+                checked.append((task, None))
+            except RequestRejected as err:
+                checked.append((task, str(err)))
         was_running = self.running
         if was_running:
             self._pause()
         try:
-            backend = selected_backend()
-            tasks = [
-                self.scheduler.submit(
-                    Task(
-                        prompt_ids=list(ids),
-                        params=params
-                        if seed is None
-                        else dataclasses.replace(params, seed=seed + i),
-                        backend=backend,
-                    )
-                )
-                for i, ids in enumerate(prompt_ids_list)
-            ]
+            tasks = [self._queue(task, rejection) for task, rejection in checked]
             while self.scheduler.has_work():
                 self.step()
         finally:

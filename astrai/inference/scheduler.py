@@ -123,16 +123,24 @@ class InferenceScheduler:
         return None
 
     def submit(self, task: Task) -> Task:
-        """Queue a task whose params are valid; one that can never run ends at once, `rejected`."""
-        reason = self.problem(task.prompt_ids, task.params)
+        """Queue a checked task (`InferenceEngine.check_request`); rejected if the loop has
+        crashed meanwhile, since nothing would ever run it."""
         with self._lock:
             self.total_tasks += 1
-        if reason is not None:
-            self._finish(task, "rejected", reason)
+            failure = self.failure
+            if failure is None:
+                self._waiting.append(task)
+        if failure is not None:
+            self._finish(task, "rejected", f"engine not ready: {failure}")
             return task
-        with self._lock:
-            self._waiting.append(task)
         self.wakeup.set()
+        return task
+
+    def reject(self, task: Task, reason: str) -> Task:
+        """End a task that can never run at once (finish reason `rejected`, with `reason`)."""
+        with self._lock:
+            self.total_tasks += 1
+        self._finish(task, "rejected", reason)
         return task
 
     def cancel_task(self, task_id: int) -> bool:

@@ -26,7 +26,6 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from astrai.inference.engine import EngineNotReady, GenerateResult
-from astrai.inference.sampling import SamplingParams
 from astrai.serve.errors import APIError
 from astrai.serve.parsing import Event, OutputParser, TextDelta, ToolCall, ToolCallFormat
 from astrai.serve.settings import ServeSettings
@@ -265,11 +264,6 @@ class ProtocolHandler:
             )
         if not p.prompt_ids:
             raise APIError(400, "the prompt is empty", param="messages")
-        try:
-            params = SamplingParams(max_tokens=p.max_tokens, **p.sampling)
-            self.engine.check_request(p.prompt_ids, params)
-        except (TypeError, ValueError) as err:
-            raise APIError(400, str(err), param=str(err).split(" ")[0].split("[")[0]) from err
 
     def _submit(self, ctx: RequestContext) -> None:
         p = ctx.prepared
@@ -279,14 +273,14 @@ class ProtocolHandler:
             sampling = dict(p.sampling)
             if sampling.get("seed") is not None:
                 sampling["seed"] += i
-            try:
+            try:  # the engine's one request check: bad settings raise, naming the parameter
                 result = self.engine.submit(p.prompt_ids, max_tokens=p.max_tokens, **sampling)
             except EngineNotReady as err:
                 self._cancel_all(ctx)
                 raise APIError(503, str(err), kind="overloaded") from err
-            except ValueError as err:
+            except (TypeError, ValueError) as err:
                 self._cancel_all(ctx)
-                raise APIError(400, str(err)) from err
+                raise APIError(400, str(err), param=str(err).split(" ")[0].split("[")[0]) from err
             if result.done and result.finish_reason in ("rejected", "aborted"):
                 self._cancel_all(ctx)
                 status = 400 if result.finish_reason == "rejected" else 503

@@ -13,6 +13,7 @@ from astrai.inference import (
     EngineNotReady,
     InferenceEngine,
     InferenceScheduler,
+    RequestRejected,
     SamplingParams,
     Task,
 )
@@ -303,6 +304,14 @@ def test_check_request_is_the_one_check(model, tokenizer):
             eng.submit([1, 2], logit_bias={384: 1.0})
         r = eng.submit([1, 384], max_tokens=2)
         assert r.finish_reason == "rejected" and "outside the vocabulary" in r.task.error
+        with pytest.raises(RequestRejected, match="empty prompt"):  # a ValueError subclass
+            eng.check_request([], ok)
+        # run_batch: every prompt is checked before anything runs; bad settings raise
+        with pytest.raises(ValueError, match=r"^top_p"):
+            eng.run_batch([[1, 2], [3]], top_p=1.5)
+        assert (
+            not eng.scheduler.has_work() and eng.get_stats()["total_tasks"] == 1
+        )  # the rejected one
         assert eng.vocab_size == 384 and eng.max_seq_len == 64
         assert not eng.queue_full
 

@@ -143,3 +143,29 @@ def test_503_when_not_ready_or_queue_full(engine, base_url, model_dir):
             c.chat.completions.create(model="astrai", messages=OK_CHAT["messages"])
     finally:
         engine.scheduler.max_queue = None
+
+
+def test_a_request_is_checked_once(base_url, monkeypatch):
+    """The engine's one request check runs once per HTTP request, and its refusal of a bad
+    setting is the 400 that names the parameter."""
+    from astrai.inference import InferenceEngine, SamplingParams
+
+    validations, checks = [], []
+    validate, check = SamplingParams.validate, InferenceEngine.check_request
+
+    def counting_validate(self, *args, **kwargs):
+        validations.append(self)
+        return validate(self, *args, **kwargs)
+
+    def counting_check(self, prompt_ids, params):
+        checks.append(params)
+        return check(self, prompt_ids, params)
+
+    monkeypatch.setattr(SamplingParams, "validate", counting_validate)
+    monkeypatch.setattr(InferenceEngine, "check_request", counting_check)
+    r = httpx.post(base_url + CHAT, json=OK_CHAT, timeout=30)
+    assert r.status_code == 200, r.text
+    assert len(checks) == 1 and len(validations) == 1
+    bad = {**OK_CHAT, "logit_bias": {"999999": 1}}  # the schema cannot know the vocabulary
+    err = _openai_shape(httpx.post(base_url + CHAT, json=bad, timeout=30))
+    assert err["param"] == "logit_bias" and len(checks) == 2 and len(validations) == 2
