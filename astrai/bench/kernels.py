@@ -17,7 +17,7 @@ import torch
 from tqdm import tqdm
 
 from astrai.bench.common import as_list
-from astrai.extension.ops import decode_attention
+from astrai.extension import ops
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         part_l = torch.empty(batch, h, cfg["num_splits"], device="cuda")
 
         step = functools.partial(
-            decode_attention,
+            ops.decode_attention,
             q,
             k_buf,
             v_buf,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from astrai.extension.ops import unusable
+from astrai.extension import ops
 
 
 def rotary_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -33,7 +33,7 @@ def _fused_ok(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor) -> bool:
         and q.dim() == 3
         and cos.dim() == 2
         and not torch.is_grad_enabled()
-        and unusable(q, k) is None
+        and ops.unusable(q, k) is None
     )
 
 
@@ -42,9 +42,7 @@ def apply_rotary_qk(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE for q and k together: the fused kernel at inference on CUDA, torch otherwise."""
     if _fused_ok(q, k, cos):
-        from astrai.extension.ops import rotary_qk
-
-        return rotary_qk(q, k, cos, sin)
+        return ops.rotary_qk(q, k, cos, sin)
     if not torch.is_grad_enabled() and q.shape[:-2] == k.shape[:-2]:
         # Inference without the fused kernel: rotating q and k side by side halves the ops.
         qk = rotary_torch(torch.cat((q, k), dim=-2), cos, sin)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from astrai.extension import ops
 from astrai.extension.backend.base import AttentionBackend
 from astrai.extension.kv_cache import KVCache
-from astrai.extension.ops import unusable
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -32,7 +32,7 @@ class TritonBackend(AttentionBackend):
             return f"KV cache dtype {kv_cache.k_buffer.dtype} differs from the query's {q.dtype}"
         if q.shape[-1] > MAX_HEAD_DIM:
             return f"head_dim {q.shape[-1]} exceeds {MAX_HEAD_DIM}"
-        return unusable(q, kv_cache.k_buffer)
+        return ops.unusable(q, kv_cache.k_buffer)
 
     def auto_reason(self, q: torch.Tensor, kv_cache: KVCache) -> str | None:
         if q.device.type != "cuda":
@@ -48,17 +48,15 @@ class TritonBackend(AttentionBackend):
         layer_id: int,
         scale: float,
     ) -> torch.Tensor:
-        from astrai.extension.ops import decode_attention, extend_attention, store_kv
-
         k_buf, v_buf = kv_cache.k_buffer[layer_id], kv_cache.v_buffer[layer_id]
-        store_kv(k, v, k_buf, v_buf, kv_cache.out_cache_loc)
+        ops.store_kv(k, v, k_buf, v_buf, kv_cache.out_cache_loc)
         if kv_cache.is_decode:
             n = q.shape[0]
             ws_ok = (
                 kv_cache.partial_out is not None
                 and kv_cache.partial_out.shape[2] == self.num_splits
             )
-            return decode_attention(
+            return ops.decode_attention(
                 q,
                 k_buf,
                 v_buf,
@@ -71,7 +69,7 @@ class TritonBackend(AttentionBackend):
                 partial_out=kv_cache.partial_out[:n] if ws_ok else None,
                 partial_lse=kv_cache.partial_lse[:n] if ws_ok else None,
             )
-        return extend_attention(
+        return ops.extend_attention(
             q,
             k_buf,
             v_buf,
