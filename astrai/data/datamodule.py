@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 from hydra.utils import get_class, instantiate
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, Dataset
@@ -59,6 +60,10 @@ class _TrainLoader(DataLoader):
 
     def __iter__(self) -> Iterator[Any]:
         self.datamodule.start_train_iteration()
+        # The iterator draws the workers' base seed from this generator (never from the
+        # global RNG the training step uses), seeded by (seed, epoch): a resumed epoch gives
+        # its workers the same seeds as the uninterrupted one.
+        self.generator.manual_seed(self.datamodule.loader_seed(self.datamodule.sampler.epoch))
         for batch in super().__iter__():
             self.datamodule.loader_yielded_batch()
             yield batch
@@ -204,11 +209,19 @@ class AstraiDataModule(L.LightningDataModule):
     def _trainer_or_none(self) -> Any:
         return getattr(self, "trainer", None)
 
-    def _loader_kwargs(self) -> dict[str, Any]:
+    def loader_seed(self, epoch: int) -> int:
+        """The seed of a loader's own generator for `epoch` (-1: validation and test)."""
+        return (self.seed * 1_000_003 + epoch + 1) % 2**63
+
+    def _loader_kwargs(self, epoch: int) -> dict[str, Any]:
+        # Every loader has a generator of its own: creating an iterator draws the workers'
+        # base seed from it, where without one it would draw from the global torch RNG and
+        # so shift the stream that dropout and sampling in the training step consume.
         kwargs: dict[str, Any] = {
             "num_workers": self.num_workers,
             "pin_memory": self.pin_memory,
             "persistent_workers": self.persistent_workers,
+            "generator": torch.Generator().manual_seed(self.loader_seed(epoch)),
         }
         if self.num_workers > 0 and self.prefetch_factor is not None:
             kwargs["prefetch_factor"] = self.prefetch_factor
@@ -247,7 +260,7 @@ class AstraiDataModule(L.LightningDataModule):
             drop_last=self.drop_last,
             collate_fn=self._collate(ds),
             datamodule=self,
-            **self._loader_kwargs(),
+            **self._loader_kwargs(self.train_sampler().epoch),
         )
         return loader
 
@@ -263,7 +276,7 @@ class AstraiDataModule(L.LightningDataModule):
             batch_size=self.val_batch_size,
             shuffle=False,
             collate_fn=self._collate(ds),
-            **self._loader_kwargs(),
+            **self._loader_kwargs(-1),
         )
 
     def val_dataloader(self) -> DataLoader | list:

@@ -283,6 +283,10 @@ class LMModule(L.LightningModule, ABC):
         self.reference: ReferencePolicy | None = None
         self.flops_per_token: float = 6.0 * self.model.num_parameters()
         self.flops_per_batch: float | None = None  # read by Lightning's ThroughputMonitor
+        # exact resume: the checkpoint's RNG states, restored at the first step after loading,
+        # and the states validation started with (restored when it ends)
+        self._resume_rng: list[dict[str, Any]] | None = None
+        self._rng_outside_validation: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ to implement
     @abstractmethod
@@ -376,13 +380,25 @@ class LMModule(L.LightningModule, ABC):
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         # restored here, at the first step after resuming, rather than at load time: Lightning
-        # builds dataloaders (which draw from the global RNG) between loading and this step
-        states = getattr(self, "_resume_rng", None)
+        # builds dataloaders and may run other hooks between loading and this step
+        states = self._resume_rng
         if states:
             rank = self.global_rank if self._trainer is not None else 0
             if rank < len(states):
                 _set_rng_states(_from_safe(states[rank]))
             self._resume_rng = None
+
+    def on_validation_start(self) -> None:
+        # Validation leaves the random streams as it found them. A checkpoint is written at the
+        # end of a training step, before that step's validation; so the next step must see
+        # the same state whether or not a validation ran in between (an interrupted run
+        # resumes after it without running it again).
+        self._rng_outside_validation = _collect_rng_states(include_cuda=torch.cuda.is_available())
+
+    def on_validation_end(self) -> None:
+        if self._rng_outside_validation is not None:
+            _set_rng_states(self._rng_outside_validation)
+            self._rng_outside_validation = None
 
     def configure_optimizers(self) -> Any:
         total = None

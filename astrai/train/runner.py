@@ -34,6 +34,7 @@ from omegaconf.errors import MissingMandatoryValue
 from astrai.data.builtin import builtin_records
 from astrai.data.cache import digest, file_lock
 from astrai.tokenizer import AutoTokenizer
+from astrai.train.checkpoint import is_complete, newest_complete
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,10 @@ WANDB_STATE_FILE = "wandb_run.json"
 
 class ConfigPathError(FileNotFoundError):
     """A path in the config (data, model, tokenizer) is missing; raised before any model build."""
+
+
+class IncompleteCheckpointError(ValueError):
+    """`ckpt_path` names a file that is cut short or not a checkpoint at all."""
 
 
 # ---------------------------------------------------------------------- resolvers
@@ -201,25 +206,39 @@ def _instantiate_dict(cfg: Any, what: str) -> list[Any]:
 
 
 def resolve_ckpt_path(ckpt_path: Any, output_dir: Path, log_dir: Path, name: str) -> Path | None:
-    """`last`: this run folder's last.ckpt, else the newest last.ckpt of experiment `name`
-    (a fresh start, with a warning, when there is none); otherwise a checkpoint path."""
+    """The checkpoint to resume from, or None for a fresh start.
+
+    `last`: this run folder's `last.ckpt`, else its newest other checkpoint, else the newest
+    `last.ckpt` of experiment `name` under `log_dir`; incomplete files (cut short while
+    written) are skipped with a warning naming them. With none, a fresh start and a warning.
+    Any other value is a checkpoint path, which must exist and be complete.
+    """
     if ckpt_path in (None, "", False):
         return None
-    if str(ckpt_path) == "last":
-        own = output_dir / "checkpoints" / "last.ckpt"
-        if own.is_file():
-            return own
-        found = [p for p in (log_dir / name).glob("**/checkpoints/last.ckpt") if p.is_file()]
-        if not found:
-            log.warning("ckpt_path=last: no last.ckpt under %s; starting from scratch", log_dir)
-            return None
-        newest = max(found, key=lambda p: p.stat().st_mtime)
-        log.info("ckpt_path=last: resuming from %s", newest)
-        return newest
-    path = Path(str(ckpt_path))
-    if not path.exists():
-        raise ConfigPathError(f"ckpt_path: {path} does not exist")
-    return path
+    if str(ckpt_path) != "last":
+        path = Path(str(ckpt_path))
+        if not path.exists():
+            raise ConfigPathError(f"ckpt_path: {path} does not exist")
+        if not is_complete(path):
+            raise IncompleteCheckpointError(
+                f"ckpt_path: {path} is not a complete checkpoint (cut short while it was "
+                "written?); pass an earlier one, or ckpt_path=last for the newest whole one"
+            )
+        return path
+    own = output_dir / "checkpoints"
+    last = own / "last.ckpt"
+    found = newest_complete([last] if last.exists() else [])
+    if found is None and own.is_dir():
+        found = newest_complete([p for p in own.glob("*.ckpt") if p != last])
+    if found is None:
+        found = newest_complete(list((log_dir / name).glob("**/checkpoints/last.ckpt")))
+    if found is None:
+        log.warning(
+            "ckpt_path=last: no complete checkpoint under %s; starting from scratch", log_dir
+        )
+        return None
+    log.info("ckpt_path=last: resuming from %s", found)
+    return found
 
 
 def _has_wandb_key() -> bool:

@@ -202,22 +202,6 @@ def test_tokenizer_larger_than_model_vocab(tmp_path: Path, data_dir: Path) -> No
         runner.train(cfg)
 
 
-def test_resolve_ckpt_path_last(tmp_path: Path) -> None:
-    logs = tmp_path / "outputs"
-    assert runner.resolve_ckpt_path(None, tmp_path / "run", logs, "x") is None
-    assert runner.resolve_ckpt_path("last", tmp_path / "run", logs, "x") is None  # fresh start
-    old = logs / "x" / "2026-01-01_00-00-00" / "checkpoints" / "last.ckpt"
-    old.parent.mkdir(parents=True)
-    old.write_bytes(b"")
-    assert runner.resolve_ckpt_path("last", tmp_path / "run", logs, "x") == old
-    own = tmp_path / "run" / "checkpoints" / "last.ckpt"
-    own.parent.mkdir(parents=True)
-    own.write_bytes(b"")
-    assert runner.resolve_ckpt_path("last", tmp_path / "run", logs, "x") == own
-    with pytest.raises(ConfigPathError, match="ckpt_path"):
-        runner.resolve_ckpt_path(tmp_path / "nope.ckpt", tmp_path, logs, "x")
-
-
 def test_sweep_dir_is_unique_per_launch(monkeypatch) -> None:
     monkeypatch.delenv("ASTRAI_LAUNCH_UID", raising=False)
     a = runner._launch_uid()

@@ -1,0 +1,108 @@
+"""Kill-anywhere resume (`python -m astrai.train ... ckpt_path=last`), with randomness in the
+step: LoRA dropout draws from the global torch RNG at every training step.
+
+A run is SIGKILLed right after each of its checkpoints in turn (the kill lands in the next
+optimizer step, before the weights change), including checkpoints written just before a
+validation and at the end of an epoch, and resumed; every resumed run must end with the
+uninterrupted run's weights and optimizer state, bit for bit. Before the fix, a checkpoint
+followed by a validation or a new epoch resumed with a shifted random stream: creating the
+validation or next-epoch DataLoader iterator drew its workers' base seed from the global RNG.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from train_helpers import SMALL, TINY_MODEL, cli, run_dirs
+
+pytestmark = pytest.mark.slow
+
+HERE = Path(__file__).resolve().parent
+KILL = {"PYTHONPATH": str(HERE)}  # the test-only KillAtStep callback
+# 385 training windows: 96 a batch with drop_last is 4 batches an epoch, so the checkpoints of
+# steps 4 and 8 end an epoch and precede a validation (val_check_interval=4).
+RUN = [
+    *TINY_MODEL,
+    *SMALL,
+    "callbacks.progress_bar=null",
+    "trainer.enable_model_summary=false",
+    "trainer.max_steps=10",
+    "trainer.val_check_interval=4",
+    "trainer.limit_val_batches=1",
+    "callbacks.model_checkpoint.every_n_train_steps=2",
+    "optim.schedule.warmup_steps=3",
+    "data.batch_size=96",
+    "data.drop_last=true",
+    "strategy.lora={r: 4, lora_alpha: 8, lora_dropout: 0.2}",
+]
+CHECKPOINTS = (2, 4, 6, 8)
+
+
+def _state(run: Path) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+    """Weights (LoRA adapters included) and every optimizer-state tensor of `last.ckpt`."""
+    ckpt = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert ckpt["global_step"] == 10
+    opt = [
+        t
+        for state in ckpt["optimizer_states"]
+        for per_param in state["state"].values()
+        for t in per_param.values()
+        if isinstance(t, torch.Tensor)
+    ]
+    return ckpt["state_dict"], opt
+
+
+def _differences(a: Path, b: Path) -> list[str]:
+    (wa, oa), (wb, ob) = _state(a), _state(b)
+    assert wa.keys() == wb.keys() and len(oa) == len(ob) > 0
+    return [k for k in wa if not torch.equal(wa[k], wb[k])] + [
+        f"optimizer tensor {i}" for i, (x, y) in enumerate(zip(oa, ob)) if not torch.equal(x, y)
+    ]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_kill_after_every_checkpoint_resumes_bit_identical(tmp_path, data_dir, workers):
+    common = [*RUN, f"data.num_workers={workers}"]
+    cli([*common, *run_dirs(tmp_path / "ref", data_dir)])
+    assert any("lora" in k for k in _state(tmp_path / "ref" / "run")[0])
+    for step in CHECKPOINTS:
+        where = tmp_path / f"killed{step}"
+        run = [*common, *run_dirs(where, data_dir)]
+        killed = cli(
+            [
+                *run,
+                "+callbacks.kill._target_=_callbacks.KillAtStep",
+                f"+callbacks.kill.step={step}",
+            ],
+            check=False,
+            env=KILL,
+        )
+        assert killed.returncode == -9, killed.stderr[-3000:]
+        cli([*run, "ckpt_path=last"])
+        different = _differences(tmp_path / "ref" / "run", where / "run")
+        assert not different, f"workers={workers}, killed after step {step}: {different}"
+        shutil.rmtree(where)
+
+
+def test_a_cut_short_checkpoint_is_skipped_for_the_previous_good_one(tmp_path, data_dir):
+    """A checkpoint cut short while written (simulated by truncating `last.ckpt`) is never
+    resumed from: the newest complete one is, with a log line naming both."""
+    cli([*RUN, *run_dirs(tmp_path / "ref", data_dir)])
+    run = [*RUN, *run_dirs(tmp_path / "b", data_dir)]
+    killed = cli(
+        [*run, "+callbacks.kill._target_=_callbacks.KillAtStep", "+callbacks.kill.step=6"],
+        check=False,
+        env=KILL,
+    )
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    checkpoints = tmp_path / "b" / "run" / "checkpoints"
+    last = checkpoints / "last.ckpt"
+    last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])
+    resumed = cli([*run, "ckpt_path=last"])
+    out = resumed.stdout + resumed.stderr
+    assert f"checkpoint {last} is incomplete" in out, out[-3000:]
+    assert f"resuming from {checkpoints / 'step000006.ckpt'}" in out, out[-3000:]
+    assert not _differences(tmp_path / "ref" / "run", tmp_path / "b" / "run")
