@@ -35,6 +35,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from astrai.data.cache import PreparedSource, prepared_source
 from astrai.data.sampler import ResumableSampler
+from astrai.data.seeded import SeededSamples
 from astrai.tokenizer import AutoTokenizer
 
 log = logging.getLogger(__name__)
@@ -62,8 +63,11 @@ class _TrainLoader(DataLoader):
         self.datamodule.start_train_iteration()
         # The iterator draws the workers' base seed from this generator (never from the
         # global RNG the training step uses), seeded by (seed, epoch): a resumed epoch gives
-        # its workers the same seeds as the uninterrupted one.
-        self.generator.manual_seed(self.datamodule.loader_seed(self.datamodule.sampler.epoch))
+        # its workers the same seeds as the uninterrupted one; each sample is fetched under
+        # RNGs seeded by (seed, epoch, index) (`SeededSamples`).
+        epoch = self.datamodule.sampler.epoch
+        self.generator.manual_seed(self.datamodule.loader_seed(epoch))
+        self.dataset.set_epoch(epoch)
         for batch in super().__iter__():
             self.datamodule.loader_yielded_batch()
             yield batch
@@ -254,7 +258,7 @@ class AstraiDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         ds = self._dataset("train")
         loader = _TrainLoader(
-            ds,
+            SeededSamples(ds, self.seed),
             batch_size=self.batch_size,
             sampler=self.train_sampler(),
             drop_last=self.drop_last,

@@ -271,3 +271,56 @@ def test_concurrent_preparations_of_the_same_data_do_the_work_once(tmp_path: Pat
         results = list(pool.map(lambda job: job.run(tok_dir), jobs))
     assert sorted((r.shards_written, r.shards_reused) for r in results) == [(0, 1), (1, 0)]
     assert {r.documents for r in results} == {200}
+
+
+class Noisy(Dataset):
+    """Sample i with "augmentation" drawn from all three global RNGs inside __getitem__."""
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        import random
+
+        noise = [torch.rand(()).item(), random.random(), float(np.random.rand())]
+        return {"idx": torch.tensor(i), "noise": torch.tensor(noise, dtype=torch.float64)}
+
+
+def _noise(loader) -> list[list[float]]:
+    return [row for batch in loader for row in batch["noise"].tolist()]
+
+
+@pytest.mark.parametrize(
+    "num_workers, persistent",
+    [(0, False), pytest.param(2, False, marks=pytest.mark.slow), (2, True)],
+)
+def test_dataset_randomness_is_the_same_after_resuming_mid_epoch(
+    num_workers: int, persistent: bool
+) -> None:
+    """Random numbers a dataset draws per sample (augmentation) do not depend on where the
+    epoch started, on the number of workers, or on the state of the global RNGs; fetching
+    leaves the main process's RNG (what dropout draws from) untouched. Persistent workers
+    see each new epoch too."""
+
+    def make() -> AstraiDataModule:
+        return AstraiDataModule(
+            Noisy(), batch_size=4, num_workers=num_workers, seed=3, persistent_workers=persistent
+        )
+
+    torch.manual_seed(0)
+    reference = _noise(make().train_dataloader())
+    after = torch.rand(())
+    torch.manual_seed(0)
+    assert torch.equal(torch.rand(()), after)  # the loader drew nothing from the global RNG
+    assert len({tuple(r) for r in reference}) == len(reference)  # samples do differ
+    dm = make()
+    it = iter(dm.train_dataloader())
+    head = [row for _ in range(2) for row in next(it)["noise"].tolist()]
+    state = dm.state_dict()
+    del it
+    resumed = make()
+    resumed.load_state_dict(state)
+    torch.manual_seed(123)  # another global state: the samples' numbers stay the same
+    assert head + _noise(resumed.train_dataloader()) == reference
+    second_epoch = _noise(resumed.train_dataloader())
+    assert sorted(second_epoch) != sorted(reference)  # a new epoch draws new numbers
