@@ -3,7 +3,7 @@ step: LoRA dropout draws from the global torch RNG at every training step.
 
 A run is SIGKILLed right after each of its checkpoints in turn (the kill lands in the next
 optimizer step, before the weights change), including checkpoints written just before a
-validation and at the end of an epoch, and resumed; every resumed run must end with the
+validation and at the end of an epoch, and once in the middle of a validation, and resumed; every resumed run must end with the
 uninterrupted run's weights and optimizer state, bit for bit. Before the fix, a checkpoint
 followed by a validation or a new epoch resumed with a shifted random stream: creating the
 validation or next-epoch DataLoader iterator drew its workers' base seed from the global RNG.
@@ -38,7 +38,9 @@ RUN = [
     "data.drop_last=true",
     "strategy.lora={r: 4, lora_alpha: 8, lora_dropout: 0.2}",
 ]
-CHECKPOINTS = (2, 4, 6, 8)
+# (callback, step): killed in the optimizer step after each checkpoint in turn, and in the
+# middle of the validation that follows the checkpoint of step 4
+KILLS = [("KillAtStep", step) for step in (2, 4, 6, 8)] + [("KillInValidation", 4)]
 
 
 def _state(run: Path) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
@@ -68,13 +70,13 @@ def test_kill_after_every_checkpoint_resumes_bit_identical(tmp_path, data_dir, w
     common = [*RUN, f"data.num_workers={workers}"]
     cli([*common, *run_dirs(tmp_path / "ref", data_dir)])
     assert any("lora" in k for k in _state(tmp_path / "ref" / "run")[0])
-    for step in CHECKPOINTS:
-        where = tmp_path / f"killed{step}"
+    for callback, step in KILLS:
+        where = tmp_path / f"{callback}{step}"
         run = [*common, *run_dirs(where, data_dir)]
         killed = cli(
             [
                 *run,
-                "+callbacks.kill._target_=_callbacks.KillAtStep",
+                f"+callbacks.kill._target_=_callbacks.{callback}",
                 f"+callbacks.kill.step={step}",
             ],
             check=False,
@@ -83,7 +85,7 @@ def test_kill_after_every_checkpoint_resumes_bit_identical(tmp_path, data_dir, w
         assert killed.returncode == -9, killed.stderr[-3000:]
         cli([*run, "ckpt_path=last"])
         different = _differences(tmp_path / "ref" / "run", where / "run")
-        assert not different, f"workers={workers}, killed after step {step}: {different}"
+        assert not different, f"workers={workers}, {callback}({step}): {different}"
         shutil.rmtree(where)
 
 
