@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,34 @@ def fingerprint_of(tokenizer: Any) -> str | None:
             return str(tokenizer)
         tokenizer = AutoTokenizer.from_pretrained(str(path))
     return str(tokenizer.fingerprint)
+
+
+def read_range(
+    where: str,
+    bounds: np.ndarray,
+    start: int,
+    stop: int,
+    read: Callable[[int, int, int], np.ndarray],
+) -> np.ndarray:
+    """Tokens `start:stop` (int64) of a key stored in consecutive segments (shards, documents)
+    whose cumulative token counts are `bounds`; `read(segment, lo, hi)` returns tokens
+    `lo:hi` of one segment. A range outside `0:bounds[-1]` is an IndexError naming `where`."""
+    total = int(bounds[-1])
+    if not 0 <= start <= stop <= total:
+        raise IndexError(f"{where}: token range {start}:{stop} outside 0:{total}")
+    parts = []
+    segment = int(np.searchsorted(bounds, start, side="right")) - 1
+    pos = start
+    while pos < stop:
+        base, end = int(bounds[segment]), int(bounds[segment + 1])
+        take = min(stop, end)
+        if take > pos:
+            parts.append(read(segment, pos - base, take - base))
+        pos = take
+        segment += 1
+    if not parts:
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate(parts).astype(np.int64, copy=False)
 
 
 class Storage(ABC):

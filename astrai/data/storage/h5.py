@@ -14,7 +14,14 @@ from typing import Any
 import h5py
 import numpy as np
 
-from astrai.data.storage.base import FORMAT_VERSION, H5_SUFFIXES, OFFSETS_GROUP, DataError, Storage
+from astrai.data.storage.base import (
+    FORMAT_VERSION,
+    H5_SUFFIXES,
+    OFFSETS_GROUP,
+    DataError,
+    Storage,
+    read_range,
+)
 
 
 class H5Storage(Storage):
@@ -200,23 +207,13 @@ class H5Storage(Storage):
 
     def slice(self, key: str, start: int, stop: int) -> np.ndarray:
         self.require(key)
-        cum = self._tok_cum[key]
-        total = int(cum[-1])
-        if not 0 <= start <= stop <= total:
-            raise IndexError(f"{self.path}: token range {start}:{stop} outside 0:{total}")
-        parts = []
-        shard = int(np.searchsorted(cum, start, side="right")) - 1
-        pos = start
-        while pos < stop:
-            base, end = int(cum[shard]), int(cum[shard + 1])
-            take = min(stop, end)
-            if take > pos:
-                parts.append(self._read(shard, key, slice(pos - base, take - base)))
-            pos = take
-            shard += 1
-        if not parts:
-            return np.zeros(0, dtype=np.int64)
-        return np.concatenate(parts).astype(np.int64)
+        return read_range(
+            str(self.path),
+            self._tok_cum[key],
+            start,
+            stop,
+            lambda shard, lo, hi: self._read(shard, key, slice(lo, hi)),
+        )
 
 
 def resolve_h5_paths(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:

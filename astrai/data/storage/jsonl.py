@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from astrai.data.storage.base import JSON_SUFFIXES, DataError, Storage
+from astrai.data.storage.base import JSON_SUFFIXES, DataError, Storage, read_range
 
 log = logging.getLogger(__name__)
 
@@ -233,21 +233,13 @@ class JsonStorage(Storage):
         return self._offsets[key]
 
     def slice(self, key: str, start: int, stop: int) -> np.ndarray:
-        off = self.offsets(key)
-        total = int(off[-1])
-        if not 0 <= start <= stop <= total:
-            raise IndexError(f"{self.path}: token range {start}:{stop} outside 0:{total}")
-        parts = []
-        doc = int(np.searchsorted(off, start, side="right")) - 1
-        pos = start
-        while pos < stop:
-            base, end = int(off[doc]), int(off[doc + 1])
-            take = min(stop, end)
-            if take > pos:
-                parts.append(self.get(key, doc)[pos - base : take - base])
-            pos = take
-            doc += 1
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        return read_range(
+            str(self.path),
+            self.offsets(key),
+            start,
+            stop,
+            lambda doc, lo, hi: self.get(key, doc)[lo:hi],
+        )
 
 
 def _is_id_list(value: Any) -> bool:
