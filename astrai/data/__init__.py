@@ -27,6 +27,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "collate_preference",
         "collate_prompt",
     ),
+    "onpolicy": ("OnPolicyPairs", "RecordSource"),
     "prepare": ("PrepareResult",),
     "rewards": ("REWARDS", "get_reward", "register_reward"),
     "sampler": ("ResumableSampler",),

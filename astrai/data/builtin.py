@@ -132,12 +132,20 @@ def arithmetic_problems(
     max_operand: int = 100,
     max_terms: int = 2,
     ops: str = "+-*",
+    unique: bool = False,
+    solution: str = "plain",
 ) -> list[dict[str, Any]]:
     """``n`` records ``{"id", "prompt", "expression", "answer"}`` (answer as a string).
 
     Expressions have 2..``max_terms`` operands in [0, ``max_operand``]; problems are assigned
     to ``train`` / ``val`` by a hash of the expression, so the two never share a question.
+    ``unique`` draws distinct problems (evaluation sets), else with replacement (training).
+    ``solution`` is the style of the worked ``solution`` of each record (:func:`solution_text`).
     """
+    if solution not in SOLUTIONS:
+        raise ValueError(
+            f"arithmetic_problems: solution must be one of {SOLUTIONS}, got {solution!r}"
+        )
     if n < 0 or max_terms < 2 or max_operand < 1 or not ops or set(ops) - set("+-*"):
         raise ValueError(
             f"arithmetic_problems: need n >= 0, max_terms >= 2, max_operand >= 1 and ops from "
@@ -145,32 +153,88 @@ def arithmetic_problems(
         )
     rng = random.Random(seed)
     records: list[dict[str, Any]] = []
+    seen: set[str] = set()
     attempts = 0
     while len(records) < n:
         attempts += 1
         if attempts > 1000 * (n + 10):
-            raise ValueError("arithmetic_problems: cannot draw enough distinct-split problems")
+            raise ValueError(
+                f"arithmetic_problems: cannot draw {n} {'distinct ' if unique else ''}problems "
+                f"of split {split!r} (max_operand={max_operand}, ops={ops!r}); ask for fewer"
+            )
         k = rng.randint(2, max_terms)
         terms = [rng.randint(0, max_operand) for _ in range(k)]
         chosen_ops = [rng.choice(ops) for _ in range(k - 1)]
         expression = " ".join(
             [str(terms[0])] + [f"{op} {t}" for op, t in zip(chosen_ops, terms[1:])]
         )
-        if not _in_split(expression, split, val_fraction):
+        if not _in_split(expression, split, val_fraction) or expression in seen:
             continue
+        if unique:
+            seen.add(expression)
+        answer = str(_evaluate(terms, chosen_ops))
         records.append(
             {
                 "id": f"arith-{split or 'all'}-{seed}-{len(records)}",
                 "prompt": f"What is {expression}?",
                 "expression": expression,
-                "answer": str(_evaluate(terms, chosen_ops)),
+                "answer": answer,
+                "solution": solution_text(expression, answer, solution),
             }
         )
     return records
 
 
-def solution_text(expression: str, answer: Any) -> str:
-    """The worked answer the SFT data teaches: ``<expr> = <value>. The answer is <value>.``"""
+SOLUTIONS = ("plain", "columns")
+
+
+def _digits(n: int) -> list[int]:
+    """Decimal digits of ``n >= 0``, units first."""
+    return [int(c) for c in reversed(str(n))]
+
+
+def _column_steps(a: int, b: int, op: str) -> list[str]:
+    """Schoolbook column arithmetic for ``a op b`` (``a >= b >= 0`` for ``-``), units column
+    first: ``9 + 9 = 18`` (carry to the next column), ``12 - 8 = 4`` after a borrow."""
+    da, db = _digits(a), _digits(b)
+    width = max(len(da), len(db))
+    da, db = da + [0] * (width - len(da)), db + [0] * (width - len(db))
+    steps, carry = [], 0
+    for i in range(width):
+        x, y = da[i], db[i]
+        if op == "+":
+            total = x + y + carry
+            steps.append(f"{x} + {y}{' + 1' if carry else ''} = {total}")
+            carry = total // 10
+        else:
+            x -= carry
+            carry = int(x < y)
+            steps.append(f"{x + 10 * carry} - {y} = {x + 10 * carry - y}")
+    return steps
+
+
+def solution_text(
+    expression: str, answer: Any, style: str = "plain", terms: list[int] | None = None
+) -> str:
+    """The worked answer the SFT data teaches, ending ``The answer is <value>.``
+
+    ``plain``: ``<expr> = <value>.``; ``columns``: for two operands and ``+`` or ``-``, the
+    schoolbook columns first, units first (``89 + 99: 9 + 9 = 18, 8 + 9 + 1 = 18. 89 + 99 =
+    188.``): each digit then depends on a few nearby tokens, which a small model learns much
+    faster than the whole sum at once. Other expressions fall back to ``plain``.
+    """
+    if style not in SOLUTIONS:
+        raise ValueError(f"solution style must be one of {SOLUTIONS}, got {style!r}")
+    parts = expression.split()
+    if style == "columns" and len(parts) == 3 and parts[1] in "+-":
+        a, op, b = int(parts[0]), parts[1], int(parts[2])
+        if op == "+":
+            work = f"{expression}: {', '.join(_column_steps(a, b, '+'))}."
+        elif a >= b:
+            work = f"{expression}: {', '.join(_column_steps(a, b, '-'))}."
+        else:
+            work = f"{expression} = -({b} - {a}): {', '.join(_column_steps(b, a, '-'))}."
+        return f"{work} {expression} = {answer}. {format_answer(answer)}"
     return f"{expression} = {answer}. {format_answer(answer)}"
 
 
@@ -187,7 +251,7 @@ def sft_records(problems: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "id": p["id"],
             "messages": [
                 {"role": "user", "content": p["prompt"]},
-                {"role": "assistant", "content": solution_text(p["expression"], p["answer"])},
+                {"role": "assistant", "content": p["solution"]},
             ],
             "answer": p["answer"],
         }
@@ -196,7 +260,8 @@ def sft_records(problems: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def preference_records(problems: list[dict[str, Any]], seed: int = 0) -> list[dict[str, Any]]:
-    """``{"prompt", "chosen", "rejected"}``: the correct solution against a wrong one."""
+    """``{"prompt", "chosen", "rejected"}``: the correct solution against a wrong final
+    answer (off-policy pairs; ``astrai.data.OnPolicyPairs`` samples them from a policy)."""
     rng = random.Random(seed)
     out = []
     for p in problems:
@@ -205,8 +270,8 @@ def preference_records(problems: list[dict[str, Any]], seed: int = 0) -> list[di
             {
                 "id": p["id"],
                 "prompt": p["prompt"],
-                "chosen": solution_text(p["expression"], p["answer"]),
-                "rejected": solution_text(p["expression"], wrong),
+                "chosen": p["solution"],
+                "rejected": f"{p['expression']} = {wrong}. {format_answer(wrong)}",
                 "answer": p["answer"],
             }
         )
@@ -214,8 +279,17 @@ def preference_records(problems: list[dict[str, Any]], seed: int = 0) -> list[di
 
 
 def prompt_records(problems: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """GRPO prompts with the reference ``answer`` the rewards check against."""
-    return [{"id": p["id"], "prompt": p["prompt"], "answer": p["answer"]} for p in problems]
+    """GRPO prompts with the reference ``answer`` the rewards check against, and the worked
+    ``solution`` (the on-policy pair builder's optional fallback ``chosen``)."""
+    return [
+        {
+            "id": p["id"],
+            "prompt": p["prompt"],
+            "answer": p["answer"],
+            "solution": p["solution"],
+        }
+        for p in problems
+    ]
 
 
 # ----------------------------------------------------------------------------------- by name
@@ -253,7 +327,7 @@ def builtin_records(
     if source == "arithmetic" and 2 <= len(parts) <= 3:
         task = parts[1]
         split = parts[2] if len(parts) == 3 else (split or "train")
-        allowed = {"val_fraction", "max_operand", "max_terms", "ops"}
+        allowed = {"val_fraction", "max_operand", "max_terms", "ops", "unique", "solution"}
         problems = arithmetic_problems(
             n, seed, split=split, **{k: v for k, v in options.items() if k in allowed}
         )

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from astrai.data.inputs import BUILTIN_PREFIX
+from astrai.data.inputs import BUILTIN_PREFIX, is_record_source
 from astrai.data.prepare import PrepareResult, output_path, prepare
 
 
@@ -49,7 +49,7 @@ class PreparedSource:
     """One ``prepare`` run into the cache: ``path`` is known before it runs."""
 
     kind: str
-    source: str
+    source: Any  # a path, a ``builtin:`` name or a record source (astrai.data.onpolicy)
     folder: Path
     options: dict[str, Any] = field(default_factory=dict)
 
@@ -76,9 +76,16 @@ def prepared_source(
 ) -> PreparedSource:
     """Where ``source`` prepared as ``kind`` with ``options`` (a spec's ``prepare:`` block,
     without ``kind``) and this tokenizer lives in the cache under ``data_dir``."""
-    source = str(source)
     options = dict(options)
-    ident: dict[str, Any] = {"kind": kind, "source": source, "prepare": options, "tok": fingerprint}
+    if is_record_source(source):  # records made in code: keyed on what determines them
+        ident: dict[str, Any] = {"kind": kind, "source": source.identity(), "prepare": options}
+        ident["tok"] = fingerprint
+        folder = Path(data_dir) / "prepared" / f"{kind}-{digest(ident)}"
+        options.setdefault("name", name)
+        options.setdefault("progress", False)
+        return PreparedSource(kind, source, folder, options)
+    source = str(source)
+    ident = {"kind": kind, "source": source, "prepare": options, "tok": fingerprint}
     if not source.startswith(BUILTIN_PREFIX):  # a changed file must not reuse a stale cache
         st = Path(source).stat()
         ident["stat"] = [st.st_size, st.st_mtime_ns]

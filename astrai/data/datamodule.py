@@ -12,7 +12,9 @@ is the :class:`ResumableSampler` position counted in samples the training loop a
 *received*: Lightning fetches one batch ahead and workers prefetch several, so counting drawn
 indices would skip data on resume. Under a trainer the count is taken in
 ``on_before_batch_transfer`` (called once per batch handed to ``training_step``); without one,
-the dataloader's iterator counts the batches it yields.
+the dataloader's iterator counts the batches it yields. The state also holds the content
+fingerprint of every split's files (:mod:`astrai.data.fingerprint`): resuming on data that
+changed is refused before the first step, naming the split and the files.
 
 Lightning runs only one implementation of each batch-transfer hook: if the LightningModule
 also overrides ``on_before_batch_transfer``, the datamodule's wins (Lightning warns). Put batch
@@ -34,6 +36,7 @@ from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, Dataset
 
 from astrai.data.cache import PreparedSource, prepared_source
+from astrai.data.fingerprint import DataChangedError, data_changes, dataset_fingerprint
 from astrai.data.sampler import ResumableSampler
 from astrai.data.seeded import SeededSamples
 from astrai.tokenizer import AutoTokenizer
@@ -85,6 +88,9 @@ class AstraiDataModule(L.LightningDataModule):
         seed, shuffle: the training order (see :class:`ResumableSampler`).
         drop_last: drop incomplete training batches (and the uneven tail across ranks).
         collate_fn: overrides the datasets' own ``collate``.
+        allow_changed_data: resume even when a split's files differ from the ones the
+            checkpoint was trained on (a warning instead of :class:`DataChangedError`); the
+            saved position then indexes into the new data, which must have as many samples.
     """
 
     def __init__(
@@ -103,6 +109,7 @@ class AstraiDataModule(L.LightningDataModule):
         persistent_workers: bool = False,
         prefetch_factor: int | None = None,
         collate_fn: Callable[[list[Any]], Any] | None = None,
+        allow_changed_data: bool = False,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -122,6 +129,11 @@ class AstraiDataModule(L.LightningDataModule):
         self.persistent_workers = persistent_workers and num_workers > 0
         self.prefetch_factor = prefetch_factor
         self.collate_fn = collate_fn
+        self.allow_changed_data = allow_changed_data
+        self.data_dir: Path | None = None
+        self._fingerprint: dict[str, Any] | None = None
+        self._saved_fingerprint: dict[str, Any] | None = None
+        self._warned_unchecked = False
         self.sampler: ResumableSampler | None = None
         self._pending_state: dict[str, Any] | None = None
         self._start_consumed = 0
@@ -136,9 +148,12 @@ class AstraiDataModule(L.LightningDataModule):
         built with another tokenizer fails. A spec with ``prepare:`` gets as ``source`` its
         folder in ``data_dir``'s cache, a hash of the spec and the tokenizer: every rank
         computes the same path here, and only ``prepare_data`` writes it. The kind is the
-        dataset class's ``kind`` unless ``prepare.kind`` says otherwise.
+        dataset class's ``kind`` unless ``prepare.kind`` says otherwise. A ``source`` with a
+        ``_target_`` is a record source (:class:`astrai.data.OnPolicyPairs`): instantiated
+        here, its records are made and tokenized by ``prepare_data``.
         """
         self.tokenizer_dir = Path(tokenizer_dir)
+        self.data_dir = Path(data_dir)
         fingerprint = AutoTokenizer.from_pretrained(self.tokenizer_dir).fingerprint
         for split, spec in self.specs.items():
             if not isinstance(spec, dict):
@@ -150,9 +165,13 @@ class AstraiDataModule(L.LightningDataModule):
                 if kind is None:
                     target = spec.get("_target_") or "the dataset"
                     raise ValueError(f"data.{split}.prepare.kind: required, {target} has no kind")
+                source = spec["source"]
+                if isinstance(source, Mapping) and "_target_" in source:
+                    # records made in code (e.g. astrai.data.OnPolicyPairs), prepared like a file
+                    source = instantiate(source, _convert_="all")
                 job = prepared_source(
                     kind,
-                    spec["source"],
+                    source,
                     options,
                     fingerprint=fingerprint,
                     data_dir=data_dir,
@@ -177,6 +196,9 @@ class AstraiDataModule(L.LightningDataModule):
         for split, spec in self.specs.items():
             if split not in self.datasets:
                 self.datasets[split] = self._build(split, spec)
+        if stage == "fit":  # hash the files now, not at the first checkpoint mid-training
+            self.data_fingerprint()
+        self._check_data()
 
     @staticmethod
     def _build(split: str, spec: Any) -> Dataset | None:
@@ -238,7 +260,7 @@ class AstraiDataModule(L.LightningDataModule):
         rank, world = self._rank_world()
         s = self.sampler
         if s is None or s.rank != rank or s.world_size != world:
-            state = self.state_dict() if s is not None else None
+            state = self._position() if s is not None else None
             s = ResumableSampler(
                 len(ds),
                 seed=self.seed,
@@ -297,7 +319,7 @@ class AstraiDataModule(L.LightningDataModule):
         if self._iter_epoch == s.epoch:
             # a previous iteration of this epoch stopped early: continue after what it yielded,
             # not after what its workers had prefetched
-            s.consumed = self.state_dict()["consumed"]
+            s.consumed = self._position()["consumed"]
         if s.consumed >= s.num_samples_total:  # the sampler will move to the next epoch
             s.set_epoch(s.epoch + 1)
         self._iter_epoch = s.epoch
@@ -318,7 +340,52 @@ class AstraiDataModule(L.LightningDataModule):
 
     def state_dict(self) -> dict[str, Any]:
         """Position in the training data: ``{"epoch", "consumed", "seed", "world_size",
-        "num_samples"}``, ``consumed`` in samples of the epoch received by all ranks."""
+        "num_samples"}``, ``consumed`` in samples of the epoch received by all ranks; and,
+        once the datasets exist, ``fingerprint``: :meth:`data_fingerprint`."""
+        state = self._position()
+        if self.datasets:
+            state["fingerprint"] = self.data_fingerprint()
+        return state
+
+    def data_fingerprint(self) -> dict[str, Any]:
+        """``{split: [{"file", "bytes", "digest"}, ...] | None}``: the content of the files
+        every split reads (``None`` for a dataset without files), computed once."""
+        if self._fingerprint is None:
+            if not self.datasets:
+                self.setup()
+            cache = self.data_dir / "fingerprints" if self.data_dir is not None else None
+            self._fingerprint = {
+                split: dataset_fingerprint(ds, cache) for split, ds in self.datasets.items()
+            }
+        return self._fingerprint
+
+    def _check_data(self) -> None:
+        """Compare the loaded checkpoint's fingerprint with the data (once both are known)."""
+        saved = self._saved_fingerprint
+        if saved is None or not self.datasets:
+            return
+        self._saved_fingerprint = None
+        changes = data_changes(saved, self.data_fingerprint())
+        if not changes:
+            return
+        lines = [f"data.{split}: {line}" for split, found in changes.items() for line in found]
+        what = "\n  ".join(lines)
+        if self.allow_changed_data:
+            log.warning(
+                "resuming on data that changed since the checkpoint (data.allow_changed_data=true):"
+                "\n  %s",
+                what,
+            )
+            return
+        raise DataChangedError(
+            f"the checkpoint was trained on other data than this run reads:\n  {what}\n"
+            "Resumed, its data position would continue on different samples. Start a fresh "
+            "run (no ckpt_path), put back the data the checkpoint was trained on, or resume on "
+            "this data anyway with allow_changed_data=true (on the command line: "
+            "+data.allow_changed_data=true)."
+        )
+
+    def _position(self) -> dict[str, Any]:
         if self.sampler is None:
             return dict(self._pending_state or {})
         s = self.sampler
@@ -333,7 +400,17 @@ class AstraiDataModule(L.LightningDataModule):
         """Resume at the first sample not yet received (applied when the sampler is built)."""
         if not state_dict:
             return
-        self._pending_state = dict(state_dict)
+        state_dict = dict(state_dict)
+        if "fingerprint" in state_dict:
+            self._saved_fingerprint = state_dict.pop("fingerprint")
+            self._check_data()
+        elif not self._warned_unchecked:  # (Lightning loads the state twice: warn once)
+            self._warned_unchecked = True
+            log.warning(
+                "the checkpoint's data state has no fingerprint (written by an older astrai): "
+                "cannot check that this run reads the data it was trained on"
+            )
+        self._pending_state = state_dict
         self._delivered_batches = 0
         self._start_consumed = int(state_dict.get("consumed", 0))
         self._iter_epoch = int(state_dict.get("epoch", 0))

@@ -38,12 +38,22 @@ def input_files(path: Path, kind: str) -> list[Path]:
     raise FileNotFoundError(f"input not found: {path}")
 
 
-def iter_input(input: str, kind: str, builtin: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
+def is_record_source(input: Any) -> bool:
+    """Whether ``input`` makes its records in code (:class:`astrai.data.onpolicy.RecordSource`:
+    ``records()`` and ``identity()``) instead of naming files or ``builtin:`` data."""
+    return callable(getattr(input, "records", None)) and callable(getattr(input, "identity", None))
+
+
+def iter_input(input: Any, kind: str, builtin: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
     """Yield ``(where, record)`` in input order; ``where`` is ``file:line`` for messages.
 
     A JSONL line that is not JSON comes as a :class:`DataError` record, so that the caller
     raises it or counts it in the shard it belongs to.
     """
+    if is_record_source(input):
+        for i, record in enumerate(input.records(), start=1):
+            yield f"{input!r}#{i}", record
+        return
     if input.startswith(BUILTIN_PREFIX):
         name = input[len(BUILTIN_PREFIX) :]
         for i, record in enumerate(builtin_records(name, **dict(builtin)), start=1):
@@ -57,8 +67,11 @@ def iter_input(input: str, kind: str, builtin: Mapping[str, Any]) -> Iterator[tu
             yield f"{path}:{line}", record
 
 
-def input_identity(input: str, builtin: Mapping[str, Any], kind: str) -> Any:
-    """What the signature records about the input: names, sizes and mtimes of the files."""
+def input_identity(input: Any, builtin: Mapping[str, Any], kind: str) -> Any:
+    """What the signature records about the input: names, sizes and mtimes of the files (a
+    record source's own ``identity()``)."""
+    if is_record_source(input):
+        return input.identity()
     if input.startswith(BUILTIN_PREFIX):
         return {"builtin": input, "options": dict(builtin)}
     files = input_files(Path(input), kind)
@@ -75,8 +88,10 @@ def load_tokenizer(tokenizer: Any) -> Any:
     return tokenizer
 
 
-def default_name(input: str) -> str:
+def default_name(input: Any) -> str:
     """The output name when none is given: the input's stem (``builtin:a/b`` -> ``a-b``)."""
+    if is_record_source(input):
+        return type(input).__name__.lower()
     if input.startswith(BUILTIN_PREFIX):
         return input[len(BUILTIN_PREFIX) :].strip("/").replace("/", "-")
     p = Path(input)

@@ -45,7 +45,13 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from astrai.data.encode import KINDS, PrepareOptions
-from astrai.data.inputs import default_name, input_identity, iter_input, load_tokenizer
+from astrai.data.inputs import (
+    default_name,
+    input_identity,
+    is_record_source,
+    iter_input,
+    load_tokenizer,
+)
 from astrai.data.shards import (
     existing_totals,
     output_path,
@@ -110,7 +116,7 @@ class PrepareResult:
 
 def prepare(
     kind: str,
-    input: str | os.PathLike,
+    input: str | os.PathLike | Any,
     output: str | os.PathLike,
     tokenizer: Any,
     *,
@@ -152,7 +158,8 @@ def prepare(
         add_eos=add_eos,
         required_fields=required_fields,
     )
-    input = os.fspath(input)
+    if not is_record_source(input):  # else records made in code (astrai.data.onpolicy)
+        input = os.fspath(input)
     if shard_size is not None and shard_size < 1:
         raise DataError(f"shard_size must be a positive number of records, got {shard_size}")
     builtin = dict(builtin or {})
@@ -180,7 +187,7 @@ def prepare(
         batch_size=batch_size,
         replace=state == "replace",
         progress=progress,
-        source=input,
+        source=str(input),
     )
     result.add_totals(run.totals, written=run.written, reused=run.reused_shards)
     result.seconds = time.perf_counter() - started

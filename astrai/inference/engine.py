@@ -281,9 +281,10 @@ class InferenceEngine:
 
         Settings come as `params` and/or `SamplingParams` keywords (max_tokens,
         ignore_eos, stop_ids, temperature, top_p, top_k, min_p, presence_penalty,
-        frequency_penalty, logit_bias, seed), keywords overriding `params`. Invalid settings
-        raise `ValueError` naming the parameter before anything is queued; a prompt that can
-        never run ends at once with finish reason `rejected` (see `check_request`).
+        frequency_penalty, logit_bias, seed, logprobs_mode), keywords overriding `params`.
+        Invalid settings raise `ValueError` naming the parameter before anything is queued;
+        a prompt that can never run ends at once with finish reason `rejected` (see
+        `check_request`).
         """
         if self._closed:
             raise EngineNotReady("the engine has been shut down")
@@ -390,6 +391,7 @@ class InferenceEngine:
         ignore_eos: bool = False,
         return_logprobs: bool = False,
         return_details: bool = False,
+        logprobs_mode: str = "raw",
     ) -> list[Any]:
         """Generate for every prompt on the calling thread; results in input order.
 
@@ -398,6 +400,9 @@ class InferenceEngine:
         rejected prompt (empty, too long, `max_tokens <= 0`, KV allocation failed) gets
         finish reason `rejected` and an error; it never blocks the others. Invalid
         sampling settings raise ValueError. The background loop is paused for the call.
+        `logprobs_mode` (`raw`, `scaled`, `processed`: see `astrai.inference.sampling`)
+        picks the distribution the log-probs are of; RL wants `scaled` (its trainer's
+        forward divides the logits by the sampling temperature too).
         """
         params = SamplingParams(
             temperature=temperature,
@@ -406,6 +411,7 @@ class InferenceEngine:
             frequency_penalty=frequency_penalty,
             max_tokens=max_tokens,
             ignore_eos=ignore_eos,
+            logprobs_mode=logprobs_mode,
         )
         backend = selected_backend()
         checked: list[tuple[Task, str | None]] = []

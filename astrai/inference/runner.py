@@ -99,7 +99,8 @@ class ModelRunner:
     def run(self, plan: StepPlan) -> tuple[list[int], list[float]]:
         """Forward `plan` under its attention backend and sample its samplers' next tokens.
 
-        Returns the token ids and their log-probs (raw logits), one per `plan.samplers`.
+        Returns the token ids and their log-probs (each request's `logprobs_mode`), one per
+        `plan.samplers`.
         """
         previous, self._last_sampled = self._last_sampled, None
         with attn_backend(plan.backend):

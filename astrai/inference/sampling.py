@@ -12,6 +12,13 @@ The draw is a multinomial draw done as an exponential race, `argmax(p / E)` with
 device sync, and with noise that can come per row from that request's own generator. A
 seeded row therefore picks the same tokens for the same logits whatever else is in the batch.
 Temperature 0 is greedy: the row keeps only its argmax, so no noise can change its choice.
+
+Each row reports the log-prob of its token under the distribution its `logprobs_mode` names
+(vLLM's names where they exist): `raw` = the model's own distribution (default; scoring),
+`scaled` = after penalties, bias and temperature but before any truncation (what a trainer's
+forward at that temperature computes: GRPO's ratio), `processed` = the distribution actually
+sampled from (after top-k/top-p/min-p too). Greedy rows count as temperature 1 in `scaled` and
+`processed` (vLLM's convention; their sampled distribution is a point mass).
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ logger = logging.getLogger(__name__)
 MAX_TEMPERATURE = 100.0
 MAX_PENALTY = 2.0
 MAX_LOGIT_BIAS = 100.0
+LOGPROBS_MODES = ("raw", "scaled", "processed")
 
 RowValues = float | Sequence[float] | torch.Tensor
 
@@ -54,8 +62,9 @@ class SamplingParams:
     temperature 0 is greedy; top_k 0 or -1 is off; top_p 1 and min_p 0 are off. Penalties
     count only generated tokens. `seed` makes the request's draws reproducible. Generation
     ends after `max_tokens` tokens, or at a token of `stop_ids` (None: the tokenizer's stop
-    tokens) unless `ignore_eos`. Frozen, so a batch built from the same objects can be
-    reused (`SamplingBatchCache`).
+    tokens) unless `ignore_eos`. `logprobs_mode` picks the distribution the returned
+    log-probs are of (`raw`, `scaled` or `processed`, see the module docstring). Frozen, so a
+    batch built from the same objects can be reused (`SamplingBatchCache`).
     """
 
     temperature: float = 1.0
@@ -69,6 +78,7 @@ class SamplingParams:
     max_tokens: int = 256
     ignore_eos: bool = False
     stop_ids: frozenset[int] | None = None
+    logprobs_mode: str = "raw"
 
     def __post_init__(self) -> None:
         stops = self.stop_ids
@@ -118,6 +128,10 @@ class SamplingParams:
             and all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_ids)
         ):
             raise ValueError(f"stop_ids must be a set of int token ids, got {self.stop_ids!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(
+                f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}"
+            )
         return self
 
     def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
@@ -153,6 +167,10 @@ class SamplingBatch:
     any_greedy: bool
     any_top_p: bool
     any_min_p: bool
+    # [B] int64 index into LOGPROBS_MODES; None when every row wants raw log-probs
+    logprobs_mode: torch.Tensor | None = None
+    any_scaled: bool = False
+    any_processed: bool = False
 
     @classmethod
     def from_params(
@@ -179,6 +197,7 @@ class SamplingBatch:
         else:
             bias_rows = bias_tokens = bias_values = None
         greedy = [p.greedy for p in params]
+        modes = [LOGPROBS_MODES.index(p.logprobs_mode) for p in params]
         return cls(
             params=params,
             temperature=floats[:, 0],
@@ -199,6 +218,9 @@ class SamplingBatch:
             any_greedy=any(greedy),
             any_top_p=any(p.top_p < 1.0 and not p.greedy for p in params),
             any_min_p=any(p.min_p > 0.0 and not p.greedy for p in params),
+            logprobs_mode=torch.tensor(modes, dtype=torch.int64).to(device) if any(modes) else None,
+            any_scaled=any(p.logprobs_mode == "scaled" for p in params),
+            any_processed=any(p.logprobs_mode == "processed" for p in params),
         )
 
     @property
@@ -459,6 +481,25 @@ class SampleOutput(NamedTuple):
     token_ids: torch.Tensor  # [B] int64
     logprobs: torch.Tensor  # [B] float32: log_softmax(raw logits)[token]
     processed_logprobs: torch.Tensor  # [B] float32: log-prob under the sampled distribution
+    # [B] float32: log_softmax(adjusted logits / temperature)[token]; None unless a row asks
+    scaled_logprobs: torch.Tensor | None = None
+
+    def selected(self, batch: SamplingBatch) -> torch.Tensor:
+        """Each row's log-prob in the mode its params ask for (`logprobs_mode`)."""
+        if batch.logprobs_mode is None:
+            return self.logprobs
+        out = self.logprobs
+        if batch.any_processed:
+            mode = LOGPROBS_MODES.index("processed")
+            out = torch.where(batch.logprobs_mode == mode, self.processed_logprobs, out)
+        if batch.any_scaled and self.scaled_logprobs is not None:
+            mode = LOGPROBS_MODES.index("scaled")
+            out = torch.where(batch.logprobs_mode == mode, self.scaled_logprobs, out)
+        return out
+
+
+def _logprob_at(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return logits.gather(1, ids[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
 
 
 def _as_batch(
@@ -493,9 +534,11 @@ def sample(
     its seed, reproducible for this call only. generator: noise for the unseeded rows.
 
     Returns the token ids, `logprobs` = log_softmax of the *raw* logits (before penalties,
-    bias and temperature: the model's own distribution, which RL and scoring need) at those
-    ids, and `processed_logprobs` = log-prob under the distribution actually sampled from
-    (0 for greedy rows, whose distribution is a point mass).
+    bias and temperature: the model's own distribution, which scoring needs) at those ids,
+    `processed_logprobs` = log-prob under the distribution actually sampled from, and, when a
+    row's `logprobs_mode` is `scaled`, `scaled_logprobs` = log_softmax of the logits after
+    penalties, bias and temperature, without truncation (an RL trainer's forward at that
+    temperature). Greedy rows count as temperature 1 in both (vLLM's convention).
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
@@ -508,15 +551,24 @@ def sample(
     apply_logit_bias(x, batch)
     if batch.all_greedy:
         ids = x.argmax(-1)
-        processed = torch.zeros(batch.size, dtype=torch.float32, device=x.device)
     else:
         row_gens = list(generators) if generators is not None else [None] * batch.size
         for i, p in enumerate(batch.params):
             if p.seed is not None and row_gens[i] is None and not p.greedy:
                 row_gens[i] = p.make_generator(x.device)
-        ids, processed = batch.pipeline.draw(x, generator=generator, generators=row_gens)
+        ids, drawn = batch.pipeline.draw(x, generator=generator, generators=row_gens)
     raw = logits.gather(1, ids[:, None]).squeeze(1).float() - raw_logsumexp
-    return SampleOutput(ids, raw, processed)
+    adjusted = bool(batch.penalized_rows) or batch.bias_rows is not None
+    if batch.any_greedy:  # greedy rows: the temperature-1 distribution after penalties and bias
+        at_t1 = _logprob_at(x, ids) if adjusted else raw
+        processed = at_t1 if batch.all_greedy else torch.where(batch.temperature == 0, at_t1, drawn)
+    else:
+        processed = drawn
+    scaled = None
+    if batch.any_scaled:
+        t = torch.where(batch.temperature == 0, 1.0, batch.temperature)[:, None]
+        scaled = _logprob_at(x / t, ids)
+    return SampleOutput(ids, raw, processed, scaled)
 
 
 def sample_batch(
@@ -528,13 +580,15 @@ def sample_batch(
     generators: Sequence[torch.Generator | None] | None = None,
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`sample(...)` for the scheduler's step: (token ids, raw-logits log-probs)."""
+    """`sample(...)` for the scheduler's step: (token ids, each row's log-probs in the mode
+    its `logprobs_mode` asks for)."""
+    batch = _as_batch(params, logits)
     out = sample(
         logits,
-        params,
+        batch,
         generated=generated,
         token_counts=token_counts,
         generators=generators,
         generator=generator,
     )
-    return out.token_ids, out.logprobs
+    return out.token_ids, out.selected(batch)

@@ -26,6 +26,7 @@ def train_bpe(
     min_frequency: int = 2,
     special_tokens: Sequence[str] | None = None,
     added_tokens: Sequence[str] | None = None,
+    split_digits: bool = True,
     show_progress: bool = False,
 ) -> Tokenizer:
     """A byte-level BPE whose final vocabulary (added tokens included) has ``vocab_size``
@@ -34,7 +35,9 @@ def train_bpe(
     Every byte is in the initial alphabet, so any string is encodable (no UNK).
     ``special_tokens`` defaults to bos/eos/pad + ``<|im_start|>``/``<|im_end|>``;
     ``added_tokens`` (non-special, kept by ``decode(skip_special_tokens=True)``)
-    defaults to the tool-call and think tags.
+    defaults to the tool-call and think tags. ``split_digits`` gives every digit its own
+    token (as Llama and Qwen do): numbers then share one representation per digit, which is
+    what lets a small model learn arithmetic instead of memorising multi-digit merges.
     """
     specials = list(DEFAULT_SPECIAL_TOKENS if special_tokens is None else special_tokens)
     for token in (bos_token, eos_token, pad_token):
@@ -55,7 +58,12 @@ def train_bpe(
         )
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = (
+        pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        if split_digits
+        else byte_level
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size - len(extra),

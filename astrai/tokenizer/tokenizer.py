@@ -111,6 +111,7 @@ class AutoTokenizer:
         eos_token: str = EOS_TOKEN,
         pad_token: str = PAD_TOKEN,
         chat_template: str | None = None,
+        split_digits: bool = True,
         show_progress: bool = False,
     ) -> AutoTokenizer:
         """Train a byte-level BPE (see :func:`astrai.tokenizer.bpe.train_bpe`) whose final
@@ -118,7 +119,8 @@ class AutoTokenizer:
 
         ``special_tokens`` defaults to bos/eos/pad + ``<|im_start|>``/``<|im_end|>``;
         ``added_tokens`` (non-special, kept by ``decode(skip_special_tokens=True)``)
-        defaults to the tool-call and think tags.
+        defaults to the tool-call and think tags; ``split_digits`` (default on for new
+        tokenizers) gives every digit its own token.
         """
         tok = train_bpe(
             texts,
@@ -129,6 +131,7 @@ class AutoTokenizer:
             min_frequency=min_frequency,
             special_tokens=special_tokens,
             added_tokens=added_tokens,
+            split_digits=split_digits,
             show_progress=show_progress,
         )
         return cls(

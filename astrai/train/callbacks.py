@@ -1,4 +1,5 @@
-"""Training callbacks: model export, throughput/MFU, W&B run state, eval generation.
+"""Training callbacks: model export, throughput/MFU, W&B run state, a checkpoint on
+interruption, eval generation.
 
 Checkpointing, learning-rate monitoring and progress bars are Lightning's own callbacks
 (configured in `conf/callbacks/`); what is here is what Lightning does not provide.
@@ -13,15 +14,20 @@ import json
 import logging
 import os
 import shutil
+import signal
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback, ThroughputMonitor
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
+from lightning.pytorch.callbacks import Callback, OnExceptionCheckpoint, ThroughputMonitor
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.fsdp import FullStateDictConfig, StateDictType
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
@@ -31,6 +37,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [  # and EvalGenerationCallback, imported on first use
     "ExportCallback",
+    "InterruptCheckpoint",
     "WandbRunState",
     "refresh_link",
     "throughput_monitor",
@@ -204,3 +211,87 @@ class WandbRunState(Callback):
         if self.dirpath is not None and self.run_id:
             self.dirpath.mkdir(parents=True, exist_ok=True)
             (self.dirpath / "wandb_run.json").write_text(json.dumps(self.state_dict()))
+
+
+# ---------------------------------------------------------------------- interruption
+class InterruptCheckpoint(OnExceptionCheckpoint):
+    """Write a checkpoint when SIGTERM or SIGINT stops training, at a step boundary, so that
+    `ckpt_path=last` resumes where the run stopped rather than at the last periodic checkpoint.
+
+    SIGTERM (a scheduler's preemption, `kill`) goes through Lightning's own handling: the
+    trainer notes the signal and raises `SIGTERMException` once the running optimizer step
+    is over, or between two validation batches (Lightning finishes that validation on
+    resume); `OnExceptionCheckpoint.on_exception` then writes the checkpoint, a consistent
+    state of model, optimizer, loops, data position and random state. The first SIGINT (Ctrl+C) is
+    turned into the same stop; a second one interrupts at once, through Lightning's
+    `KeyboardInterrupt` handling, and writes nothing (the state may be half-way through a
+    step). Any other exception writes nothing either, for the same reason. A stop during
+    validation saves the random state validation started with: the one the next training
+    step sees. The file goes away when a run ends normally (`OnExceptionCheckpoint.teardown`),
+    so it never stands for more than a stop.
+
+    The checkpoint holds the state after step `trainer.global_step`; the wait is one step
+    (or one validation batch) and the write, so keep those within the scheduler's grace
+    period.
+    List this callback after `ModelCheckpoint`: Lightning's `trainer.checkpoint_callback` is
+    the first `Checkpoint` callback.
+
+    Attributes:
+        signal: the signal that stopped the run (`None` while it runs).
+        saved: the checkpoint written, if any.
+    """
+
+    def __init__(
+        self, dirpath: str | os.PathLike, filename: str = "interrupted", sigint: bool = True
+    ) -> None:
+        super().__init__(dirpath, filename)
+        self.sigint = sigint
+        self.signal: signal.Signals | None = None
+        self.saved: str | None = None
+        self._rng_at_validation_start: dict[str, Any] | None = None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # after the trainer registered its signal handlers; its teardown restores this one
+        if self.sigint and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, self._on_sigint)
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        if self.signal is not None:  # a second Ctrl+C: stop now (no checkpoint)
+            raise KeyboardInterrupt
+        self.signal = signal.SIGINT
+        log.warning(
+            "SIGINT: stopping after this step with a checkpoint (Ctrl+C again stops at once, "
+            "without one)"
+        )
+        os.kill(os.getpid(), signal.SIGTERM)  # the trainer's own graceful stop
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._rng_at_validation_start = _collect_rng_states(include_cuda=torch.cuda.is_available())
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._rng_at_validation_start = None
+
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
+        if not isinstance(exception, SIGTERMException) or trainer.sanity_checking:
+            if isinstance(exception, KeyboardInterrupt):
+                rank_zero_warn(
+                    "interrupted in the middle of a step: no checkpoint written; "
+                    "ckpt_path=last resumes from the last periodic checkpoint"
+                )
+            return
+        self.signal = self.signal or signal.SIGTERM
+        if self._rng_at_validation_start is not None:  # stopped during validation
+            _set_rng_states(self._rng_at_validation_start)
+        trainer.save_checkpoint(self.ckpt_path)
+        self.saved = self.ckpt_path
+        if trainer.is_global_zero:
+            log.warning(
+                "%s: training stopped after step %d; checkpoint written to %s. Resume with the "
+                "same command and ckpt_path=last (or ckpt_path=%s).",
+                signal.Signals(self.signal).name,
+                trainer.global_step,
+                self.ckpt_path,
+                self.ckpt_path,
+            )

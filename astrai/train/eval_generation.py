@@ -44,6 +44,7 @@ def builtin_prompts(
     held-out standard-library files, as raw-text prompts for pretrained models.
     """
     if task == "arithmetic":
+        options.setdefault("unique", True)  # n distinct held-out problems
         problems = arithmetic_problems(n, seed=seed, split="val", **options)
         return [{"prompt": p["prompt"], "answer": p["answer"]} for p in problems], True
     if task == "stdlib":

@@ -54,6 +54,7 @@ __all__ = [
     "LMModule",
     "NonFiniteLossError",
     "ReferencePolicy",
+    "grad_stats",
     "init_from_export",
     "lm_loss",
     "token_logprobs",
@@ -112,10 +113,11 @@ class ReferencePolicy:
     """A frozen copy of a policy (eval mode, no gradients, optional `dtype`): the reference
     of DPO and of GRPO's KL term.
 
-    Held as a plain attribute, not a submodule, so it is never in the optimizer or a
-    checkpoint and Lightning does not move it; `on(device)` follows the policy on first use.
-    Made in the strategy's `__init__`, before Lightning restores a checkpoint, so a resumed
-    run keeps the *initial* policy as its reference.
+    Held as a plain attribute, not a submodule, so it is never in the optimizer and Lightning
+    does not move it; `on(device)` follows the policy on first use. Made in the strategy's
+    `__init__`, before Lightning restores a checkpoint, so a resumed run keeps the *initial*
+    policy as its reference. A reference that moves (GRPO's `sync_interval`) is saved in the
+    checkpoint by its strategy (`astrai.train.strategies.reference_sync`).
     """
 
     def __init__(self, policy: nn.Module, dtype: str | torch.dtype | None = None) -> None:
@@ -163,6 +165,31 @@ def lm_loss(
         label_smoothing=label_smoothing,
     )
     return loss, n
+
+
+def grad_stats(grads: list[Tensor]) -> dict[str, float]:
+    """`grad_norm` (total L2 norm), `grad_max` (largest absolute element) and `grad_nonfinite`
+    (number of NaN/inf elements) of a list of gradients.
+
+    Two foreach norms (accumulated in fp32 whatever the gradients' dtype) per device and one
+    device sync per call; the elements are counted only when the norm is not finite (any
+    NaN/inf element makes it so), so a healthy step pays nothing more.
+    """
+    by_device: dict[torch.device, list[Tensor]] = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(g)
+    first = grads[0].device
+    l2: list[Tensor] = []
+    linf: list[Tensor] = []
+    for group in by_device.values():
+        l2 += [n.to(first) for n in torch._foreach_norm(group, 2.0, dtype=torch.float32)]
+        linf += [n.to(first) for n in torch._foreach_norm(group, math.inf, dtype=torch.float32)]
+    stats = torch.stack([torch.linalg.vector_norm(torch.stack(l2)), torch.stack(linf).max()])
+    norm, largest = stats.tolist()
+    nonfinite = 0
+    if not math.isfinite(norm):
+        nonfinite = int(sum((~torch.isfinite(g)).sum() for g in grads))
+    return {"grad_norm": norm, "grad_max": largest, "grad_nonfinite": float(nonfinite)}
 
 
 def check_label_smoothing(value: float) -> float:
@@ -351,17 +378,20 @@ class LMModule(L.LightningModule, ABC):
         return loss
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        if not self.check_grad_finite:
-            return
+        """Log gradient statistics of every optimizer step, before clipping (and, with fp16,
+        after unscaling): `train/grad_norm` (total L2), `train/grad_max` (largest absolute
+        element) and `train/grad_nonfinite` (count of NaN/inf elements). Then, with
+        `check_grad_finite`, stop on a non-finite norm (not under fp16 precision, whose
+        GradScaler skips such steps by design)."""
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         if not grads:
             return
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-        precision = str(getattr(self.trainer, "precision", ""))
-        if precision.startswith("16"):  # the fp16 GradScaler skips inf steps by design
-            return
-        self._check_finite(norm, "the gradient norm")
-        self.log("train/grad_norm", norm, batch_size=1)
+        stats = grad_stats(grads)
+        for name, value in stats.items():
+            self.log(f"train/{name}", value, batch_size=1)
+        precision = str(getattr(self._trainer, "precision", ""))
+        if self.check_grad_finite and not precision.startswith("16"):
+            self._check_finite(torch.tensor(stats["grad_norm"]), "the gradient norm")
 
     # ------------------------------------------------------------------ exact resume
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -9,6 +9,8 @@
 4. Instantiate strategy (LightningModule), callbacks, loggers and Trainer from
    their `_target_`s, resolve `ckpt_path` (`last` = this run's or the newest of this
    experiment), and `trainer.fit`. The export callback writes the `save_pretrained` directory.
+   A run stopped by SIGTERM or SIGINT (`InterruptCheckpoint`) exits with 128 + the signal's
+   number once its checkpoint is written.
 
 Hydra composes; Lightning runs. Nothing here re-implements either. Lightning (and
 `astrai.train.callbacks`, which imports it) is imported inside `train()` and the logger
@@ -24,6 +26,7 @@ import logging
 import os
 import secrets
 import shutil
+import signal
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -208,10 +211,11 @@ def _instantiate_dict(cfg: Any, what: str) -> list[Any]:
 def resolve_ckpt_path(ckpt_path: Any, output_dir: Path, log_dir: Path, name: str) -> Path | None:
     """The checkpoint to resume from, or None for a fresh start.
 
-    `last`: this run folder's `last.ckpt`, else its newest other checkpoint, else the newest
-    `last.ckpt` of experiment `name` under `log_dir`; incomplete files (cut short while
-    written) are skipped with a warning naming them. With none, a fresh start and a warning.
-    Any other value is a checkpoint path, which must exist and be complete.
+    `last`: this run folder's newest checkpoint (`last.ckpt`, or `interrupted.ckpt` when a
+    signal stopped the run after it), else the newest checkpoint of experiment `name` under
+    `log_dir`; incomplete files (cut short while written) are skipped with a warning naming
+    them. With none, a fresh start and a warning. Any other value is a checkpoint path, which
+    must exist and be complete.
     """
     if ckpt_path in (None, "", False):
         return None
@@ -225,13 +229,11 @@ def resolve_ckpt_path(ckpt_path: Any, output_dir: Path, log_dir: Path, name: str
                 "written?); pass an earlier one, or ckpt_path=last for the newest whole one"
             )
         return path
-    own = output_dir / "checkpoints"
-    last = own / "last.ckpt"
-    found = newest_complete([last] if last.exists() else [])
-    if found is None and own.is_dir():
-        found = newest_complete([p for p in own.glob("*.ckpt") if p != last])
+    # newest by modification time: periodic checkpoints are never newer than last.ckpt (written
+    # with them), an interruption's checkpoint is newer than both until the run goes on
+    found = newest_complete(list((output_dir / "checkpoints").glob("*.ckpt")))
     if found is None:
-        found = newest_complete(list((log_dir / name).glob("**/checkpoints/last.ckpt")))
+        found = newest_complete(list((log_dir / name).glob("**/checkpoints/*.ckpt")))
     if found is None:
         log.warning(
             "ckpt_path=last: no complete checkpoint under %s; starting from scratch", log_dir
@@ -318,8 +320,9 @@ def train(cfg: DictConfig) -> float | None:
     """Run one training job from a composed config; returns `optimized_metric` (sweepers)."""
     import lightning as L
     from hydra.utils import instantiate
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from astrai.train.callbacks import WandbRunState
+    from astrai.train.callbacks import InterruptCheckpoint, WandbRunState
 
     check_inputs(cfg)
     paths = cfg.paths
@@ -348,7 +351,14 @@ def train(cfg: DictConfig) -> float | None:
         with contextlib.suppress(Exception):
             lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
     log.info("output folder: %s", output_dir)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=str(ckpt) if ckpt else None)
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=str(ckpt) if ckpt else None)
+    except SIGTERMException:  # a SystemExit with status 0: make the stop visible to schedulers
+        stops = [c for c in callbacks if isinstance(c, InterruptCheckpoint)]
+        stopped_by = next((c.signal for c in stops if c.signal), signal.SIGTERM)
+        if not any(c.saved for c in stops):
+            log.warning("stopped by %s; no interruption checkpoint written", stopped_by.name)
+        raise SystemExit(128 + int(stopped_by)) from None
 
     metric = cfg.get("optimized_metric")
     value = trainer.callback_metrics.get(metric) if metric else None

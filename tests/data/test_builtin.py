@@ -82,8 +82,63 @@ def test_task_builders_and_rewards_agree() -> None:
         assert exact(prompt, answer) == 1.0 and fmt(prompt, answer) == 1.0
         assert exact(prompt, pref["chosen"]) == 1.0
         assert exact(prompt, pref["rejected"]) == 0.0 and fmt(prompt, pref["rejected"]) == 1.0
-        assert set(prompt) == {"id", "prompt", "answer"}
+        assert set(prompt) == {"id", "prompt", "answer", "solution"}
+        assert prompt["solution"] == answer  # the worked solution SFT teaches
     assert preference_records(problems, seed=1) == preference_records(problems, seed=1)
+
+
+@pytest.mark.parametrize("ops", ["+", "-"])
+def test_column_solutions_are_schoolbook_arithmetic(ops: str) -> None:
+    """Every column step is a true one-digit sum or difference, the steps run units first,
+    and the digits they produce (carries and borrows included) spell the answer."""
+    import re
+
+    problems = arithmetic_problems(400, seed=3, max_operand=99, ops=ops, solution="columns")
+    exact = get_reward("exact_match")
+    for p in problems:
+        text = p["solution"]
+        assert exact(p, text) == 1.0
+        a, op, b = p["expression"].split()
+        a, b = int(a), int(b)
+        if op == "-" and a < b:
+            assert text.startswith(f"{p['expression']} = -({b} - {a}): ")
+            a, b = b, a
+        steps = re.findall(
+            r"(\d+) ([+-]) (\d+)(?: \+ (1))? = (\d+)", text.split(". ")[0].split(": ")[1]
+        )
+        assert steps, text
+        digits, carry = [], 0
+        for i, (x, sign, y, c, result) in enumerate(steps):
+            da = (a // 10**i) % 10
+            db = (b // 10**i) % 10
+            x, y, result = int(x), int(y), int(result)
+            assert int(result) == (x + y + (1 if c else 0) if sign == "+" else x - y), text
+            if sign == "+":
+                assert (x, y, bool(c)) == (da, db, bool(carry)), text
+                carry = result // 10
+                digits.append(result % 10)
+            else:
+                assert y == db and x in (da - carry, da - carry + 10), text
+                carry = int(x != da - carry)
+                digits.append(result)
+        value = int("".join(map(str, reversed(digits)))) + (
+            carry * 10 ** len(digits) if op == "+" else 0
+        )
+        assert value == abs(int(p["answer"])), text
+    plain = arithmetic_problems(5, seed=3, max_operand=99, ops=ops)
+    assert all(
+        p["solution"] == f"{p['expression']} = {p['answer']}. The answer is {p['answer']}."
+        for p in plain
+    )
+
+
+def test_unique_draws_distinct_problems_and_says_when_too_few() -> None:
+    problems = arithmetic_problems(300, seed=0, split="val", max_operand=99, ops="+-", unique=True)
+    assert len({p["expression"] for p in problems}) == 300
+    with pytest.raises(ValueError, match="distinct"):
+        arithmetic_problems(200, seed=0, split="val", max_operand=9, ops="+", unique=True)
+    with pytest.raises(ValueError, match="solution"):
+        arithmetic_problems(2, solution="essay")
 
 
 def test_builtin_records_by_name(tmp_path: Path) -> None:

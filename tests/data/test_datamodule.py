@@ -4,6 +4,7 @@ and the data position survives state_dict round trips and Lightning checkpoints.
 from __future__ import annotations
 
 import copy
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from torch.utils.data import Dataset
 
 from astrai.data.datamodule import AstraiDataModule
 from astrai.data.datasets import PreferenceDataset, PretrainDataset, PromptDataset, SFTDataset
+from astrai.data.fingerprint import DataChangedError
 from astrai.data.storage import H5Writer
 from astrai.tokenizer import AutoTokenizer
 
@@ -324,3 +326,109 @@ def test_dataset_randomness_is_the_same_after_resuming_mid_epoch(
     assert head + _noise(resumed.train_dataloader()) == reference
     second_epoch = _noise(resumed.train_dataloader())
     assert sorted(second_epoch) != sorted(reference)  # a new epoch draws new numbers
+
+
+# ------------------------------------------------------------------ data fingerprint
+
+DOCS = [np.arange(i, i + 40 + 5 * i) % 300 for i in range(6)]
+
+
+def _corpus(path: Path, docs: list[np.ndarray]) -> Path:
+    with H5Writer(path, dtypes={"input_ids": np.uint16}) as w:
+        for doc in docs:
+            w.add(input_ids=doc)
+    return path
+
+
+def _windows(path: Path, **kwargs: object) -> AstraiDataModule:
+    spec = {"_target_": "astrai.data.PretrainDataset", "source": str(path), "window_size": 8}
+    return AstraiDataModule(spec, batch_size=2, seed=0, **kwargs)
+
+
+def _state_after_two_batches(path: Path) -> dict:
+    dm = _windows(path)
+    it = iter(dm.train_dataloader())
+    next(it), next(it)
+    return dm.state_dict()
+
+
+def test_resume_on_the_same_data_continues(tmp_path: Path) -> None:
+    path = _corpus(tmp_path / "c.h5", DOCS)
+    state = _state_after_two_batches(path)
+    [entry] = state["fingerprint"]["train"]
+    assert entry["file"] == str(path.resolve()) and entry["bytes"] == path.stat().st_size
+    reference = [b["input_ids"].tolist() for b in _windows(path).train_dataloader()]
+    dm = _windows(path)
+    dm.load_state_dict(state)
+    assert [b["input_ids"].tolist() for b in dm.train_dataloader()] == reference[2:]
+
+
+def test_resume_on_a_shuffled_file_of_the_same_size_is_refused(tmp_path: Path, caplog) -> None:
+    """The same documents in another order: as many windows, the same file size, different
+    samples at every position; the resumed position would silently continue on them."""
+    path = _corpus(tmp_path / "c.h5", DOCS)
+    state = _state_after_two_batches(path)
+    size, windows = path.stat().st_size, len(_windows(path).train_sampler())
+    _corpus(path, DOCS[::-1])
+    assert (path.stat().st_size, len(_windows(path).train_sampler())) == (size, windows)
+    dm = _windows(path)
+    dm.load_state_dict(state)  # checked once the datasets exist, before any batch
+    with pytest.raises(DataChangedError) as err:
+        dm.train_dataloader()
+    message = str(err.value)
+    assert f"data.train: {path.resolve()}: same size ({size} bytes), different content" in message
+    assert "fresh run" in message and "data.allow_changed_data=true" in message
+    allowed = _windows(path, allow_changed_data=True)
+    allowed.setup()
+    with caplog.at_level(logging.WARNING):
+        allowed.load_state_dict(state)  # checked at once: the datasets exist
+    assert f"data.train: {path.resolve()}: same size" in caplog.text
+    full = len(list(_windows(path).train_dataloader()))
+    assert len(list(allowed.train_dataloader())) == full - 2  # resumed after 2 batches
+
+
+def test_a_checkpoint_without_a_fingerprint_resumes_with_a_warning(tmp_path: Path, caplog) -> None:
+    path = _corpus(tmp_path / "c.h5", DOCS)
+    state = _state_after_two_batches(path)
+    del state["fingerprint"]  # as written before fingerprints existed
+    _corpus(path, DOCS[::-1])
+    dm = _windows(path)
+    with caplog.at_level(logging.WARNING):
+        dm.load_state_dict(state)
+        dm.load_state_dict(state)  # Lightning loads it twice: one warning
+    assert caplog.text.count("has no fingerprint") == 1
+    assert len(list(dm.train_dataloader())) > 0
+
+
+class Steps(L.LightningModule):
+    """Counts its training steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.steps = 0
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self.steps += 1
+        return self.w.sum() * batch["input_ids"].float().mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@pytest.mark.filterwarnings("ignore:The dirpath has changed")
+@pytest.mark.filterwarnings("ignore:You passed in a `val_dataloader` but have no `validation_step`")
+def test_lightning_resume_on_changed_data_fails_before_the_first_step(tmp_path: Path) -> None:
+    path = _corpus(tmp_path / "c.h5", DOCS)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+    _trainer(tmp_path / "a", 2, [ckpt]).fit(Steps(), datamodule=_windows(path))
+    saved = tmp_path / "ckpt" / "epoch=0-step=2.ckpt"
+    assert torch.load(saved, weights_only=False)["AstraiDataModule"]["fingerprint"]["train"]
+    _corpus(path, DOCS[::-1])
+    resumed = Steps()
+    again = ModelCheckpoint(dirpath=tmp_path / "ckpt2", every_n_train_steps=2)
+    with pytest.raises(DataChangedError, match=r"data\.train: "):
+        _trainer(tmp_path / "b", 4, [again]).fit(
+            resumed, datamodule=_windows(path), ckpt_path=saved
+        )
+    assert resumed.steps == 0

@@ -48,7 +48,8 @@ def test_greedy_equals_argmax():
     logits = torch.randn(64, 300, generator=gen())
     out = sample(logits, SamplingParams(temperature=0.0), generator=gen(1))
     assert torch.equal(out.token_ids, logits.argmax(-1))
-    assert torch.equal(out.processed_logprobs, torch.zeros(64))
+    # vLLM's convention: a greedy row's processed log-prob is at temperature 1, not 0 (point mass)
+    torch.testing.assert_close(out.processed_logprobs, out.logprobs, atol=1e-6, rtol=0)
 
 
 def test_greedy_rows_ignore_their_batch_companions():
@@ -73,6 +74,89 @@ def test_logprobs_are_log_softmax_of_raw_logits():
     torch.testing.assert_close(out.logprobs, expected, atol=1e-6, rtol=0)
     ids, logprobs = sample_batch(logits, params, generated=generated, generator=gen(2))
     assert torch.equal(ids, out.token_ids) and torch.equal(logprobs, out.logprobs)
+
+
+def _at(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits.double(), -1).gather(1, ids[:, None]).squeeze(1).float()
+
+
+def test_logprobs_modes_per_row():
+    """raw = the model's distribution; scaled = after penalties, bias and temperature, not
+    truncated; processed = the distribution sampled from (top-k too). Each row its own."""
+    logits = torch.randn(6, 40, generator=gen(5), dtype=torch.float32) * 2
+    params = [
+        SamplingParams(temperature=0.7, top_k=5, logprobs_mode="raw"),
+        SamplingParams(temperature=0.7, top_k=5, logprobs_mode="scaled"),
+        SamplingParams(temperature=0.7, top_k=5, logprobs_mode="processed"),
+        SamplingParams(temperature=0.0, logprobs_mode="scaled"),
+        SamplingParams(temperature=1.3, frequency_penalty=0.5, logprobs_mode="scaled"),
+        SamplingParams(temperature=0.0, logit_bias={3: 1.5}, logprobs_mode="processed"),
+    ]
+    generated = [[], [], [], [], [1, 1, 2], []]
+    out = sample(logits, params, generated=generated, generator=gen(6))
+    ids, chosen = sample_batch(logits, params, generated=generated, generator=gen(6))
+    assert torch.equal(ids, out.token_ids)
+    adjusted = logits.clone()
+    adjusted[4, 1] -= 1.0  # frequency penalty 0.5 x 2 occurrences
+    adjusted[4, 2] -= 0.5
+    adjusted[5, 3] += 1.5
+    top5 = logits.masked_fill(logits < logits.topk(5, -1).values[:, -1:], float("-inf"))
+    expected = torch.stack(
+        [
+            _at(logits, ids)[0],
+            _at(logits / 0.7, ids)[1],
+            _at(top5 / 0.7, ids)[2],
+            _at(logits, ids)[3],  # greedy: temperature 1
+            _at(adjusted / 1.3, ids)[4],
+            _at(adjusted, ids)[5],
+        ]
+    )
+    torch.testing.assert_close(chosen, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.logprobs, _at(logits, ids), atol=1e-5, rtol=0)
+
+
+def test_logprobs_modes_agree_at_temperature_one_without_truncation():
+    logits = torch.randn(16, 50, generator=gen(8)) * 3
+    outs = [
+        sample_batch(logits, SamplingParams(seed=4, logprobs_mode=m), generator=gen(9))
+        for m in ("raw", "scaled", "processed")
+    ]
+    assert all(torch.equal(ids, outs[0][0]) for ids, _ in outs)
+    for _, lps in outs[1:]:
+        torch.testing.assert_close(lps, outs[0][1], atol=1e-5, rtol=0)
+
+
+def test_bad_logprobs_mode_is_named():
+    with pytest.raises(ValueError, match="logprobs_mode"):
+        SamplingParams(logprobs_mode="raw_logits").validate()
+
+
+def test_engine_scaled_logprobs_equal_the_tempered_training_forward(model, tokenizer):
+    """What GRPO relies on: at temperature 0.7 the engine's `scaled` (and, without top-k/p,
+    `processed`) log-probs are log_softmax(logits / 0.7) of a plain dense forward."""
+    from astrai.inference import InferenceEngine
+
+    prompts = [[5, 17, 33, 2], [9, 8, 7, 6, 5, 4]]
+    for mode in ("scaled", "processed"):
+        with InferenceEngine(model, tokenizer, start=False, max_seq_len=64) as eng:
+            out = eng.run_batch(
+                prompts,
+                max_tokens=6,
+                temperature=0.7,
+                seed=3,
+                ignore_eos=True,
+                return_details=True,
+                logprobs_mode=mode,
+            )
+        for p, r in zip(prompts, out):
+            with torch.no_grad():
+                logits = model(torch.tensor([p + r.token_ids]))[0].float()
+            ref = torch.log_softmax(logits / 0.7, -1)[len(p) - 1 : -1]
+            ref = ref.gather(-1, torch.tensor(r.token_ids)[:, None])[:, 0]
+            torch.testing.assert_close(torch.tensor(r.logprobs), ref, atol=1e-5, rtol=0)
+            raw = torch.log_softmax(logits, -1)[len(p) - 1 : -1]
+            raw = raw.gather(-1, torch.tensor(r.token_ids)[:, None])[:, 0]
+            assert not torch.allclose(ref, raw, atol=1e-3)  # the temperature is visible
 
 
 def test_bf16_logits_give_fp32_logprobs():

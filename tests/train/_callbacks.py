@@ -44,3 +44,30 @@ class KillInValidation(Callback):
     def on_validation_batch_start(self, trainer, pl_module, *args, **kwargs) -> None:
         if trainer.global_step == self.step and not trainer.sanity_checking:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class SignalAtStep(Callback):
+    """Send signal `signame` (SIGTERM, SIGINT) to this process in the middle of optimizer step
+    `step` (after backward, before the weights change), or with `in_validation` in the middle
+    of the validation that follows step `step`: a graceful stop must still finish the step
+    (and write a checkpoint after it). Every validation batch draws from the global RNG, as
+    sampling-based evaluation does: a stop during validation must not save that state."""
+
+    def __init__(self, step: int, signame: str = "SIGTERM", in_validation: bool = False) -> None:
+        self.step, self.in_validation = step, in_validation
+        self.signum = getattr(signal, signame)
+        self.sent = False
+
+    def _send(self) -> None:
+        if not self.sent:
+            self.sent = True
+            os.kill(os.getpid(), self.signum)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if not self.in_validation and trainer.global_step == self.step:
+            self._send()
+
+    def on_validation_batch_start(self, trainer, pl_module, *args, **kwargs) -> None:
+        torch.rand(1)
+        if self.in_validation and trainer.global_step == self.step and not trainer.sanity_checking:
+            self._send()

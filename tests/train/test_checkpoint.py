@@ -87,3 +87,18 @@ def test_resolve_ckpt_path_last(tmp_path, caplog) -> None:
         IncompleteCheckpointError, match=r"ckpt_path: .*last\.ckpt is not a complete"
     ):
         runner.resolve_ckpt_path(own, out, logs, "x")
+
+
+def test_resolve_ckpt_path_last_picks_an_interruption_checkpoint_when_newest(tmp_path) -> None:
+    """`InterruptCheckpoint` writes `interrupted.ckpt` after the periodic `last.ckpt`: `last`
+    resumes from it, here or from another run folder of the experiment; once the resumed run
+    has written a newer `last.ckpt`, a stale `interrupted.ckpt` no longer wins."""
+    logs, out = tmp_path / "outputs", tmp_path / "run"
+    _save(out / "checkpoints" / "step000005.ckpt", 5, mtime=1_000)
+    _save(out / "checkpoints" / "last.ckpt", 5, mtime=1_000)
+    stop = _save(out / "checkpoints" / "interrupted.ckpt", 7, mtime=2_000)
+    assert runner.resolve_ckpt_path("last", out, logs, "x") == stop
+    elsewhere = _save(logs / "x" / "a" / "checkpoints" / "interrupted.ckpt", 3, mtime=3_000)
+    assert runner.resolve_ckpt_path("last", tmp_path / "new", logs, "x") == elsewhere
+    later = _save(out / "checkpoints" / "last.ckpt", 10, mtime=4_000)
+    assert runner.resolve_ckpt_path("last", out, logs, "x") == later

@@ -15,6 +15,7 @@ from astrai.train.strategies.dpo import (
     dpo_loss,
     precompute_reference,
     preference_logprobs,
+    sequence_logprobs,
 )
 
 
@@ -107,6 +108,37 @@ def test_preference_logprobs_and_loss_on_a_fixed_batch():
     )
     loss, _, _ = dpo_loss(pc, pr, rc, rr, beta=beta)
     assert loss.item() == pytest.approx(expected, abs=1e-5)
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_preference_logprobs_reduction_against_plain_torch(reduction):
+    """sum: the response tokens' log-probs added up; mean: divided by their number (per
+    sequence), both from a plain log_softmax of a plain forward."""
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny"))
+    batch = _fixed_batch()
+    pc, pr = preference_logprobs(model, batch, reduction)
+    for side, got in (("chosen", pc), ("rejected", pr)):
+        ids, labels = batch[f"{side}_input_ids"], batch[f"{side}_labels"]
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).double(), -1)
+        keep = labels != -100
+        tok = logp.gather(-1, labels.clamp(min=0)[..., None])[..., 0] * keep
+        expected = tok.sum(-1) / (keep.sum(-1) if reduction == "mean" else 1)
+        torch.testing.assert_close(got.double(), expected, atol=1e-4, rtol=0)
+    assert [int(batch["chosen_labels"][i].ne(-100).sum()) for i in (0, 1)] == [3, 5]
+    with pytest.raises(ValueError, match="reduction"):
+        sequence_logprobs(torch.zeros(1, 2), torch.ones(1, 2), "max")
+
+
+def test_dpo_mean_reduction_differs_from_sum_by_lengths():
+    """Averaging removes the length factor: equal per-token log-probs over 3 and 5 tokens give
+    equal means but different sums."""
+    lp = torch.full((2, 6), -0.5)
+    mask = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 0]])
+    assert sequence_logprobs(lp, mask).tolist() == [-1.5, -2.5]
+    assert sequence_logprobs(lp, mask, "mean").tolist() == [-0.5, -0.5]
+    assert sequence_logprobs(lp, torch.zeros(2, 6), "mean").tolist() == [0.0, 0.0]
 
 
 def test_precomputed_reference_is_keyed_by_content():
@@ -272,46 +304,32 @@ def test_dpo_module_rejects_bad_options(pref_setup):
     root, vocab = pref_setup
     with pytest.raises(ValueError, match="reference"):
         _module(root, vocab, reference="nope")
+    with pytest.raises(ValueError, match="reduction"):
+        _module(root, vocab, reduction="avg")
 
 
-# ------------------------------------------------------------------ the entry point
+def test_dpo_module_mean_reduction_matches_hand_computation(pref_setup):
+    """reduction=mean: policy and reference log-probs are both per-token averages; the loss is
+    the DPO formula on those (computed here from plain forwards)."""
+    root, vocab = pref_setup
+    from astrai.data import PreferenceDataset
 
-
-def _csv_keys(run) -> set[str]:
-    import csv
-
-    keys: set[str] = set()
-    for f in run.glob("csv/**/metrics.csv"):
-        with open(f) as fh:
-            for row in csv.DictReader(fh):
-                keys |= {k for k, v in row.items() if v}
-    return keys
-
-
-@pytest.mark.slow
-def test_tiny_dpo_fast_via_entry_point(tmp_path, data_dir):
-    from train_helpers import cli, run_dirs
-
-    proc = cli(
-        [
-            "experiment=tiny_dpo",
-            "debug=fast",
-            "tokenizer.train.max_bytes=400000",  # shared with the other CLI tests' cache
-            "data.train.prepare.builtin.n=64",
-            "data.val.prepare.builtin.n=16",
-            "data.batch_size=4",
-            "callbacks.eval_generation.num_prompts=4",
-            "callbacks.eval_generation.max_tokens=8",
-            "callbacks.progress_bar=null",
-            "trainer.enable_model_summary=false",
-            *run_dirs(tmp_path, data_dir),
-        ]
-    )
-    run = tmp_path / "run"
-    assert "init_from" in proc.stderr + proc.stdout  # no tiny_sft run here: warned, fresh start
-    assert (run / "export" / "model.safetensors").is_file()
-    assert (run / "eval_samples.jsonl").is_file()
-    keys = _csv_keys(run)
-    for key in ("train/loss", "train/rewards/accuracy", "train/rewards/margin", "val/loss"):
-        assert key in keys, key
-    assert "eval/exact_match" in keys
+    module = _module(root, vocab, reduction="mean")
+    with torch.no_grad():
+        for p in module.model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    ds = PreferenceDataset(str(root / "pref_val.h5"))
+    batch = ds.collate([ds[i] for i in range(4)])
+    loss, _ = module.compute_loss(batch)
+    z = []
+    for i in range(4):
+        parts = []
+        for model in (module.model, module.reference.model):
+            for side in ("chosen", "rejected"):
+                ids, labels = batch[f"{side}_input_ids"][i : i + 1], batch[f"{side}_labels"][i]
+                n = int(labels.ne(-100).sum())
+                total = _hand_seq_logps(model, ids, labels[None])[0]
+                parts.append(total / n)
+        pc, pr, rc, rr = parts
+        z.append(0.5 * ((pc - rc) - (pr - rr)))
+    assert loss.item() == pytest.approx(sum(-math.log(_sig(v)) for v in z) / 4, abs=1e-5)

@@ -8,17 +8,12 @@ import math
 import pytest
 import torch
 
+from astrai.data.rewards import register_reward
 from astrai.inference import InferenceEngine
 from astrai.model import preset_model
 from astrai.train.optim import adamw, constant
-from astrai.train.strategies.grpo import (
-    build_rollouts,
-    group_advantages,
-    grpo_loss,
-    k3_kl,
-    parse_rewards,
-    score,
-)
+from astrai.train.strategies.grpo import build_rollouts, parse_rewards, score
+from astrai.train.strategies.grpo_loss import group_advantages, grpo_loss, k3_kl
 
 
 def test_group_advantages_by_hand():
@@ -46,7 +41,8 @@ def test_k3_kl_by_hand():
     assert (k3_kl(logp, ref) >= 0).all()
 
 
-def _hand_loss(logp, old, adv, mask, ref, clip_eps, kl_coef):
+def _hand_loss(logp, old, adv, mask, ref, epsilon, kl_coef):
+    """Token mean (bnpo) of the clipped objective plus k3 KL, and the clipped share."""
     total, count, clipped_count = 0.0, 0, 0
     for i in range(len(logp)):
         for t in range(len(logp[i])):
@@ -55,7 +51,7 @@ def _hand_loss(logp, old, adv, mask, ref, clip_eps, kl_coef):
             ratio = math.exp(logp[i][t] - old[i][t])
             a = adv[i]
             unclipped = ratio * a
-            clipped = min(max(ratio, 1 - clip_eps), 1 + clip_eps) * a
+            clipped = min(max(ratio, 1 - epsilon), 1 + epsilon) * a
             d = ref[i][t] - logp[i][t]
             kl = math.exp(d) - d - 1
             total += -min(unclipped, clipped) + kl_coef * kl
@@ -77,22 +73,25 @@ def test_grpo_loss_matches_hand_computation():
         torch.tensor(old),
         torch.tensor(adv),
         torch.tensor(mask),
-        clip_eps=0.2,
+        loss_type="bnpo",
+        epsilon=0.2,
         ref_logp=torch.tensor(ref),
         kl_coef=0.05,
     )
     assert loss.item() == pytest.approx(expected, rel=1e-6)
-    assert metrics["clip_frac"].item() == pytest.approx(clip_frac)
+    assert metrics["clip_ratio/region_mean"].item() == pytest.approx(clip_frac)
     assert 0 < clip_frac < 1  # the fixed batch exercises both branches
     loss.backward()
     assert lp.grad[0, 2] == 0.0  # masked token: no gradient
     # On-policy (ratio 1, no KL): the gradient is -A / n_tokens per token.
     lp2 = torch.tensor(old, requires_grad=True)
-    loss2, m2 = grpo_loss(lp2, torch.tensor(old), torch.tensor(adv), torch.tensor(mask))
+    loss2, m2 = grpo_loss(
+        lp2, torch.tensor(old), torch.tensor(adv), torch.tensor(mask), loss_type="bnpo"
+    )
     loss2.backward()
     assert lp2.grad[0, 0].item() == pytest.approx(-0.8 / 5)
     assert lp2.grad[1, 2].item() == pytest.approx(1.2 / 5)
-    assert m2["clip_frac"].item() == 0.0
+    assert m2["clip_ratio/region_mean"].item() == 0.0
     with pytest.raises(ValueError):
         grpo_loss(lp2, lp2, torch.tensor(adv), torch.tensor(mask), kl_coef=0.1)
 
@@ -170,7 +169,7 @@ def _grpo(root, tok, **kw):
         max_new_tokens=6,
         rewards=[{"name": "exact_match", "weight": 1.0}, {"name": "format", "weight": 0.5}],
         kl_coef=0.1,
-        clip_eps=0.2,
+        epsilon=0.2,
         engine=functools.partial(InferenceEngine, max_batch_size=16, max_seq_len=64),
     )
     args.update(kw)
@@ -223,14 +222,14 @@ def test_grpo_compute_loss_matches_hand_computation(prompt_setup, monkeypatch):
                 logp, rl = pol[t, tokid].item(), rlp[t, tokid].item()
                 ratio = math.exp(logp - lp[k])
                 surr = min(ratio * adv[i], min(max(ratio, 0.8), 1.2) * adv[i])
-                kl = math.exp(rl - logp) - (rl - logp) - 1
+                kl = (math.exp(rl - logp) - (rl - logp) - 1) * ratio  # bias-corrected (TRL)
                 total += -surr + 0.1 * kl
                 count += 1
     assert loss.item() == pytest.approx(total / count, rel=1e-4, abs=1e-5)
     assert metrics["reward_mean"].item() == pytest.approx(5.5 / 8)
     assert metrics["zero_var_frac"].item() == 0.0
     assert metrics["kl"].item() > 0
-    assert 0 < metrics["clip_frac"].item() < 1
+    assert 0 < metrics["clip_ratio/region_mean"].item() < 1
 
 
 @pytest.mark.slow
@@ -272,7 +271,7 @@ def test_grpo_trains_under_lightning(prompt_setup, tmp_path):
         "train/reward_std",
         "train/zero_var_frac",
         "train/kl",
-        "train/clip_frac",
+        "train/clip_ratio/region_mean",
         "train/gen_time_frac",
         "val/reward",
         "val/exact_match",
@@ -329,6 +328,7 @@ def test_tiny_grpo_fast_via_entry_point(tmp_path, data_dir):
             "data.batch_size=2",
             "strategy.num_generations=4",
             "strategy.max_new_tokens=8",
+            "strategy.kl_coef=0.04",  # a reference model and train/kl whatever the recipe says
             "callbacks.eval_generation.num_prompts=4",
             "callbacks.eval_generation.max_tokens=8",
             "callbacks.progress_bar=null",
@@ -349,7 +349,7 @@ def test_tiny_grpo_fast_via_entry_point(tmp_path, data_dir):
         "train/reward_std",
         "train/zero_var_frac",
         "train/kl",
-        "train/clip_frac",
+        "train/clip_ratio/region_mean",
         "train/gen_time_frac",
         "eval/exact_match",
     ):
@@ -380,7 +380,7 @@ def test_grpo_engine_comes_from_the_engine_group():
     assert (kw["cache_mode"], kw["max_batch_size"], kw["max_seq_len"]) == ("contiguous", 64, 512)
     assert kw["page_size"] == 16  # the group's default, written once in conf/engine/
     tiny = compose(["experiment=tiny_grpo", "paths.output_dir=/tmp/unused"]).strategy.engine
-    assert (tiny.cache_mode, tiny.max_batch_size, tiny.max_seq_len) == ("contiguous", 64, 128)
+    assert (tiny.cache_mode, tiny.max_seq_len) == ("contiguous", 128)  # the recipe's sizes
     big = compose(["experiment=grpo_1b", "paths.output_dir=/tmp/unused"]).strategy.engine
     assert (big.cache_mode, big.max_seq_len, big.kv_tokens, big.page_size) == (
         "paged",
@@ -388,3 +388,186 @@ def test_grpo_engine_comes_from_the_engine_group():
         262144,
         16,
     )
+
+
+# ------------------------------------------------------------------ loss types, sync, options
+
+PARITY_REWARD = "test_grpo_parity"
+
+
+@register_reward(PARITY_REWARD)
+def _parity(record, completion):
+    """Varies for a random policy (so advantages are not all zero and the policy moves)."""
+    return float(len(completion) % 2)
+
+
+def _fit_one_step(root, tok, *, loss_type, batch_size, accumulate):
+    """One SGD step under Lightning with canned completions whose lengths differ per prompt."""
+    import lightning as L
+
+    from astrai.data import AstraiDataModule, PromptDataset
+
+    module = _grpo(
+        root,
+        tok,
+        loss_type=loss_type,
+        rewards=["format"],
+        optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=1.0),
+    )
+    texts = [
+        ["The answer is 5.", "x", "The answer is 77.", "y"],
+        ["1", "The answer is 2.", "z", "w"],
+    ]
+    order: dict[tuple[int, ...], int] = {}
+
+    def fake_generate(prompt_list, *, seed, **sampling):
+        out = []
+        for i, p in enumerate(prompt_list):
+            k = order.setdefault(tuple(p), len(order))
+            ids = tok.encode(texts[k % 2][i % 4])
+            out.append(_Result(ids, [-0.5 - 0.1 * (j % 3) for j in range(len(ids))]))
+        return out
+
+    module._generate = fake_generate
+    dm = AstraiDataModule(
+        train=PromptDataset(str(root / "prompts.h5")), batch_size=batch_size, seed=0
+    )
+    trainer = L.Trainer(
+        max_steps=1,
+        accumulate_grad_batches=accumulate,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
+    )
+    trainer.fit(module, datamodule=dm)
+    return module.model.state_dict(), list(order)
+
+
+def test_dapo_under_gradient_accumulation_equals_one_batch(prompt_setup):
+    """Two micro-batches of 1 prompt (their completion-token counts differ) give the same
+    SGD step as one batch of 2 prompts: dapo normalises by the window's token count, like
+    TRL's num_items_in_batch. bnpo (a mean per micro-batch) does not, as in TRL."""
+    root, tok = prompt_setup
+    steps = {}
+    for loss_type in ("dapo", "bnpo"):
+        for bs, acc in ((2, 1), (1, 2)):
+            steps[loss_type, acc], prompts = _fit_one_step(
+                root, tok, loss_type=loss_type, batch_size=bs, accumulate=acc
+            )
+            assert len(prompts) == 2
+    for key, value in steps["dapo", 1].items():
+        torch.testing.assert_close(steps["dapo", 2][key], value, rtol=1e-5, atol=1e-6)
+    moved = max((steps["dapo", 1][k] - steps["bnpo", 1][k]).abs().max() for k in steps["dapo", 1])
+    assert moved < 1e-5  # one batch on one process: dapo is bnpo
+    assert any(
+        not torch.allclose(steps["bnpo", 2][k], v, rtol=1e-5, atol=1e-6)
+        for k, v in steps["bnpo", 1].items()
+    )
+
+
+def test_training_logprobs_use_the_sampling_temperature(prompt_setup):
+    """Real engine rollouts at temperature 0.7: the training forward (logits / 0.7) gives the
+    rollout's own log-probs back, so the ratio is 1 and nothing is clipped."""
+    root, tok = prompt_setup
+    module = _grpo(root, tok, temperature=0.7, kl_coef=0.0)
+    prompts = [tok.encode("What is 2 + 3?"), tok.encode("What is 3 * 4?")]
+    _, metrics = module.compute_loss({"prompt_ids": prompts, "records": [{"answer": "5"}] * 2})
+    assert metrics["ratio"].item() == pytest.approx(1.0, abs=1e-5)
+    assert metrics["clip_ratio/region_mean"].item() == 0.0
+    module.teardown("fit")
+
+
+def _fit_resumable(root, tok, tmp_path, *, ckpt_path=None):
+    """Four GRPO steps with a moving reference; a checkpoint is written after step 3."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from astrai.data import AstraiDataModule, PromptDataset
+
+    module = _grpo(root, tok, sync_interval=2, sync_alpha=0.5, kl_coef=0.5, rewards=[PARITY_REWARD])
+    dm = AstraiDataModule(train=PromptDataset(str(root / "prompts.h5")), batch_size=2, seed=0)
+    ckpt = ModelCheckpoint(
+        dirpath=tmp_path, filename="step{step}", every_n_train_steps=3, save_top_k=-1
+    )
+    trainer = L.Trainer(
+        default_root_dir=tmp_path,
+        max_steps=4,
+        accelerator="cpu",
+        logger=False,
+        callbacks=[ckpt],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
+    )
+    trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
+    ref = {k: v.clone() for k, v in module.reference.model.state_dict().items()}
+    return module.model.state_dict(), ref
+
+
+def test_reference_sync_every_interval_and_exact_resume(prompt_setup, tmp_path):
+    """sync_interval 2, alpha 0.5: the reference moves half-way to the policy after step 2
+    (and 4). A run resumed from its step-3 checkpoint ends with the same policy and
+    reference as the uninterrupted one, because the checkpoint carries the synced reference;
+    without it the resumed step's KL term differs."""
+    root, tok = prompt_setup
+    initial = _grpo(root, tok).model.state_dict()
+    policy4, ref4 = _fit_resumable(root, tok, tmp_path / "a")
+    key = next(k for k, v in ref4.items() if v.dim() == 2)
+    assert not torch.equal(ref4[key], initial[key])  # the reference moved
+    (ckpt,) = (tmp_path / "a").glob("step*3*.ckpt")
+    saved = torch.load(ckpt, weights_only=True)
+    assert not torch.equal(saved["grpo_reference"]["state_dict"][key], initial[key])
+    policy_r, ref_r = _fit_resumable(root, tok, tmp_path / "b", ckpt_path=ckpt)
+    for k, v in policy4.items():
+        torch.testing.assert_close(policy_r[k], v, rtol=0, atol=0)
+    for k, v in ref4.items():
+        torch.testing.assert_close(ref_r[k], v, rtol=0, atol=0)
+    # the same checkpoint without the reference: the last step sees the initial reference
+    del saved["grpo_reference"]
+    stripped = tmp_path / "stripped.ckpt"
+    torch.save(saved, stripped)
+    policy_s, _ = _fit_resumable(root, tok, tmp_path / "c", ckpt_path=stripped)
+    assert any(not torch.equal(policy_s[k], v) for k, v in policy4.items())
+
+
+def test_sync_reference_mixes_and_copies():
+    from astrai.train.strategies.reference_sync import sync_reference
+
+    torch.manual_seed(0)
+    policy = preset_model("tiny", vocab_size=320)
+    ref = preset_model("tiny", vocab_size=320)
+    before = {k: v.clone() for k, v in ref.state_dict().items()}
+    sync_reference(ref, policy, alpha=0.25)
+    for k, v in policy.state_dict().items():
+        torch.testing.assert_close(ref.state_dict()[k], 0.25 * v + 0.75 * before[k])
+    sync_reference(ref, policy)
+    assert all(torch.equal(ref.state_dict()[k], v) for k, v in policy.state_dict().items())
+
+
+def test_grpo_rejects_bad_loss_options(prompt_setup):
+    root, tok = prompt_setup
+    with pytest.raises(ValueError, match="clip_eps was renamed epsilon"):
+        _grpo(root, tok, clip_eps=0.2)
+    with pytest.raises(ValueError, match="loss_type"):
+        _grpo(root, tok, loss_type="ppo")
+    with pytest.raises(ValueError, match="epsilon_high"):
+        _grpo(root, tok, epsilon_high=-0.1)
+    with pytest.raises(ValueError, match="temperature"):
+        _grpo(root, tok, temperature=0.0)
+    with pytest.raises(ValueError, match="sync_interval"):
+        _grpo(root, tok, sync_interval=2, kl_coef=0.0)
+    with pytest.raises(ValueError, match="sync_alpha"):
+        _grpo(root, tok, sync_interval=2, sync_alpha=0.0)
+    with pytest.raises(ValueError, match="dr_grpo needs max_completion_length"):
+        grpo_loss(
+            torch.zeros(1, 2),
+            torch.zeros(1, 2),
+            torch.ones(1),
+            torch.ones(1, 2),
+            loss_type="dr_grpo",
+        )

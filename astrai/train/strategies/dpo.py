@@ -5,8 +5,9 @@ and down for the rejected one::
 
     loss = -log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r)))
 
-where ``pi_*`` / ``ref_*`` are log-probabilities summed over the *response* tokens (the loss
-mask of the preference batch). The reference is either a frozen copy of the initial policy
+where ``pi_*`` / ``ref_*`` are log-probabilities of the *response* tokens (the loss mask of
+the preference batch), summed (``reduction: sum``, the paper's and TRL's) or averaged over
+the response (``reduction: mean``: no pull towards longer or shorter answers). The reference is either a frozen copy of the initial policy
 (``reference: copy``) or its log-probabilities computed once over the train and val sets
 before training (``reference: precomputed``; no second model in memory, the values travel
 in the Lightning checkpoint so a resumed run uses the same ones).
@@ -30,14 +31,20 @@ from astrai.train.module import LMModule, ReferencePolicy, token_logprobs
 log = logging.getLogger(__name__)
 
 REFERENCE_MODES = ("copy", "precomputed")
+REDUCTIONS = ("sum", "mean")
 
 
 # ---------------------------------------------------------------------------- pure functions
 
 
-def sequence_logprobs(token_logps: Tensor, mask: Tensor) -> Tensor:
-    """Sum of per-token log-probs over the masked (response) tokens: ``[B, S] -> [B]``."""
-    return (token_logps * mask.to(token_logps.dtype)).sum(-1)
+def sequence_logprobs(token_logps: Tensor, mask: Tensor, reduction: str = "sum") -> Tensor:
+    """Sum (``reduction="sum"``) or mean (``"mean"``) of per-token log-probs over the masked
+    (response) tokens: ``[B, S] -> [B]``; an empty response gives 0."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"DPO reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    mask = mask.to(token_logps.dtype)
+    total = (token_logps * mask).sum(-1)
+    return total if reduction == "sum" else total / mask.sum(-1).clamp(min=1.0)
 
 
 def dpo_loss(
@@ -87,21 +94,29 @@ def batch_pair_keys(batch: Mapping[str, Tensor]) -> list[str]:
     return keys
 
 
-def preference_logprobs(model: nn.Module, batch: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
-    """Summed response log-probs ``(chosen [B], rejected [B])`` in one ``[2B, S]`` forward."""
+def preference_logprobs(
+    model: nn.Module, batch: Mapping[str, Tensor], reduction: str = "sum"
+) -> tuple[Tensor, Tensor]:
+    """Response log-probs ``(chosen [B], rejected [B])`` (summed or averaged, see
+    :func:`sequence_logprobs`) in one ``[2B, S]`` forward."""
     ids = torch.cat([batch["chosen_input_ids"], batch["rejected_input_ids"]])
     labels = torch.cat([batch["chosen_labels"], batch["rejected_labels"]])
     mask = torch.cat([batch["chosen_loss_mask"], batch["rejected_loss_mask"]])
     # Right padding under a causal mask never changes the logits of real tokens, so no
     # attention mask is needed (and SDPA keeps its fast causal path).
     logits = model(ids)
-    seq = sequence_logprobs(token_logprobs(logits, labels), mask.bool() & (labels != -100))
+    seq = sequence_logprobs(
+        token_logprobs(logits, labels), mask.bool() & (labels != -100), reduction
+    )
     b = batch["chosen_input_ids"].shape[0]
     return seq[:b], seq[b:]
 
 
 def precompute_reference(
-    model: nn.Module, batches: Iterable[Mapping[str, Tensor]], device: torch.device
+    model: nn.Module,
+    batches: Iterable[Mapping[str, Tensor]],
+    device: torch.device,
+    reduction: str = "sum",
 ) -> dict[str, tuple[float, float]]:
     """``{pair_key: (ref_chosen, ref_rejected)}`` over ``batches`` with ``model`` as reference."""
     out: dict[str, tuple[float, float]] = {}
@@ -111,7 +126,7 @@ def precompute_reference(
         with torch.no_grad():
             for batch in batches:
                 batch = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in batch.items()}
-                c, r = preference_logprobs(model, batch)
+                c, r = preference_logprobs(model, batch, reduction)
                 for key, vc, vr in zip(batch_pair_keys(batch), c.tolist(), r.tolist()):
                     out[key] = (vc, vr)
     finally:
@@ -148,6 +163,8 @@ class DPOModule(LMModule):
             pair once in ``on_fit_start`` and stores them in the checkpoint instead.
         reference_dtype: e.g. ``bfloat16`` to halve the frozen copy's memory.
         precompute_batch_size: batch size of the precomputation pass.
+        reduction: ``sum`` (default; the paper's, TRL's) or ``mean`` of the response tokens'
+            log-probs, for the policy and the reference alike.
 
     The other arguments (``model``, ``optimizer``, ``tokenizer``, ``init_from``, ...) are
     ``LMModule``'s; ``init_from`` (typically the SFT export) is applied before the reference
@@ -162,8 +179,11 @@ class DPOModule(LMModule):
         reference: str = "copy",
         reference_dtype: str | None = None,
         precompute_batch_size: int = 16,
+        reduction: str = "sum",
         **kwargs: Any,
     ) -> None:
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"DPO reduction must be one of {REDUCTIONS}, got {reduction!r}")
         if reference not in REFERENCE_MODES:
             raise ValueError(f"DPO reference must be one of {REFERENCE_MODES}, got {reference!r}")
         if beta <= 0:
@@ -175,6 +195,7 @@ class DPOModule(LMModule):
         self.label_smoothing = float(label_smoothing)
         self.reference_mode = reference
         self.precompute_batch_size = int(precompute_batch_size)
+        self.reduction = reduction
         if reference == "copy":
             self.reference = ReferencePolicy(self.model, reference_dtype)
         self._ref_table: dict[str, tuple[float, float]] | None = None
@@ -183,7 +204,7 @@ class DPOModule(LMModule):
     def reference_logprobs(self, batch: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
         if self.reference_mode == "copy":
             with torch.no_grad():
-                return preference_logprobs(self.reference.on(self.device), batch)
+                return preference_logprobs(self.reference.on(self.device), batch, self.reduction)
         if self._ref_table is None:
             raise RuntimeError("DPO reference log-probs were not precomputed (on_fit_start)")
         vals = []
@@ -219,7 +240,7 @@ class DPOModule(LMModule):
                 collate_fn=getattr(dm, "collate_fn", None) or ds.collate,
             )
             started = time.perf_counter()
-            table.update(precompute_reference(self.model, loader, self.device))
+            table.update(precompute_reference(self.model, loader, self.device, self.reduction))
             log.info(
                 "DPO: reference log-probs of %d %s pairs in %.1fs (rank %d)",
                 len(shard),
@@ -242,18 +263,24 @@ class DPOModule(LMModule):
             checkpoint["dpo_reference"] = {
                 "keys": keys,
                 "values": torch.tensor([self._ref_table[k] for k in keys], dtype=torch.float64),
+                "reduction": self.reduction,
             }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
         saved = checkpoint.get("dpo_reference")
         if saved is not None and self.reference_mode == "precomputed":
+            if saved.get("reduction", "sum") != self.reduction:
+                raise ValueError(
+                    f"DPO reduction is {self.reduction!r} but the checkpoint's precomputed "
+                    f"reference log-probs were reduced with {saved.get('reduction', 'sum')!r}"
+                )
             values = saved["values"].tolist()
             self._ref_table = {k: (v[0], v[1]) for k, v in zip(saved["keys"], values)}
 
     # ------------------------------------------------------------------ loss
     def compute_loss(self, batch: dict[str, Any]) -> tuple[Tensor, dict[str, Tensor]]:
-        pc, pr = preference_logprobs(self.model, batch)
+        pc, pr = preference_logprobs(self.model, batch, self.reduction)
         rc, rr = self.reference_logprobs(batch)
         loss, cr, rj = dpo_loss(
             pc, pr, rc.to(pc.dtype), rr.to(pc.dtype), self.beta, self.label_smoothing

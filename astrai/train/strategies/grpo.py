@@ -2,15 +2,19 @@
 
 Per training step: for every prompt of the batch, ``G`` completions are sampled by the
 inference engine running on the *live* policy weights (``run_batch``, which also returns the
-rollout policy's log-probs per token); rewards come from the reward registry; advantages are
-normalised within each prompt's group; the loss is the PPO clipped-ratio objective against the
-rollout log-probs plus ``kl_coef`` times the k3 estimate of KL(policy || reference), averaged
-over all completion tokens of the batch.
+rollout policy's log-probs per token, of the temperature-scaled distribution); rewards come
+from the reward registry; advantages are normalised within each prompt's group; the loss is
+the PPO clipped-ratio objective against the rollout log-probs plus ``kl_coef`` times the k3
+estimate of KL(policy || reference), aggregated over completion tokens as TRL's ``loss_type``
+(:mod:`astrai.train.strategies.grpo_loss`). Like TRL, the training forward divides the logits
+by the sampling temperature, so policy, rollout and reference log-probs are of one quantity.
 
 One optimizer step is taken per batch of rollouts (``mu = 1`` in the paper's notation); with
 gradient accumulation the weights do not change between micro-batches, so the rollout
 log-probs stay on-policy and the ratio starts at 1. The engine's policy version is advanced
-after every optimizer step, which drops prefix-cache pages built with older weights.
+after every optimizer step, which drops prefix-cache pages built with older weights. With
+``sync_interval > 0`` the reference moves towards the policy every that many optimizer steps
+(TRL's ``ref_model_sync_steps``) and travels in the checkpoint.
 """
 
 from __future__ import annotations
@@ -18,172 +22,31 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
 from torch import Tensor
 
-from astrai.data.rewards import get_reward
 from astrai.inference import InferenceEngine
 from astrai.train.module import LMModule, ReferencePolicy, token_logprobs
+from astrai.train.strategies.grpo_loss import check_loss_options, group_advantages, grpo_loss
+from astrai.train.strategies.grpo_rollouts import (
+    Rollouts,
+    build_rollouts,
+    parse_rewards,
+    plain_rewards,
+    score,
+)
+from astrai.train.strategies.reference_sync import (
+    check_sync_options,
+    load_reference_state,
+    reference_state,
+    sync_reference,
+)
 
 log = logging.getLogger(__name__)
 
-
-# ---------------------------------------------------------------------------- pure functions
-
-
-def group_advantages(rewards: Tensor, eps: float = 1e-4) -> Tensor:
-    """``(r - mean_g) / (std_g + eps)`` within each group: ``[B, G] -> [B, G]``.
-
-    ``std`` is the unbiased sample standard deviation (as in DeepSeekMath / TRL); a group whose
-    completions all got the same reward has zero advantage and contributes no policy gradient.
-    """
-    if rewards.dim() != 2:
-        raise ValueError(f"group_advantages: expected [prompts, G], got {tuple(rewards.shape)}")
-    if rewards.shape[1] < 2:
-        raise ValueError("group_advantages: need at least 2 completions per prompt")
-    mean = rewards.mean(dim=1, keepdim=True)
-    std = rewards.std(dim=1, keepdim=True)
-    return (rewards - mean) / (std + eps)
-
-
-def k3_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:
-    """Per-token k3 estimator of KL(pi || ref): ``exp(ref - pi) - (ref - pi) - 1`` (>= 0,
-    unbiased, low variance; Schulman 2020)."""
-    diff = ref_logp - logp
-    return torch.exp(diff) - diff - 1.0
-
-
-def grpo_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    clip_eps: float = 0.2,
-    ref_logp: Tensor | None = None,
-    kl_coef: float = 0.0,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """Clipped-ratio policy loss plus ``kl_coef`` * k3 KL, mean over completion tokens.
-
-    Args:
-        logp: current policy log-probs of the sampled tokens ``[N, T]`` (with grad).
-        old_logp: log-probs of the policy that sampled them (the rollout) ``[N, T]``.
-        advantages: one per completion ``[N]`` (broadcast over its tokens).
-        mask: 1 on completion tokens ``[N, T]``.
-        ref_logp: reference log-probs ``[N, T]`` (needed when ``kl_coef > 0``).
-    Returns:
-        the loss and detached metrics: ``kl`` (mean k3 over tokens), ``clip_frac`` (share of
-        tokens whose clipped term is the active one), ``ratio`` (mean).
-    """
-    mask = mask.to(logp.dtype)
-    n_tokens = mask.sum().clamp(min=1.0)
-    adv = advantages.to(logp.dtype).unsqueeze(-1)
-    ratio = torch.exp(logp - old_logp)
-    unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv
-    per_token = -torch.minimum(unclipped, clipped)
-    metrics: dict[str, Tensor] = {}
-    if kl_coef:
-        if ref_logp is None:
-            raise ValueError("grpo_loss: kl_coef > 0 needs ref_logp")
-        kl = k3_kl(logp, ref_logp)
-        per_token = per_token + kl_coef * kl
-        metrics["kl"] = ((kl * mask).sum() / n_tokens).detach()
-    elif ref_logp is not None:
-        metrics["kl"] = ((k3_kl(logp, ref_logp) * mask).sum() / n_tokens).detach()
-    loss = (per_token * mask).sum() / n_tokens
-    clip_active = (clipped < unclipped).to(logp.dtype)
-    metrics["clip_frac"] = ((clip_active * mask).sum() / n_tokens).detach()
-    metrics["ratio"] = ((ratio * mask).sum() / n_tokens).detach()
-    return loss, metrics
-
-
-@dataclass
-class Rollouts:
-    """Prompt + completion sequences, right-padded, ready for a training forward.
-
-    ``input_ids`` ``[N, S]``; ``mask`` / ``old_logp`` are ``[N, S-1]`` aligned with the
-    *targets* ``input_ids[:, 1:]``: 1 (and the rollout log-prob) on completion tokens.
-    """
-
-    input_ids: Tensor
-    mask: Tensor
-    old_logp: Tensor
-    completion_lengths: Tensor
-
-
-def build_rollouts(
-    prompts: Sequence[Sequence[int]],
-    completions: Sequence[Sequence[int]],
-    logprobs: Sequence[Sequence[float]],
-    pad_id: int = 0,
-    device: torch.device | str | None = None,
-) -> Rollouts:
-    """Concatenate each prompt with its completion and align the rollout log-probs with the
-    shifted targets: completion token ``k`` of a prompt of length ``p`` is target ``p - 1 + k``."""
-    if not (len(prompts) == len(completions) == len(logprobs)):
-        raise ValueError("build_rollouts: prompts, completions and logprobs differ in length")
-    lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
-    s = max(max(lengths), 2)
-    n = len(prompts)
-    ids = torch.full((n, s), pad_id, dtype=torch.long)
-    mask = torch.zeros((n, s - 1), dtype=torch.float32)
-    old = torch.zeros((n, s - 1), dtype=torch.float32)
-    for i, (p, c, lp) in enumerate(zip(prompts, completions, logprobs)):
-        if len(lp) != len(c):
-            raise ValueError(
-                f"build_rollouts: completion {i} has {len(c)} tokens but {len(lp)} log-probs"
-            )
-        if not p:
-            raise ValueError(f"build_rollouts: prompt {i} is empty")
-        ids[i, : len(p)] = torch.tensor(list(p), dtype=torch.long)
-        if c:
-            ids[i, len(p) : len(p) + len(c)] = torch.tensor(list(c), dtype=torch.long)
-            mask[i, len(p) - 1 : len(p) - 1 + len(c)] = 1.0
-            old[i, len(p) - 1 : len(p) - 1 + len(c)] = torch.tensor(list(lp), dtype=torch.float32)
-    lens = torch.tensor([len(c) for c in completions], dtype=torch.float32)
-    if device is not None:
-        ids, mask, old, lens = ids.to(device), mask.to(device), old.to(device), lens.to(device)
-    return Rollouts(ids, mask, old, lens)
-
-
-def parse_rewards(rewards: Any) -> list[tuple[str, float]]:
-    """Config -> ``[(name, weight)]``: a name, a list of names, a list of ``{name, weight}``
-    or a ``{name: weight}`` mapping. Unknown names fail here, before any model is built."""
-    if isinstance(rewards, str):
-        items: list[tuple[str, float]] = [(rewards, 1.0)]
-    elif isinstance(rewards, Mapping):
-        items = [(str(k), float(v)) for k, v in rewards.items()]
-    else:
-        items = []
-        for r in rewards:
-            if isinstance(r, str):
-                items.append((r, 1.0))
-            else:
-                items.append((str(r["name"]), float(r.get("weight", 1.0))))
-    if not items:
-        raise ValueError("GRPO needs at least one reward")
-    for name, _ in items:
-        get_reward(name)  # raises a KeyError listing the registered rewards
-    return items
-
-
-def score(
-    records: Sequence[Mapping[str, Any]], texts: Sequence[str], rewards: Sequence[tuple[str, float]]
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """Weighted sum of the rewards per completion ``[N]``, and each reward's mean."""
-    total = torch.zeros(len(texts))
-    parts: dict[str, Tensor] = {}
-    for name, weight in rewards:
-        fn = get_reward(name)
-        vals = torch.tensor([float(fn(rec, txt)) for rec, txt in zip(records, texts)])
-        parts[name] = vals.mean()
-        total += weight * vals
-    return total, parts
+__all__ = ["GRPOModule", "Rollouts", "build_rollouts", "parse_rewards", "score"]
 
 
 # ---------------------------------------------------------------------------- the module
@@ -194,13 +57,24 @@ class GRPOModule(LMModule):
 
     Args:
         num_generations: completions per prompt (``G``); every group needs at least 2.
-        max_new_tokens, temperature, top_p, top_k: rollout sampling. The log-probs that come
-            back are those of the raw model distribution, like the training forward's.
+        max_new_tokens, temperature, top_p, top_k: rollout sampling (temperature > 0). The
+            log-probs that come back are of the temperature-scaled, untruncated distribution
+            (``logprobs_mode="scaled"``), as are the training forward's and the reference's
+            (logits / temperature, as in TRL).
         rewards: reward names from ``astrai.data.rewards`` with weights, e.g.
             ``[{name: exact_match, weight: 1.0}, {name: format, weight: 0.1}]``.
-        clip_eps: PPO clip range of the ratio.
-        kl_coef: weight of the k3 KL to a frozen copy of the initial policy (0: no reference
-            model is kept at all).
+        loss_type: ``grpo``, ``bnpo``, ``dr_grpo`` or ``dapo`` (TRL's definitions and default,
+            see :mod:`~astrai.train.strategies.grpo_loss`). ``dapo`` divides by the completion
+            tokens of the whole optimizer step (all ranks, all accumulated micro-batches):
+            the gradients are rescaled once they are all in, before clipping and the step.
+        epsilon, epsilon_high: the ratio is clipped to ``[1 - epsilon, 1 + epsilon_high]``
+            (``epsilon_high`` None: symmetric; DAPO's clip-higher: 0.28).
+        kl_coef: weight of the k3 KL to the reference, a copy of the initial policy (0: no
+            reference model is kept at all).
+        use_bias_correction_kl: weight the per-token k3 by the importance ratio (TRL 1.16's
+            default and name; the tokens were sampled by the rollout policy).
+        sync_interval: every that many optimizer steps the reference becomes
+            ``sync_alpha * policy + (1 - sync_alpha) * reference`` (0: frozen reference).
         adv_eps: added to the group std.
         rollout_seed: rollouts are seeded by this plus the micro-batch count, so a resumed
             run samples the same completions as an uninterrupted one.
@@ -226,8 +100,13 @@ class GRPOModule(LMModule):
         top_p: float = 1.0,
         top_k: int = 0,
         rewards: Any = ("exact_match",),
-        clip_eps: float = 0.2,
+        loss_type: str = "dapo",
+        epsilon: float = 0.2,
+        epsilon_high: float | None = None,
         kl_coef: float = 0.04,
+        use_bias_correction_kl: bool = True,
+        sync_interval: int = 0,
+        sync_alpha: float = 1.0,
         adv_eps: float = 1e-4,
         rollout_seed: int = 0,
         engine: Callable[..., InferenceEngine] | None = None,
@@ -237,21 +116,41 @@ class GRPOModule(LMModule):
     ) -> None:
         if num_generations < 2:
             raise ValueError(f"GRPO num_generations must be >= 2, got {num_generations}")
+        if "clip_eps" in kwargs:
+            raise ValueError(
+                "GRPO clip_eps was renamed epsilon (TRL's name): set strategy.epsilon, and "
+                "strategy.epsilon_high for asymmetric clipping"
+            )
         if kwargs.get("tokenizer") is None:
             raise ValueError("GRPO needs a tokenizer (rewards read decoded completions)")
-        reward_items = parse_rewards(_plain_rewards(rewards))
+        if not temperature > 0:
+            raise ValueError(
+                f"GRPO temperature must be > 0 (the training log-probs are of logits / "
+                f"temperature; greedy groups have no variance), got {temperature}"
+            )
+        self.epsilon, self.epsilon_high = check_loss_options(loss_type, epsilon, epsilon_high)
+        check_sync_options(sync_interval, sync_alpha, kl_coef)
+        reward_items = parse_rewards(plain_rewards(rewards))
         super().__init__(**kwargs)
         self.num_generations = int(num_generations)
+        self.temperature = float(temperature)
+        self.max_new_tokens = int(max_new_tokens)
         self.sampling = {
-            "max_tokens": int(max_new_tokens),
-            "temperature": float(temperature),
+            "max_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
             "top_p": float(top_p),
             "top_k": int(top_k),
+            "logprobs_mode": "scaled",
         }
         self.val_max_new_tokens = int(val_max_new_tokens or max_new_tokens)
         self.rewards = reward_items
-        self.clip_eps = float(clip_eps)
+        self.loss_type = loss_type
         self.kl_coef = float(kl_coef)
+        self.use_bias_correction_kl = bool(use_bias_correction_kl)
+        self.sync_interval = int(sync_interval)
+        self.sync_alpha = float(sync_alpha)
+        self._synced_step = 0  # the optimizer step the reference was last synced at
+        self._window_tokens = torch.zeros(())  # dapo: completion tokens of this step's window
         self.adv_eps = float(adv_eps)
         self.rollout_seed = int(rollout_seed)
         self.make_engine: Callable[..., InferenceEngine] = engine or InferenceEngine
@@ -331,21 +230,34 @@ class GRPOModule(LMModule):
         )
         self.flops_per_batch = self.flops_per_token * r.input_ids.numel()
         targets = r.input_ids[:, 1:]
-        logp = token_logprobs(self.model(r.input_ids)[:, :-1], targets)
+        logp = token_logprobs(self._scaled(self.model(r.input_ids)[:, :-1]), targets)
         ref_logp = None
         if self.reference is not None:
             with torch.no_grad():
                 ref_logits = self.reference.on(self.device)(r.input_ids)
-                ref_logp = token_logprobs(ref_logits[:, :-1], targets)
+                ref_logp = token_logprobs(self._scaled(ref_logits[:, :-1]), targets)
+        # dapo under a trainer: the gradient is that of sum / max_new_tokens, rescaled to the
+        # window's global token count in `optimizer_step`; the value is this batch's mean.
+        deferred = self.loss_type == "dapo" and self._trainer is not None and self.training
         loss, metrics = grpo_loss(
             logp,
             r.old_logp,
             adv,
             r.mask,
-            clip_eps=self.clip_eps,
+            loss_type=self.loss_type,
+            epsilon=self.epsilon,
+            epsilon_high=self.epsilon_high,
             ref_logp=ref_logp,
             kl_coef=self.kl_coef,
+            use_bias_correction_kl=self.use_bias_correction_kl,
+            max_completion_length=self.max_new_tokens,
+            num_items=self.max_new_tokens if deferred else None,
         )
+        if deferred:
+            n_tokens = r.mask.sum()
+            self._window_tokens = self._window_tokens.to(n_tokens.device) + n_tokens
+            mean = loss.detach() * self.max_new_tokens / n_tokens.clamp(min=1.0)
+            loss = loss + (mean - loss.detach())
         group_std = rewards.std(dim=1)
         metrics.update(
             {
@@ -358,12 +270,79 @@ class GRPOModule(LMModule):
         )
         return loss, metrics
 
+    def _scaled(self, logits: Tensor) -> Tensor:
+        """Logits of the sampling distribution (TRL: ``logits / temperature``)."""
+        return logits if self.temperature == 1.0 else logits.float() / self.temperature
+
+    def optimizer_step(
+        self,
+        epoch: int,
+        batch_idx: int,
+        optimizer: Any,
+        optimizer_closure: Callable[[], Any] | None = None,
+    ) -> None:
+        """``dapo``: once the last micro-batch's backward is done (inside the closure, so
+        before the ``on_before_optimizer_step`` hooks, clipping and the step), rescale the
+        gradients from ``sum / max_new_tokens`` per micro-batch to ``sum / T``, where ``T`` is
+        the completion-token count of the window summed over all ranks (TRL's
+        ``num_items_in_batch``). Lightning divided each micro-batch's loss by
+        ``accumulate_grad_batches`` and DDP averaged the ranks, hence the factors."""
+        if self.loss_type == "dapo" and optimizer_closure is not None:
+            closure = optimizer_closure
+
+            def optimizer_closure() -> Any:
+                out = closure()
+                self._normalise_by_global_tokens()
+                return out
+
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+
+    @torch.no_grad()
+    def _normalise_by_global_tokens(self) -> None:
+        tokens = self._window_tokens.to(self.device, torch.float32)
+        total = self.trainer.strategy.reduce(tokens, reduce_op="sum")
+        factors = self.trainer.world_size * self.trainer.accumulate_grad_batches
+        scale = factors * self.max_new_tokens / total.clamp(min=1.0)
+        for p in self.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale.to(p.grad.dtype))
+        self._window_tokens = torch.zeros(())
+
     # ------------------------------------------------------------------ hooks
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> Any:
         out = super().on_train_batch_start(batch, batch_idx)  # restores RNG states on resume
         self._batch_started = time.perf_counter()
         self._gen_seconds = 0.0
+        self._maybe_sync_reference()
         return out
+
+    def _maybe_sync_reference(self) -> None:
+        """At the first batch after every ``sync_interval``-th optimizer step (also the first
+        batch after a resume from that step): the reference moves towards the policy."""
+        step = int(self.global_step)
+        if not self.sync_interval or self.reference is None or step == 0:
+            return
+        if step % self.sync_interval == 0 and step != self._synced_step:
+            sync_reference(self.reference.on(self.device), self.model, self.sync_alpha)
+            self._synced_step = step
+            log.info("GRPO: reference synced to the policy at step %d", step)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
+        if self.sync_interval and self.reference is not None:  # a moving reference
+            checkpoint["grpo_reference"] = reference_state(self.reference.model, self._synced_step)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
+        saved = checkpoint.get("grpo_reference")
+        if self.sync_interval and self.reference is not None:
+            if saved is None:
+                log.warning(
+                    "GRPO: the checkpoint has no synced reference (written with sync_interval "
+                    "0?); the reference is the initial policy until the next sync"
+                )
+            else:
+                self._synced_step = load_reference_state(self.reference.model, saved)
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_end(outputs, batch, batch_idx)
@@ -398,9 +377,3 @@ class GRPOModule(LMModule):
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = None
-
-
-def _plain_rewards(rewards: Any) -> Any:
-    return (
-        OmegaConf.to_container(rewards, resolve=True) if OmegaConf.is_config(rewards) else rewards
-    )

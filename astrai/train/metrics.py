@@ -1,0 +1,294 @@
+"""Tokenizer-independent language-model metrics: perplexity, bits per byte, a unigram baseline.
+
+Cross entropy in nats per token depends on the tokenizer (a larger vocabulary packs more
+text into a token); bits per byte does not: the same total nats divided by ``ln 2`` times the
+UTF-8 bytes the target tokens stand for. Both are corpus-level here: sums over every target
+token of the evaluation pass, not a mean of batch means.
+
+* :func:`token_byte_lengths`: bytes each token id stands for.
+* :class:`CorpusNLL`: the running sums (nats, tokens, bytes); :func:`corpus_metrics` turns
+  them into ``ppl`` and ``bpb``.
+* :class:`ValidationCorpusMetrics`: mixin for an ``LMModule`` that logs ``val/ppl`` and
+  ``val/bpb`` once per validation epoch (summed over DDP ranks).
+* :func:`unigram_baseline`, and ``python -m astrai.train.metrics unigram [overrides]``: the
+  same figures for add-one-smoothed token frequencies of the training split, the floor a
+  trained model must beat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from astrai.data.datasets import IGNORE_INDEX
+from astrai.tokenizer import AutoTokenizer
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "CorpusNLL",
+    "ValidationCorpusMetrics",
+    "corpus_metrics",
+    "dataset_targets",
+    "token_byte_lengths",
+    "unigram_baseline",
+]
+
+
+# ---------------------------------------------------------------------- bytes per token
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-to-unicode table inverted: the character a byte-level BPE writes for each
+    byte, mapped back to that byte (printable bytes stand for themselves, the rest are
+    shifted to U+0100 and up)."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    chars = {b: b for b in printable}
+    shifted = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = 256 + shifted
+            shifted += 1
+    return {chr(c): b for b, c in chars.items()}
+
+
+def _is_byte_level(tokenizer: AutoTokenizer) -> bool:
+    decoder = tokenizer.backend.decoder
+    return decoder is not None and b'"type":"ByteLevel"' in decoder.__getstate__()
+
+
+def token_byte_lengths(tokenizer: AutoTokenizer, size: int | None = None) -> Tensor:
+    """UTF-8 bytes each token id stands for, as an int64 table of ``max(size, vocab)`` rows.
+
+    Byte-level BPE (ours, GPT-2, Llama 3, Qwen): every character of a vocabulary entry is one
+    byte in the byte-level alphabet, so a token that holds part of a multi-byte character
+    still counts its own bytes (``decode`` would give U+FFFD there). Special tokens (bos,
+    eos, pad, chat markers) count 0: they are markup the data pipeline inserts, not text of
+    the corpus, and counting them would flatter bpb; their nats still count. Non-special
+    added tokens (``<tool_call>``, ``<think>``) stand for literal text and count its bytes.
+    Other tokenizers (SentencePiece style) count ``<0xNN>`` byte-fallback pieces as 1 and
+    other pieces as their UTF-8 with ``▁`` as a space, an approximation (logged).
+    Rows past the tokenizer's vocabulary (a padded embedding) count 0.
+    """
+    backend = tokenizer.backend
+    table = torch.zeros(max(size or 0, tokenizer.vocab_size), dtype=torch.long)
+    added = backend.get_added_tokens_decoder()
+    alphabet = _byte_level_alphabet() if _is_byte_level(tokenizer) else None
+    if alphabet is None:
+        log.warning("bits per byte: %r is not byte-level; byte counts are approximate", tokenizer)
+    for token, i in backend.get_vocab(with_added_tokens=True).items():
+        if i in added:
+            table[i] = 0 if added[i].special else len(added[i].content.encode("utf-8"))
+        elif alphabet is not None and all(c in alphabet for c in token):
+            table[i] = len(token)
+        elif len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+            table[i] = 1
+        else:
+            table[i] = len(token.replace("▁", " ").encode("utf-8"))
+    return table
+
+
+# ---------------------------------------------------------------------- corpus sums
+def corpus_metrics(nats: float, tokens: float, num_bytes: float) -> dict[str, float]:
+    """``{"ppl": exp(nats / tokens), "bpb": nats / (ln 2 * bytes)}`` (bpb only when bytes
+    are known, ppl only when there are tokens)."""
+    out: dict[str, float] = {}
+    if tokens > 0:
+        out["ppl"] = math.exp(nats / tokens)
+    if num_bytes > 0:
+        out["bpb"] = nats / (math.log(2) * num_bytes)
+    return out
+
+
+class CorpusNLL:
+    """Running sums of an evaluation pass: nats over all target tokens, their count, and the
+    bytes they stand for (``byte_lengths``, e.g. :func:`token_byte_lengths`; ``None``: no
+    bytes, no bpb). Reset it at the start of a pass, read ``totals()`` at the end."""
+
+    def __init__(self, byte_lengths: Tensor | None = None, ignore_index: int = IGNORE_INDEX):
+        self.byte_lengths = byte_lengths
+        self.ignore_index = ignore_index
+        self.reset()
+
+    def reset(self) -> None:
+        self.nats = 0.0
+        self.tokens = 0
+        self.bytes = 0
+
+    @torch.no_grad()
+    def update(self, logits: Tensor, labels: Tensor) -> None:
+        """Add a batch: ``logits [..., V]`` and ``labels [...]`` (already shifted, positions
+        equal to ``ignore_index`` skipped). Plain cross entropy: no label smoothing."""
+        keep = labels != self.ignore_index
+        nats = F.cross_entropy(
+            logits.float().flatten(0, -2),
+            labels.flatten(),
+            ignore_index=self.ignore_index,
+            reduction="sum",
+        )
+        self.nats += float(nats)
+        self.tokens += int(keep.sum())
+        if self.byte_lengths is not None:
+            if self.byte_lengths.device != labels.device:
+                self.byte_lengths = self.byte_lengths.to(labels.device)
+            self.bytes += int(self.byte_lengths[labels[keep]].sum())
+
+    def totals(self) -> Tensor:
+        """``[nats, tokens, bytes]`` as float64, ready to be summed across ranks."""
+        return torch.tensor([self.nats, self.tokens, self.bytes], dtype=torch.float64)
+
+
+class ValidationCorpusMetrics:
+    """Mixin for an ``LMModule`` strategy: logs ``val/ppl`` and ``val/bpb`` over the whole
+    validation epoch, summed across DDP ranks before the division.
+
+    Use as ``class MyModule(ValidationCorpusMetrics, LMModule)`` and call
+    ``self.tally_validation(logits, labels)`` in ``compute_loss`` (it does nothing outside
+    ``validation_step``), so validation still runs one forward per batch. Bytes come from
+    the module's tokenizer (no tokenizer: ``val/ppl`` only). A DDP validation sampler that
+    pads the last batch with repeated samples counts those twice, as ``val/loss`` does.
+    """
+
+    val_nll: CorpusNLL | None = None
+    _tallying: bool = False
+
+    def tally_validation(self, logits: Tensor, labels: Tensor) -> None:
+        if not self._tallying:
+            return
+        if self.val_nll is None:
+            tok = self.tokenizer
+            size = self.model.config.vocab_size
+            self.val_nll = CorpusNLL(token_byte_lengths(tok, size) if tok is not None else None)
+        self.val_nll.update(logits.detach(), labels)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> Any:
+        self._tallying = True
+        try:
+            return super().validation_step(batch, batch_idx)
+        finally:
+            self._tallying = False
+
+    def on_validation_epoch_start(self) -> None:
+        super().on_validation_epoch_start()
+        if self.val_nll is not None:
+            self.val_nll.reset()
+
+    def on_validation_epoch_end(self) -> None:
+        super().on_validation_epoch_end()
+        if self.val_nll is None:
+            return
+        totals = self.val_nll.totals()
+        trainer = self.trainer
+        if trainer.world_size > 1:
+            totals = trainer.strategy.reduce(totals.to(self.device), reduce_op="sum").cpu()
+        for key, value in corpus_metrics(*totals.tolist()).items():
+            # already summed over ranks: the same value everywhere, no further sync
+            self.log(f"val/{key}", value, sync_dist=False)
+
+
+# ---------------------------------------------------------------------- unigram baseline
+def dataset_targets(dataset: Any) -> Iterator[Tensor]:
+    """The target tokens of every sample (its ``labels`` other than ``IGNORE_INDEX``): what
+    the loss of a model is computed on, in dataset order."""
+    for i in range(len(dataset)):
+        labels = torch.as_tensor(dataset[i]["labels"]).flatten()
+        yield labels[labels != IGNORE_INDEX]
+
+
+def _counts(targets: Iterable[Tensor], size: int) -> Tensor:
+    counts = torch.zeros(size, dtype=torch.float64)
+    for t in targets:
+        counts += torch.bincount(t.long(), minlength=size)[:size].double()
+    return counts
+
+
+def unigram_baseline(
+    train: Iterable[Tensor], val: Iterable[Tensor], byte_lengths: Tensor
+) -> dict[str, float]:
+    """Cross entropy of add-one-smoothed unigram frequencies on the validation targets.
+
+    ``p(v) = (count_train(v) + 1) / (N_train + V)`` with ``V = len(byte_lengths)`` (the
+    tokenizer's vocabulary), scored on every validation target token. Returns ``nats``,
+    ``tokens``, ``bytes`` (sums), ``nats_per_token``, ``ppl`` and ``bpb`` (as
+    :func:`corpus_metrics`, with the same byte table as the model's ``val/bpb``).
+    """
+    size = len(byte_lengths)
+    train_counts = _counts(train, size)
+    val_counts = _counts(val, size)
+    logp = torch.log((train_counts + 1.0) / (train_counts.sum() + size))
+    nats = float(-(val_counts * logp).sum())
+    tokens = float(val_counts.sum())
+    num_bytes = float((val_counts * byte_lengths.double()).sum())
+    out = {
+        "nats": nats,
+        "tokens": tokens,
+        "bytes": num_bytes,
+        "train_tokens": float(train_counts.sum()),
+    }
+    out["nats_per_token"] = nats / tokens if tokens else float("nan")
+    out.update(corpus_metrics(nats, tokens, num_bytes))
+    return out
+
+
+def unigram_from_config(overrides: list[str]) -> dict[str, Any]:
+    """The unigram baseline of a training config (``experiment=tiny_pretrain`` ...): its
+    tokenizer and prepared train/val data, built (and cached) exactly as a run builds them."""
+    from hydra.utils import instantiate
+
+    from astrai.train.runner import check_inputs, compose, prepare_tokenizer
+
+    cfg = compose([*overrides, "paths.output_dir=unused"])
+    check_inputs(cfg)
+    data_dir = cfg.paths.data_dir
+    tokenizer_dir = prepare_tokenizer(cfg.tokenizer, data_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    datamodule = instantiate(cfg.data, _convert_="all", _recursive_=False)
+    datamodule.connect(tokenizer_dir, data_dir)
+    datamodule.setup()
+    splits = {s: datamodule.datasets.get(s) for s in ("train", "val")}
+    missing = [s for s, ds in splits.items() if ds is None]
+    if missing:
+        raise ValueError(f"data.{missing[0]}: the unigram baseline needs a {missing[0]} split")
+    result = unigram_baseline(
+        dataset_targets(splits["train"]),
+        dataset_targets(splits["val"]),
+        token_byte_lengths(tokenizer),
+    )
+    return {"name": str(cfg.name), "tokenizer": str(tokenizer_dir), **result}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m astrai.train.metrics",
+        description="Language-model metrics. `unigram [overrides]`: the add-one unigram "
+        "baseline (nats/token, ppl, bpb) of a training config's validation data.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    uni = sub.add_parser(
+        "unigram", help="unigram baseline of a config, e.g. experiment=tiny_pretrain"
+    )
+    uni.add_argument("overrides", nargs="*", help="Hydra overrides, as for python -m astrai.train")
+    uni.add_argument("--out", default=None, help="also write the result as JSON here")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    result = unigram_from_config(list(args.overrides))
+    text = json.dumps(result, indent=2)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

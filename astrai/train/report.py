@@ -1,0 +1,115 @@
+"""A run's start and end figures with 95% confidence intervals, as a markdown table.
+
+    python -m astrai.train.report RUN_DIR [--metric eval/exact_match ...] [--n val/rewards/accuracy=480]
+
+An accuracy measured on ``n`` problems is a binomial proportion; the Wilson score interval
+(Wilson 1927) stays inside [0, 1] and is accurate at the small ``n`` and extreme rates of
+our reference runs, where the normal approximation is not. ``n`` for the ``eval/*`` metrics
+is the run's ``callbacks.eval_generation.num_prompts`` (read from ``.hydra/config.yaml``);
+give any other with ``--n METRIC=COUNT``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from astrai.train.plot import read_metrics
+
+__all__ = ["difference_ci", "markdown_table", "wilson_interval"]
+
+Z95 = 1.959963984540054
+
+
+def wilson_interval(successes: float, n: int, z: float = Z95) -> tuple[float, float]:
+    """The Wilson score interval of a binomial proportion ``successes / n``."""
+    if n <= 0:
+        raise ValueError(f"wilson_interval: n must be > 0, got {n}")
+    if not 0 <= successes <= n:
+        raise ValueError(f"wilson_interval: successes must be in [0, n], got {successes} of {n}")
+    if successes == n:  # exactly: the closed form loses the last ulp
+        return (n / (n + z * z), 1.0)
+    if successes == 0:
+        return (0.0, (z * z) / (n + z * z))
+    p = successes / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def difference_ci(p1: float, n1: int, p2: float, n2: int, z: float = Z95) -> tuple[float, float]:
+    """A 95% interval of ``p2 - p1`` for two independent proportions (Newcombe's method 10,
+    built from the two Wilson intervals)."""
+    l1, u1 = wilson_interval(p1 * n1, n1, z)
+    l2, u2 = wilson_interval(p2 * n2, n2, z)
+    d = p2 - p1
+    lower = d - math.sqrt((p2 - l2) ** 2 + (u1 - p1) ** 2)
+    upper = d + math.sqrt((u2 - p2) ** 2 + (p1 - l1) ** 2)
+    return lower, upper
+
+
+def _fmt(p: float, n: int) -> str:
+    lo, hi = wilson_interval(round(p * n), n)
+    return f"{p:.3f} [{lo:.3f}, {hi:.3f}] ({round(p * n)}/{n})"
+
+
+def markdown_table(
+    series: Mapping[str, Sequence[tuple[int, float]]], counts: Mapping[str, int]
+) -> str:
+    """Start, end and change (each with its 95% interval) of every metric in ``counts``."""
+    lines = [
+        "| metric | n | start (step) | end (step) | change [95% CI] |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for metric, n in counts.items():
+        points = series.get(metric)
+        if not points:
+            raise KeyError(f"metric {metric!r} was not logged (have: {sorted(series)})")
+        (s0, p0), (s1, p1) = points[0], points[-1]
+        lo, hi = difference_ci(p0, n, p1, n)
+        lines.append(
+            f"| {metric} | {n} | {_fmt(p0, n)} ({s0}) | {_fmt(p1, n)} ({s1}) | "
+            f"{p1 - p0:+.3f} [{lo:+.3f}, {hi:+.3f}] |"
+        )
+    return "\n".join(lines)
+
+
+def _eval_count(run: Path) -> int | None:
+    config = run / ".hydra" / "config.yaml"
+    if not config.is_file():
+        return None
+    from omegaconf import OmegaConf
+
+    value = OmegaConf.select(OmegaConf.load(config), "callbacks.eval_generation.num_prompts")
+    return int(value) if value is not None else None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("run", type=Path, help="a run folder (with csv/ and .hydra/)")
+    parser.add_argument("--metric", action="append", default=None, help="an accuracy to report")
+    parser.add_argument("--n", action="append", default=[], help="METRIC=COUNT")
+    args = parser.parse_args(argv)
+    series = read_metrics(args.run)
+    counts: dict[str, int] = {}
+    for item in args.n:
+        key, sep, value = item.partition("=")
+        if not sep or not value.isdigit():
+            parser.error(f"--n takes METRIC=COUNT, got {item!r}")
+        counts[key] = int(value)
+    eval_n = _eval_count(args.run)
+    for metric in args.metric or [m for m in series if m == "eval/exact_match"]:
+        if metric not in counts:
+            if not metric.startswith("eval/") or eval_n is None:
+                parser.error(f"--n {metric}=COUNT is needed (no count known for it)")
+            counts[metric] = eval_n
+    print(markdown_table(series, counts))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""The reference recipes chained as their READMEs run them, each 3 steps with ``debug=fast``:
+tiny_sft_start writes the export that tiny_dpo samples its on-policy pairs from and that
+tiny_grpo starts from (``${paths.log_dir}/tiny_sft_start/latest/export``)."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+from train_helpers import cli, run_dirs
+
+pytestmark = pytest.mark.slow
+
+QUIET = ["callbacks.progress_bar=null", "trainer.enable_model_summary=false"]
+SMALL_TOKENIZER = "tokenizer.train.max_bytes=400000"  # shared with the other CLI tests' cache
+
+
+def _dirs(tmp: Path, data_dir: Path, run: str) -> list[str]:
+    dirs = run_dirs(tmp, data_dir)
+    return [d.replace(f"={tmp / 'run'}", f"={tmp / run}") for d in dirs]
+
+
+def _csv_keys(run: Path) -> set[str]:
+    keys: set[str] = set()
+    for f in run.glob("csv/**/metrics.csv"):
+        with open(f) as fh:
+            for row in csv.DictReader(fh):
+                keys |= {k for k, v in row.items() if v}
+    return keys
+
+
+def test_sft_start_then_dpo_and_grpo_from_it(tmp_path: Path, data_dir: Path) -> None:
+    cli(
+        [
+            "experiment=tiny_sft_start",
+            "debug=fast",
+            SMALL_TOKENIZER,
+            "data.train.prepare.builtin.n=64",
+            "data.val.prepare.builtin.n=16",
+            "callbacks.eval_generation.num_prompts=4",
+            "callbacks.eval_generation.max_tokens=8",
+            *QUIET,
+            *_dirs(tmp_path, data_dir, "sft"),
+        ]
+    )
+    start = tmp_path / "outputs" / "tiny_sft_start" / "latest" / "export"
+    assert (start / "model.safetensors").is_file()
+
+    # 3 steps of SFT are never right: the worked solution stands in as chosen (fallback)
+    pairs = [
+        f"data.{split}.source.{key}"
+        for split in ("train", "val")
+        for key in ("builtin.n=8", "num_samples=2", "max_tokens=8", "fallback=reference")
+    ]
+    cli(
+        [
+            "experiment=tiny_dpo",
+            "debug=fast",
+            SMALL_TOKENIZER,
+            *pairs,
+            "data.batch_size=2",
+            "callbacks.eval_generation.num_prompts=4",
+            "callbacks.eval_generation.max_tokens=8",
+            *QUIET,
+            *_dirs(tmp_path, data_dir, "dpo"),
+        ]
+    )
+    dpo = tmp_path / "dpo"
+    assert (dpo / "export" / "model.safetensors").is_file()
+    keys = _csv_keys(dpo)
+    for key in ("train/loss", "train/rewards/accuracy", "val/rewards/accuracy", "eval/exact_match"):
+        assert key in keys, key
+    config = json.loads((dpo / "export" / "training_state.json").read_text())
+    assert config["global_step"] == 3
+
+    cli(
+        [
+            "experiment=tiny_grpo",
+            "debug=fast",
+            SMALL_TOKENIZER,
+            "data.train.prepare.builtin.n=32",
+            "data.batch_size=2",
+            "strategy.num_generations=4",
+            "strategy.max_new_tokens=8",
+            "callbacks.eval_generation.num_prompts=4",
+            "callbacks.eval_generation.max_tokens=8",
+            *QUIET,
+            *_dirs(tmp_path, data_dir, "grpo"),
+        ]
+    )
+    grpo = tmp_path / "grpo"
+    assert (grpo / "export" / "model.safetensors").is_file()
+    keys = _csv_keys(grpo)
+    for key in ("train/loss", "train/reward_mean", "train/zero_var_frac", "eval/exact_match"):
+        assert key in keys, key
+
+
+def test_dpo_without_its_starting_policy_fails_before_training(
+    tmp_path: Path, data_dir: Path
+) -> None:
+    proc = cli(
+        [
+            "experiment=tiny_dpo",
+            "debug=fast",
+            SMALL_TOKENIZER,
+            *QUIET,
+            *_dirs(tmp_path, data_dir, "x"),
+        ],
+        check=False,
+    )
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert "tiny_sft_start" in out and "does not exist" in out
+    assert not (tmp_path / "x" / "checkpoints").exists()

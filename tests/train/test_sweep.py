@@ -1,0 +1,203 @@
+"""The learning-rate grid (conf/hparams_search/lr_grid.yaml) and the sweep plot
+(`python -m astrai.train.plot sweep`), on fabricated multirun folders and one real `-m` run."""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from omegaconf import OmegaConf
+from train_helpers import SMALL, TINY_MODEL, cli
+
+from astrai.train import plot
+from astrai.train.runner import compose
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _job(
+    root: Path, name: str, overrides: list[str], rows: list[dict[str, object]], lr: float = 3e-3
+) -> Path:
+    """A job folder as Hydra and Lightning's CSVLogger leave it (`lr`: its config's)."""
+    job = root / name
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+    config = {"name": "tiny_sft", "optim": {"lr": lr, "weight_decay": 0.1}}
+    (job / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
+    logs = job / "csv" / "a1b2c3"
+    logs.mkdir(parents=True)
+    fields = sorted({k for r in rows for k in r} | {"step", "epoch"})
+    with open(logs / "metrics.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=fields)
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({"epoch": 0, **r})
+    return job
+
+
+@pytest.fixture
+def multirun(tmp_path: Path) -> Path:
+    """Four jobs: exact match logged by three (job 1's last value is not its best), never by
+    job 2; job 10 sorts after 2 (numeric order) and has its lr in its config only."""
+    root = tmp_path / "multirun" / "2025-01-01_00-00-00_abcdef"
+    _job(
+        root,
+        "0",
+        ["experiment=tiny_sft", "optim.lr=1e-3"],
+        [
+            {"step": 100, "eval/exact_match": 0.25, "val/loss": 2.0},
+            {"step": 400, "eval/exact_match": 0.5, "val/loss": 1.5},
+        ],
+    )
+    _job(
+        root,
+        "1",
+        ["experiment=tiny_sft", "optim.lr=3e-3"],
+        [
+            {"step": 100, "eval/exact_match": 0.75},
+            {"step": 200, "train/loss": 1.0},
+            {"step": 400, "eval/exact_match": 0.625},
+        ],
+    )
+    _job(root, "2", ["experiment=tiny_sft", "++optim.lr=1e-2"], [{"step": 5, "train/loss": 9.0}])
+    # no lr in the overrides: read from the job's config
+    _job(root, "10", ["seed=1"], [{"step": 400, "eval/exact_match": 0.0}], lr=0.03)
+    (root / "multirun.yaml").write_text("hydra: {}\n")
+    return root
+
+
+def test_sweep_plot_writes_png_and_table(multirun: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "lr_sweep.png"
+    plot.main(
+        [
+            "sweep",
+            str(multirun),
+            "--param",
+            "optim.lr",
+            "--metric",
+            "eval/exact_match",
+            "--out",
+            str(out),
+        ]
+    )
+    printed = json.loads(capsys.readouterr().out)
+    assert out.read_bytes()[:8] == PNG_MAGIC
+    assert printed["plot"] == str(out)
+    with open(out.with_suffix(".csv")) as fh:
+        rows = list(csv.DictReader(fh))
+    assert [r["job"] for r in rows] == ["0", "1", "2", "10"]
+    assert [float(r["optim.lr"]) for r in rows] == [1e-3, 3e-3, 1e-2, 0.03]
+    assert [r["eval/exact_match"] for r in rows] == ["0.5", "0.625", "", "0.0"]  # last values
+    md = out.with_suffix(".md").read_text().splitlines()
+    assert md[0] == "| job | optim.lr | eval/exact_match |"
+    assert md[2:] == [
+        "| 0 | 1e-3 | 0.5 |",
+        "| 1 | 3e-3 | **0.625** |",
+        "| 2 | 1e-2 | missing |",
+        "| 10 | 0.03 | 0 |",
+    ]
+
+
+def test_sweep_plot_best_value_and_lower_is_better(multirun: Path, tmp_path: Path) -> None:
+    out = tmp_path / "best.png"
+    args = ["sweep", str(multirun), "--param", "optim.lr", "--out", str(out)]
+    plot.main([*args, "--metric", "eval/exact_match", "--reduce", "max"])
+    with open(out.with_suffix(".csv")) as fh:
+        assert [r["eval/exact_match"] for r in csv.DictReader(fh)] == ["0.5", "0.75", "", "0.0"]
+    plot.main([*args, "--metric", "val/loss", "--reduce", "min"])
+    md = out.with_suffix(".md").read_text()
+    assert "| 0 | 1e-3 | **1.5** |" in md and md.count("missing") == 3
+
+
+def test_sweep_plot_errors_name_the_problem(multirun: Path, tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="job folders"):
+        plot.main(["sweep", str(tmp_path / "empty"), "--param", "optim.lr", "--metric", "x"])
+    with pytest.raises(ValueError, match=r"sets optim\.nope"):
+        plot.main(["sweep", str(multirun), "--param", "optim.nope", "--metric", "val/loss"])
+
+
+def test_single_run_plot_still_works(multirun: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "curves.png"
+    plot.main([str(multirun / "0"), "--out", str(out)])
+    assert out.read_bytes()[:8] == PNG_MAGIC
+    assert json.loads(capsys.readouterr().out)["final"]["eval/exact_match"] == 0.5
+
+
+def test_single_run_plot_adds_named_metric_panels(multirun: Path, tmp_path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    out = tmp_path / "extra.png"
+    fig_sizes: list[tuple[float, float]] = []
+    real = plt.subplots
+
+    def spy(*args, **kwargs):
+        fig, axes = real(*args, **kwargs)
+        fig_sizes.append(axes.shape)
+        return fig, axes
+
+    plt.subplots = spy
+    try:
+        plot.main([str(multirun / "0"), "--out", str(out), "--metrics", "val/loss"])
+    finally:
+        plt.subplots = real
+    assert out.read_bytes()[:8] == PNG_MAGIC
+    assert fig_sizes == [(1, 3)]  # loss, eval scores, val/loss on its own
+    with pytest.raises(KeyError, match="train/kl"):
+        plot.main([str(multirun / "0"), "--out", str(out), "--metrics", "train/kl"])
+
+
+def test_lr_grid_is_a_log_grid_for_the_basic_sweeper() -> None:
+    cfg = compose(["experiment=tiny_sft", "hparams_search=lr_grid", "paths.output_dir=unused"])
+    assert str(cfg.hydra.mode) == "RunMode.MULTIRUN"
+    assert cfg.hydra.sweeper._target_.endswith("BasicSweeper")
+    lrs = [float(v) for v in cfg.hydra.sweeper.params["optim.lr"].split(",")]
+    assert len(lrs) == 5 and lrs == sorted(lrs)
+    ratios = {round(b / a, 6) for a, b in itertools.pairwise(lrs)}
+    assert all(3 <= r <= 3.34 for r in ratios), ratios  # half-decade steps
+    assert lrs[0] < cfg.optim.lr < lrs[-1]  # brackets the experiment's own rate
+    # the sweep folders are unique per launch and per job (test_train_cli runs two at once)
+    sweep = OmegaConf.to_container(cfg.hydra.sweep, resolve=False)
+    assert "${astrai.uid:}" in sweep["dir"] and sweep["subdir"] == "${hydra.job.num}"
+
+
+@pytest.mark.slow
+def test_lr_grid_runs_one_folder_per_job(tmp_path: Path, data_dir: Path) -> None:
+    """`-m experiment=tiny_sft hparams_search=lr_grid debug=fast` with a 2-value lr on the
+    command line: two jobs, two folders, each with its lr, and the sweep plot reads them."""
+    cli(
+        [
+            "-m",
+            "experiment=tiny_sft",
+            "hparams_search=lr_grid",
+            "debug=fast",
+            "optim.lr=1e-3,1e-2",
+            *TINY_MODEL,
+            *SMALL[:1],
+            "data.train.prepare.builtin.n=200",
+            "data.val.prepare.builtin.n=32",
+            "callbacks.eval_generation.num_prompts=4",
+            "callbacks.eval_generation.max_tokens=8",
+            "callbacks.eval_generation.at_start=false",
+            "export=false",
+            f"paths.data_dir={data_dir}",
+            f"paths.log_dir={tmp_path / 'outputs'}",
+        ]
+    )
+    (sweep,) = (tmp_path / "outputs" / "tiny_sft" / "multirun").iterdir()
+    jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir())
+    assert jobs == ["0", "1"]
+    out = tmp_path / "lr.png"
+    plot.main(
+        ["sweep", str(sweep), "--param", "optim.lr", "--metric", "val/loss", "--out", str(out)]
+    )
+    with open(out.with_suffix(".csv")) as fh:
+        rows = list(csv.DictReader(fh))
+    assert [float(r["optim.lr"]) for r in rows] == [1e-3, 1e-2]
+    assert all(float(r["val/loss"]) > 0 for r in rows)
+    for job in ("0", "1"):
+        saved = yaml.safe_load((sweep / job / ".hydra" / "config.yaml").read_text())
+        assert saved["optim"]["lr"] == [1e-3, 1e-2][int(job)]
