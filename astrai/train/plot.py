@@ -12,40 +12,14 @@ matplotlib (in the `dev` extra).
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import logging
 import sys
-from collections import defaultdict
 from pathlib import Path
 
+from astrai.train.logs import read_metrics, summary
+
 log = logging.getLogger(__name__)
-
-
-def read_metrics(run: str | Path) -> dict[str, list[tuple[int, float]]]:
-    """`{metric: [(step, value), ...]}` over all CSV logs of a run, sorted by step, with the
-    value of a later launch winning for a step logged twice (a resumed run)."""
-    run = Path(run)
-    files = sorted((run / "csv").glob("**/metrics.csv"), key=lambda p: p.stat().st_mtime)
-    if not files:
-        raise FileNotFoundError(f"no csv/**/metrics.csv under {run}")
-    series: dict[str, dict[int, float]] = defaultdict(dict)
-    for f in files:
-        with open(f) as fh:
-            for row in csv.DictReader(fh):
-                if not row.get("step"):
-                    continue
-                step = int(float(row["step"]))
-                for key, value in row.items():
-                    if key in ("step", "epoch") or value in (None, ""):
-                        continue
-                    series[key][step] = float(value)
-    return {k: sorted(v.items()) for k, v in series.items()}
-
-
-def summary(run: str | Path) -> dict[str, float]:
-    """The last value of every metric (the final metrics of a run)."""
-    return {k: v[-1][1] for k, v in read_metrics(run).items() if v}
 
 
 #: eval/* bookkeeping that is not a score: kept out of the scores panel
@@ -81,6 +55,9 @@ def plot(
             ax.plot(xs, ys, style, label=key, markersize=4, alpha=0.9 if "val" in key else 0.6)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss (nats/token)")
+    losses = [v for key in ("train/loss", "val/loss") for _, v in m.get(key, []) if v > 0]
+    if losses and max(losses) > 100 * min(losses):  # a run that learns its task: log scale
+        ax.set_yscale("log")
     ax.legend()
     ax.grid(alpha=0.3)
     i = 1

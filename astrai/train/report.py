@@ -17,7 +17,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from astrai.train.plot import read_metrics
+from astrai.train.logs import read_metrics
 
 __all__ = ["difference_ci", "markdown_table", "wilson_interval"]
 

@@ -108,6 +108,19 @@ def _is_builtin(source: Any) -> bool:
 
 
 # ---------------------------------------------------------------------- 1. input checks
+def _check_record_source(source: Any, where: str) -> None:
+    """A record source (e.g. `astrai.data.OnPolicyPairs`) checks its own inputs when built;
+    building it is cheap (the records are made later, by `prepare_data`)."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    try:
+        instantiate(source, _convert_="all")
+    except InstantiationException as exc:
+        cause = exc.__cause__ or exc
+        raise ConfigPathError(f"{where}: {cause}") from None
+
+
 def check_inputs(cfg: DictConfig) -> None:
     """Every configured input must exist: a clear error naming the field, before any work."""
     data = cfg.get("data")
@@ -119,6 +132,9 @@ def check_inputs(cfg: DictConfig) -> None:
         source = _get(spec, "source", where)
         if source is None:
             raise ConfigPathError(f"{where}: required, but null")
+        if OmegaConf.is_dict(source) and "_target_" in source:
+            _check_record_source(source, where)
+            continue
         if not _is_builtin(source) and not Path(str(source)).exists():
             raise ConfigPathError(f"{where}: {source} does not exist")
     model = cfg.get("model") or {}

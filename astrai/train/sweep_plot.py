@@ -23,7 +23,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from astrai.train.plot import read_metrics
+from astrai.train.logs import read_metrics
 
 log = logging.getLogger(__name__)
 

@@ -333,3 +333,37 @@ def test_dpo_module_mean_reduction_matches_hand_computation(pref_setup):
         pc, pr, rc, rr = parts
         z.append(0.5 * ((pc - rc) - (pr - rr)))
     assert loss.item() == pytest.approx(sum(-math.log(_sig(v)) for v in z) / 4, abs=1e-5)
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_rpo_nll_is_the_chosen_tokens_cross_entropy(reduction):
+    """`rpo_alpha`'s term is TRL's `nll_loss`: cross entropy over all chosen response tokens
+    of the batch (token mean), whatever the DPO reduction."""
+    from astrai.train.strategies.dpo import chosen_nll
+
+    torch.manual_seed(0)
+    policy = Transformer(preset("tiny"))
+    batch = _fixed_batch()
+    pc, _ = preference_logprobs(policy, batch, reduction)
+    logits = policy(batch["chosen_input_ids"])
+    expected = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), batch["chosen_labels"].flatten(), ignore_index=-100
+    )
+    assert chosen_nll(pc, batch, reduction).item() == pytest.approx(expected.item(), abs=1e-5)
+
+
+def test_rpo_alpha_adds_the_nll_to_the_loss():
+    from astrai.train.strategies.dpo import DPOModule
+
+    batch = _fixed_batch()
+    factory = functools.partial(preset_model, "tiny")
+    torch.manual_seed(0)
+    plain = DPOModule(model=factory, optimizer=functools.partial(adamw, lr=1e-2))
+    torch.manual_seed(0)
+    rpo = DPOModule(model=factory, optimizer=functools.partial(adamw, lr=1e-2), rpo_alpha=0.5)
+    l0, m0 = plain.compute_loss(batch)
+    l1, m1 = rpo.compute_loss(batch)
+    assert "nll_loss" not in m0 and m1["nll_loss"] > 0
+    assert l1.item() == pytest.approx(l0.item() + 0.5 * m1["nll_loss"].item(), abs=1e-5)
+    with pytest.raises(ValueError, match="rpo_alpha"):
+        DPOModule(model=factory, rpo_alpha=-1.0)

@@ -3,7 +3,6 @@ more shards as one storage (layout in ``astrai.data.storage``)."""
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import json
 import os
@@ -162,8 +161,11 @@ class H5Storage(Storage):
         self.close()
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):  # interpreter shutdown
+        # at interpreter shutdown, module globals (contextlib, h5py) may be gone already
+        try:  # noqa: SIM105 - contextlib itself may be None here
             self.close()
+        except Exception:
+            pass
 
     # -- reading ----------------------------------------------------------------------------
     def _locate_doc(self, index: int) -> tuple[int, int]:

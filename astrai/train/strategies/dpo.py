@@ -112,6 +112,15 @@ def preference_logprobs(
     return seq[:b], seq[b:]
 
 
+def chosen_nll(policy_chosen: Tensor, batch: Mapping[str, Tensor], reduction: str) -> Tensor:
+    """Mean negative log-likelihood per chosen response token over the batch (TRL's RPO
+    ``nll_loss``), from the chosen sequence log-probs of :func:`preference_logprobs`."""
+    counts = (batch["chosen_loss_mask"].bool() & (batch["chosen_labels"] != -100)).sum(-1)
+    counts = counts.to(policy_chosen.dtype)
+    total = policy_chosen.sum() if reduction == "sum" else (policy_chosen * counts).sum()
+    return -total / counts.sum().clamp(min=1.0)
+
+
 def precompute_reference(
     model: nn.Module,
     batches: Iterable[Mapping[str, Tensor]],
@@ -165,6 +174,11 @@ class DPOModule(LMModule):
         precompute_batch_size: batch size of the precomputation pass.
         reduction: ``sum`` (default; the paper's, TRL's) or ``mean`` of the response tokens'
             log-probs, for the policy and the reference alike.
+        rpo_alpha: weight of the chosen responses' negative log-likelihood (mean over their
+            tokens) added to the loss: RPO / iterative RPO (Pang et al. 2024; TRL's
+            ``rpo_alpha``). Plain DPO lowers the chosen likelihood too when both answers of a
+            pair share most tokens (worked solutions that differ in one digit); the NLL term
+            keeps the correct answers likely. 0 (default) = plain DPO.
 
     The other arguments (``model``, ``optimizer``, ``tokenizer``, ``init_from``, ...) are
     ``LMModule``'s; ``init_from`` (typically the SFT export) is applied before the reference
@@ -180,8 +194,11 @@ class DPOModule(LMModule):
         reference_dtype: str | None = None,
         precompute_batch_size: int = 16,
         reduction: str = "sum",
+        rpo_alpha: float = 0.0,
         **kwargs: Any,
     ) -> None:
+        if rpo_alpha < 0:
+            raise ValueError(f"DPO rpo_alpha must be >= 0, got {rpo_alpha}")
         if reduction not in REDUCTIONS:
             raise ValueError(f"DPO reduction must be one of {REDUCTIONS}, got {reduction!r}")
         if reference not in REFERENCE_MODES:
@@ -196,6 +213,7 @@ class DPOModule(LMModule):
         self.reference_mode = reference
         self.precompute_batch_size = int(precompute_batch_size)
         self.reduction = reduction
+        self.rpo_alpha = float(rpo_alpha)
         if reference == "copy":
             self.reference = ReferencePolicy(self.model, reference_dtype)
         self._ref_table: dict[str, tuple[float, float]] | None = None
@@ -285,4 +303,9 @@ class DPOModule(LMModule):
         loss, cr, rj = dpo_loss(
             pc, pr, rc.to(pc.dtype), rr.to(pc.dtype), self.beta, self.label_smoothing
         )
-        return loss, dpo_metrics(cr, rj, pc, pr)
+        metrics = dpo_metrics(cr, rj, pc, pr)
+        if self.rpo_alpha:
+            nll = chosen_nll(pc, batch, self.reduction)
+            metrics["nll_loss"] = nll.detach()
+            loss = loss + self.rpo_alpha * nll
+        return loss, metrics

@@ -1,0 +1,35 @@
+"""A run's logged metrics, read back from its CSV logs (one `metrics.csv` per launch)."""
+
+from __future__ import annotations
+
+import csv
+from collections import defaultdict
+from pathlib import Path
+
+__all__ = ["read_metrics", "summary"]
+
+
+def read_metrics(run: str | Path) -> dict[str, list[tuple[int, float]]]:
+    """`{metric: [(step, value), ...]}` over all CSV logs of a run, sorted by step, with the
+    value of a later launch winning for a step logged twice (a resumed run)."""
+    run = Path(run)
+    files = sorted((run / "csv").glob("**/metrics.csv"), key=lambda p: p.stat().st_mtime)
+    if not files:
+        raise FileNotFoundError(f"no csv/**/metrics.csv under {run}")
+    series: dict[str, dict[int, float]] = defaultdict(dict)
+    for f in files:
+        with open(f) as fh:
+            for row in csv.DictReader(fh):
+                if not row.get("step"):
+                    continue
+                step = int(float(row["step"]))
+                for key, value in row.items():
+                    if key in ("step", "epoch") or value in (None, ""):
+                        continue
+                    series[key][step] = float(value)
+    return {k: sorted(v.items()) for k, v in series.items()}
+
+
+def summary(run: str | Path) -> dict[str, float]:
+    """The last value of every metric (the final metrics of a run)."""
+    return {k: v[-1][1] for k, v in read_metrics(run).items() if v}
