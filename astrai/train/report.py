@@ -102,12 +102,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--n takes METRIC=COUNT, got {item!r}")
         counts[key] = int(value)
     eval_n = _eval_count(args.run)
+    ordered: dict[str, int] = {}  # the order of --metric
     for metric in args.metric or [m for m in series if m == "eval/exact_match"]:
         if metric not in counts:
             if not metric.startswith("eval/") or eval_n is None:
                 parser.error(f"--n {metric}=COUNT is needed (no count known for it)")
             counts[metric] = eval_n
-    print(markdown_table(series, counts))
+        ordered[metric] = counts[metric]
+    print(markdown_table(series, ordered))
     return 0
 
 
