@@ -54,7 +54,7 @@ def plot(
             xs, ys = zip(*m[key])
             ax.plot(xs, ys, style, label=key, markersize=4, alpha=0.9 if "val" in key else 0.6)
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("loss (nats/token)")
+    ax.set_ylabel("loss")  # nats/token for pretrain and SFT; the objective for DPO and GRPO
     losses = [v for key in ("train/loss", "val/loss") for _, v in m.get(key, []) if v > 0]
     if losses and max(losses) > 100 * min(losses):  # a run that learns its task: log scale
         ax.set_yscale("log")
