@@ -79,16 +79,13 @@ def prepared_source(
     options = dict(options)
     if is_record_source(source):  # records made in code: keyed on what determines them
         ident: dict[str, Any] = {"kind": kind, "source": source.identity(), "prepare": options}
-        ident["tok"] = fingerprint
-        folder = Path(data_dir) / "prepared" / f"{kind}-{digest(ident)}"
-        options.setdefault("name", name)
-        options.setdefault("progress", False)
-        return PreparedSource(kind, source, folder, options)
-    source = str(source)
-    ident = {"kind": kind, "source": source, "prepare": options, "tok": fingerprint}
-    if not source.startswith(BUILTIN_PREFIX):  # a changed file must not reuse a stale cache
-        st = Path(source).stat()
-        ident["stat"] = [st.st_size, st.st_mtime_ns]
+    else:
+        source = str(source)
+        ident = {"kind": kind, "source": source, "prepare": options}
+        if not source.startswith(BUILTIN_PREFIX):  # a changed file must not reuse a stale cache
+            st = Path(source).stat()
+            ident["stat"] = [st.st_size, st.st_mtime_ns]
+    ident["tok"] = fingerprint
     folder = Path(data_dir) / "prepared" / f"{kind}-{digest(ident)}"
     options.setdefault("name", name)
     options.setdefault("progress", False)

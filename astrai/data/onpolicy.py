@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -44,15 +45,17 @@ __all__ = ["FALLBACKS", "OnPolicyPairs", "RecordSource", "policy_digest"]
 FALLBACKS = ("none", "reference")
 
 
-class RecordSource:
+class RecordSource(ABC):
     """Records produced by code rather than read from a file: ``prepare`` reads
     :meth:`records`; the cache keys on :meth:`identity` (what determines the records)."""
 
+    @abstractmethod
     def identity(self) -> dict[str, Any]:
-        raise NotImplementedError
+        """Everything the records depend on (JSON-able): the cache folder's key."""
 
+    @abstractmethod
     def records(self) -> Iterator[dict[str, Any]]:
-        raise NotImplementedError
+        """The records, in a reproducible order."""
 
 
 def policy_digest(path: str | Path) -> str:
@@ -145,11 +148,15 @@ class OnPolicyPairs(RecordSource):
         self.engine_factory = engine
         self.batch_size = int(batch_size)
         self.stats: dict[str, float] = {}
+        self._policy_digest: str | None = None
 
     def identity(self) -> dict[str, Any]:
+        # the cache key and the prepared file's signature both ask: hash the weights once
+        if self._policy_digest is None:
+            self._policy_digest = policy_digest(self.policy)
         return {
             "on_policy": type(self).__name__,
-            "policy": policy_digest(self.policy),
+            "policy": self._policy_digest,
             "prompts": self.prompts,
             "builtin": self.builtin,
             "num_samples": self.num_samples,
