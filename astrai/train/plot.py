@@ -16,7 +16,9 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
+from astrai.train.figures import pyplot, save_figure
 from astrai.train.logs import read_metrics, summary
 
 log = logging.getLogger(__name__)
@@ -24,6 +26,17 @@ log = logging.getLogger(__name__)
 
 #: eval/* bookkeeping that is not a score: kept out of the scores panel
 NOT_SCORES = ("eval/seconds", "eval/completion_len")
+
+
+def _panel(ax: Any, m: dict[str, Any], keys: list[str], style: str, ylabel: str | None) -> None:
+    for key in keys:
+        xs, ys = zip(*m[key])
+        ax.plot(xs, ys, style, label=key, markersize=4)
+    ax.set_xlabel("optimizer step")
+    if ylabel:
+        ax.set_ylabel(ylabel)
+    ax.legend()
+    ax.grid(alpha=0.3)
 
 
 def plot(
@@ -34,20 +47,25 @@ def plot(
 ) -> Path:
     """Loss curves, then `val/bpb`, the `eval/*` scores and the learning rate; `extra`
     metrics (e.g. `train/reward_mean`, `val/rewards/accuracy`) get a panel each."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     m = read_metrics(run)
     missing = [k for k in extra or [] if k not in m]
     if missing:
         raise KeyError(f"metrics not logged in {run}: {missing} (have: {sorted(m)})")
     evals = sorted(k for k in m if k.startswith("eval/") and k not in NOT_SCORES)
     lrs = sorted(k for k in m if k.startswith("lr"))
-    bpb = "val/bpb" in m
-    panels = 1 + bpb + bool(evals) + bool(lrs) + len(extra or [])
-    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4), squeeze=False)
+    panels: list[tuple[list[str], str, str | None]] = []  # (metrics, line style, y label)
+    if "val/bpb" in m:
+        panels.append((["val/bpb"], "o-", "bits per UTF-8 byte"))
+    if evals:
+        panels.append((evals, "o-", None))
+    if lrs:
+        panels.append((lrs, "-", "learning rate"))
+    panels += [([k], "o-" if len(m[k]) < 40 else "-", None) for k in extra or []]
+
+    plt = pyplot()
+    fig, axes = plt.subplots(
+        1, 1 + len(panels), figsize=(5.5 * (1 + len(panels)), 4), squeeze=False
+    )
     ax = axes[0][0]
     for key, style in (("train/loss", "-"), ("val/loss", "o-")):
         if key in m:
@@ -60,50 +78,11 @@ def plot(
         ax.set_yscale("log")
     ax.legend()
     ax.grid(alpha=0.3)
-    i = 1
-    if bpb:
-        ax = axes[0][i]
-        xs, ys = zip(*m["val/bpb"])
-        ax.plot(xs, ys, "o-", label="val/bpb", markersize=4)
-        ax.set_xlabel("optimizer step")
-        ax.set_ylabel("bits per UTF-8 byte")
-        ax.legend()
-        ax.grid(alpha=0.3)
-        i += 1
-    if evals:
-        ax = axes[0][i]
-        for key in evals:
-            xs, ys = zip(*m[key])
-            ax.plot(xs, ys, "o-", label=key, markersize=4)
-        ax.set_xlabel("optimizer step")
-        ax.legend()
-        ax.grid(alpha=0.3)
-        i += 1
-    if lrs:
-        ax = axes[0][i]
-        for key in lrs:
-            xs, ys = zip(*m[key])
-            ax.plot(xs, ys, label=key)
-        ax.set_xlabel("optimizer step")
-        ax.set_ylabel("learning rate")
-        ax.legend()
-        ax.grid(alpha=0.3)
-        i += 1
-    for key in extra or []:
-        ax = axes[0][i]
-        xs, ys = zip(*m[key])
-        ax.plot(xs, ys, "o-" if len(xs) < 40 else "-", label=key, markersize=4)
-        ax.set_xlabel("optimizer step")
-        ax.legend()
-        ax.grid(alpha=0.3)
-        i += 1
+    for ax, (keys, style, ylabel) in zip(axes[0][1:], panels):
+        _panel(ax, m, keys, style, ylabel)
     fig.suptitle(title or Path(run).name)
     fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from astrai.train.figures import pyplot, save_figure
 from astrai.train.logs import read_metrics
 
 log = logging.getLogger(__name__)
@@ -137,11 +138,7 @@ def plot_sweep(
 ) -> Path:
     """Every job as a point and the mean per parameter value as a line; log x axis when
     the parameter is numeric and positive, else categories in sweep order."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     points = [r for r in rows if r.value is not None and math.isfinite(r.value)]
     params = list(dict.fromkeys(r.param for r in rows))
     numeric = _numeric(params)
@@ -162,11 +159,7 @@ def plot_sweep(
     ax.grid(alpha=0.3, which="both")
     ax.set_title(title or f"{metric} vs {param}")
     fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)
 
 
 def default_goal(metric: str) -> str:
