@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_helpers import SMALL, TINY_MODEL, cli, run_dirs
+from train_helpers import SMALL, TINY_MODEL, checkpoint_differences, cli, run_dirs
 
 pytestmark = pytest.mark.slow
 
@@ -49,19 +49,6 @@ STOPS = [
 
 def _load(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=False)
-
-
-def _final_state(run: Path) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
-    ckpt = _load(run / "checkpoints" / "last.ckpt")
-    assert ckpt["global_step"] == 10
-    opt = [
-        t
-        for state in ckpt["optimizer_states"]
-        for per_param in state["state"].values()
-        for t in per_param.values()
-        if isinstance(t, torch.Tensor)
-    ]
-    return ckpt["state_dict"], opt
 
 
 @pytest.fixture(scope="module")
@@ -100,12 +87,7 @@ def test_a_signal_checkpoints_the_step_and_last_resumes_from_it(
     resumed = cli([*run, "ckpt_path=last"])
     assert f"resuming from {interrupted}" in resumed.stdout + resumed.stderr
     assert not interrupted.exists()  # a run that ends normally removes it
-    (wa, oa), (wb, ob) = _final_state(reference), _final_state(tmp_path / "run")
-    assert wa.keys() == wb.keys() and len(oa) == len(ob) > 0
-    different = [k for k in wa if not torch.equal(wa[k], wb[k])]
-    different += [
-        f"optimizer tensor {i}" for i, (x, y) in enumerate(zip(oa, ob)) if not torch.equal(x, y)
-    ]
+    different = checkpoint_differences(reference, tmp_path / "run", 10)
     assert not different, f"{signame} {when}: {different}"
 
 

@@ -15,8 +15,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
-from train_helpers import SMALL, TINY_MODEL, cli, run_dirs
+from train_helpers import SMALL, TINY_MODEL, checkpoint_differences, cli, final_state, run_dirs
 
 pytestmark = pytest.mark.slow
 
@@ -43,33 +42,11 @@ RUN = [
 KILLS = [("KillAtStep", step) for step in (2, 4, 6, 8)] + [("KillInValidation", 4)]
 
 
-def _state(run: Path) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
-    """Weights (LoRA adapters included) and every optimizer-state tensor of `last.ckpt`."""
-    ckpt = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
-    assert ckpt["global_step"] == 10
-    opt = [
-        t
-        for state in ckpt["optimizer_states"]
-        for per_param in state["state"].values()
-        for t in per_param.values()
-        if isinstance(t, torch.Tensor)
-    ]
-    return ckpt["state_dict"], opt
-
-
-def _differences(a: Path, b: Path) -> list[str]:
-    (wa, oa), (wb, ob) = _state(a), _state(b)
-    assert wa.keys() == wb.keys() and len(oa) == len(ob) > 0
-    return [k for k in wa if not torch.equal(wa[k], wb[k])] + [
-        f"optimizer tensor {i}" for i, (x, y) in enumerate(zip(oa, ob)) if not torch.equal(x, y)
-    ]
-
-
 @pytest.mark.parametrize("workers", [0, 2])
 def test_kill_after_every_checkpoint_resumes_bit_identical(tmp_path, data_dir, workers):
     common = [*RUN, f"data.num_workers={workers}"]
     cli([*common, *run_dirs(tmp_path / "ref", data_dir)])
-    assert any("lora" in k for k in _state(tmp_path / "ref" / "run")[0])
+    assert any("lora" in k for k in final_state(tmp_path / "ref" / "run", 10)[0])
     for callback, step in KILLS:
         where = tmp_path / f"{callback}{step}"
         run = [*common, *run_dirs(where, data_dir)]
@@ -84,7 +61,7 @@ def test_kill_after_every_checkpoint_resumes_bit_identical(tmp_path, data_dir, w
         )
         assert killed.returncode == -9, killed.stderr[-3000:]
         cli([*run, "ckpt_path=last"])
-        different = _differences(tmp_path / "ref" / "run", where / "run")
+        different = checkpoint_differences(tmp_path / "ref" / "run", where / "run", 10)
         assert not different, f"workers={workers}, {callback}({step}): {different}"
         shutil.rmtree(where)
 
@@ -107,4 +84,4 @@ def test_a_cut_short_checkpoint_is_skipped_for_the_previous_good_one(tmp_path, d
     out = resumed.stdout + resumed.stderr
     assert f"checkpoint {last} is incomplete" in out, out[-3000:]
     assert f"resuming from {checkpoints / 'step000006.ckpt'}" in out, out[-3000:]
-    assert not _differences(tmp_path / "ref" / "run", tmp_path / "b" / "run")
+    assert not checkpoint_differences(tmp_path / "ref" / "run", tmp_path / "b" / "run", 10)

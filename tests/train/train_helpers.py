@@ -48,3 +48,32 @@ def cli(
             f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
         )
     return proc
+
+
+def final_state(run: Path, steps: int) -> tuple[dict, list]:
+    """Weights and every optimizer-state tensor of a run's `last.ckpt`, which must be at
+    global step `steps` (the run finished)."""
+    import torch
+
+    ckpt = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert ckpt["global_step"] == steps
+    opt = [
+        t
+        for state in ckpt["optimizer_states"]
+        for per_param in state["state"].values()
+        for t in per_param.values()
+        if isinstance(t, torch.Tensor)
+    ]
+    return ckpt["state_dict"], opt
+
+
+def checkpoint_differences(a: Path, b: Path, steps: int) -> list[str]:
+    """The weights and optimizer tensors in which two finished runs' `last.ckpt` differ
+    (bit for bit): empty when an interrupted, resumed run equals the uninterrupted one."""
+    import torch
+
+    (wa, oa), (wb, ob) = final_state(a, steps), final_state(b, steps)
+    assert wa.keys() == wb.keys() and len(oa) == len(ob) > 0
+    return [k for k in wa if not torch.equal(wa[k], wb[k])] + [
+        f"optimizer tensor {i}" for i, (x, y) in enumerate(zip(oa, ob)) if not torch.equal(x, y)
+    ]
