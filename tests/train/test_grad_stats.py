@@ -7,12 +7,12 @@ from __future__ import annotations
 import functools
 import math
 
-import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import Logger
 from torch.utils.data import DataLoader
+from train_helpers import quiet_trainer
 
 from astrai.model import preset_model
 from astrai.train.module import LMModule, NonFiniteLossError, grad_stats, lm_loss
@@ -98,16 +98,8 @@ def _fit(check_grad_finite: bool, poison_at: int | None = None) -> tuple[list, l
         check_grad_finite=check_grad_finite,
     )
     logger, grads = Memory(), Grads(poison_at)
-    trainer = L.Trainer(
-        max_steps=3,
-        accelerator="cpu",
-        logger=logger,
-        callbacks=[grads],
-        log_every_n_steps=1,
-        gradient_clip_val=0.5,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+    trainer = quiet_trainer(
+        max_steps=3, logger=logger, callbacks=[grads], log_every_n_steps=1, gradient_clip_val=0.5
     )
     trainer.fit(module, DataLoader(data, batch_size=2))
     logged = [

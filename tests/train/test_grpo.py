@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from train_helpers import quiet_trainer
 
 from astrai.data.rewards import register_reward
 from astrai.inference import InferenceEngine
@@ -403,7 +404,6 @@ def _parity(record, completion):
 
 def _fit_one_step(root, tok, *, loss_type, batch_size, accumulate):
     """One SGD step under Lightning with canned completions whose lengths differ per prompt."""
-    import lightning as L
 
     from astrai.data import AstraiDataModule, PromptDataset
 
@@ -432,14 +432,9 @@ def _fit_one_step(root, tok, *, loss_type, batch_size, accumulate):
     dm = AstraiDataModule(
         train=PromptDataset(str(root / "prompts.h5")), batch_size=batch_size, seed=0
     )
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         max_steps=1,
         accumulate_grad_batches=accumulate,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         limit_val_batches=0,
         use_distributed_sampler=False,
     )
@@ -483,7 +478,6 @@ def test_training_logprobs_use_the_sampling_temperature(prompt_setup):
 
 def _fit_resumable(root, tok, tmp_path, *, ckpt_path=None):
     """Four GRPO steps with a moving reference; a checkpoint is written after step 3."""
-    import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from astrai.data import AstraiDataModule, PromptDataset
@@ -493,14 +487,11 @@ def _fit_resumable(root, tok, tmp_path, *, ckpt_path=None):
     ckpt = ModelCheckpoint(
         dirpath=tmp_path, filename="step{step}", every_n_train_steps=3, save_top_k=-1
     )
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         default_root_dir=tmp_path,
         max_steps=4,
-        accelerator="cpu",
-        logger=False,
         callbacks=[ckpt],
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        enable_checkpointing=True,
         limit_val_batches=0,
         use_distributed_sampler=False,
     )

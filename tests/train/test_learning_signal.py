@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from train_helpers import quiet_trainer
 
 from astrai.data.rewards import register_reward
 from astrai.model import preset_model
@@ -28,18 +29,8 @@ def _jsonl(path: Path, records: list[dict]) -> str:
 
 
 def _fit(module, datamodule, steps: int, root: Path) -> None:
-    import lightning as L
-
-    trainer = L.Trainer(
-        default_root_dir=root,
-        max_steps=steps,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        use_distributed_sampler=False,
+    trainer = quiet_trainer(
+        default_root_dir=root, max_steps=steps, limit_val_batches=0, use_distributed_sampler=False
     )
     trainer.fit(module, datamodule=datamodule)
 
@@ -243,18 +234,7 @@ def test_grpo_raises_the_reward_of_one_token(tmp_path, grpo_tokenizer):
         {"prompt_ids": torch.tensor(p), "record": {"target": t}} for p, t in zip(prompts, targets)
     ]
     loader = torch.utils.data.DataLoader(items, batch_size=4, collate_fn=collate_prompt)
-    import lightning as L
-
-    trainer = L.Trainer(
-        default_root_dir=tmp_path,
-        max_steps=20,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-    )
+    trainer = quiet_trainer(default_root_dir=tmp_path, max_steps=20, limit_val_batches=0)
     trainer.fit(module, train_dataloaders=loader)
     after = _expected_reward(module.model.eval(), tok, prompts, targets, 0.8)
     assert after > before + 0.4, (before, after)  # measured: 0.08 -> 0.75

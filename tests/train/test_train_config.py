@@ -8,6 +8,7 @@ import pytest
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from hydra.utils import get_class, instantiate
 from omegaconf import OmegaConf
+from train_helpers import quiet_trainer
 
 from astrai.model import preset
 from astrai.train import runner
@@ -100,7 +101,6 @@ def test_experiments_pick_their_schedules() -> None:
 def test_new_optimizer_is_a_function_and_a_yaml(tmp_path: Path) -> None:
     """The worked example of docs/training.md: `astrai.train.optim.sgd` plus
     conf/optim/sgd.yaml, selected with `optim=sgd`, trains through the composed config."""
-    import lightning as L
     import torch
 
     cfg = _cfg(
@@ -115,15 +115,7 @@ def test_new_optimizer_is_a_function_and_a_yaml(tmp_path: Path) -> None:
     before = {k: v.clone() for k, v in module.model.state_dict().items()}
     ids = torch.randint(0, 512, (8, 16))
     batches = [{"input_ids": row, "labels": row.roll(-1)} for row in ids]
-    trainer = L.Trainer(
-        default_root_dir=tmp_path,
-        max_steps=2,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(default_root_dir=tmp_path, max_steps=2)
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=4))
     (optimizer,) = trainer.optimizers
     assert type(optimizer) is torch.optim.SGD

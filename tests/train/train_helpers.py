@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -77,3 +78,18 @@ def checkpoint_differences(a: Path, b: Path, steps: int) -> list[str]:
     return [k for k in wa if not torch.equal(wa[k], wb[k])] + [
         f"optimizer tensor {i}" for i, (x, y) in enumerate(zip(oa, ob)) if not torch.equal(x, y)
     ]
+
+
+def quiet_trainer(**overrides: Any) -> Any:
+    """A CPU `lightning.Trainer` for in-process tests: no logger, checkpoints, progress bar or
+    model summary unless `overrides` ask for them."""
+    import lightning as L
+
+    kwargs: dict[str, Any] = {
+        "accelerator": "cpu",
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    }
+    return L.Trainer(**{**kwargs, **overrides})
