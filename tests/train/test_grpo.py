@@ -316,9 +316,9 @@ def test_grpo_rejects_bad_options(prompt_setup):
 
 @pytest.mark.slow
 def test_tiny_grpo_fast_via_entry_point(tmp_path, data_dir):
-    import csv
-
     from train_helpers import cli, run_dirs
+
+    from astrai.train.logs import read_metrics
 
     cli(
         [
@@ -339,11 +339,7 @@ def test_tiny_grpo_fast_via_entry_point(tmp_path, data_dir):
     )
     run = tmp_path / "run"
     assert (run / "export" / "model.safetensors").is_file()
-    keys: set[str] = set()
-    for f in run.glob("csv/**/metrics.csv"):
-        with open(f) as fh:
-            for row in csv.DictReader(fh):
-                keys |= {k for k, v in row.items() if v}
+    keys = set(read_metrics(run))
     for key in (
         "train/loss",
         "train/reward_mean",

@@ -4,17 +4,26 @@ tiny_grpo starts from (``${paths.log_dir}/tiny_sft_start/latest/export``)."""
 
 from __future__ import annotations
 
-import csv
 import json
 from pathlib import Path
 
 import pytest
 from train_helpers import cli, run_dirs
 
+from astrai.train.logs import read_metrics
+
 pytestmark = pytest.mark.slow
 
 QUIET = ["callbacks.progress_bar=null", "trainer.enable_model_summary=false"]
 SMALL_TOKENIZER = "tokenizer.train.max_bytes=400000"  # shared with the other CLI tests' cache
+# every recipe: debug=fast, the shared tokenizer, a 4-prompt evaluation, no progress output
+FAST = [
+    "debug=fast",
+    SMALL_TOKENIZER,
+    "callbacks.eval_generation.num_prompts=4",
+    "callbacks.eval_generation.max_tokens=8",
+    *QUIET,
+]
 
 
 def _dirs(tmp: Path, data_dir: Path, run: str) -> list[str]:
@@ -22,26 +31,13 @@ def _dirs(tmp: Path, data_dir: Path, run: str) -> list[str]:
     return [d.replace(f"={tmp / 'run'}", f"={tmp / run}") for d in dirs]
 
 
-def _csv_keys(run: Path) -> set[str]:
-    keys: set[str] = set()
-    for f in run.glob("csv/**/metrics.csv"):
-        with open(f) as fh:
-            for row in csv.DictReader(fh):
-                keys |= {k for k, v in row.items() if v}
-    return keys
-
-
 def test_sft_start_then_dpo_and_grpo_from_it(tmp_path: Path, data_dir: Path) -> None:
     cli(
         [
             "experiment=tiny_sft_start",
-            "debug=fast",
-            SMALL_TOKENIZER,
+            *FAST,
             "data.train.prepare.builtin.n=64",
             "data.val.prepare.builtin.n=16",
-            "callbacks.eval_generation.num_prompts=4",
-            "callbacks.eval_generation.max_tokens=8",
-            *QUIET,
             *_dirs(tmp_path, data_dir, "sft"),
         ]
     )
@@ -57,19 +53,15 @@ def test_sft_start_then_dpo_and_grpo_from_it(tmp_path: Path, data_dir: Path) -> 
     cli(
         [
             "experiment=tiny_dpo",
-            "debug=fast",
-            SMALL_TOKENIZER,
+            *FAST,
             *pairs,
             "data.batch_size=2",
-            "callbacks.eval_generation.num_prompts=4",
-            "callbacks.eval_generation.max_tokens=8",
-            *QUIET,
             *_dirs(tmp_path, data_dir, "dpo"),
         ]
     )
     dpo = tmp_path / "dpo"
     assert (dpo / "export" / "model.safetensors").is_file()
-    keys = _csv_keys(dpo)
+    keys = set(read_metrics(dpo))
     for key in ("train/loss", "train/rewards/accuracy", "val/rewards/accuracy", "eval/exact_match"):
         assert key in keys, key
     config = json.loads((dpo / "export" / "training_state.json").read_text())
@@ -78,21 +70,17 @@ def test_sft_start_then_dpo_and_grpo_from_it(tmp_path: Path, data_dir: Path) -> 
     cli(
         [
             "experiment=tiny_grpo",
-            "debug=fast",
-            SMALL_TOKENIZER,
+            *FAST,
             "data.train.prepare.builtin.n=32",
             "data.batch_size=2",
             "strategy.num_generations=4",
             "strategy.max_new_tokens=8",
-            "callbacks.eval_generation.num_prompts=4",
-            "callbacks.eval_generation.max_tokens=8",
-            *QUIET,
             *_dirs(tmp_path, data_dir, "grpo"),
         ]
     )
     grpo = tmp_path / "grpo"
     assert (grpo / "export" / "model.safetensors").is_file()
-    keys = _csv_keys(grpo)
+    keys = set(read_metrics(grpo))
     for key in ("train/loss", "train/reward_mean", "train/zero_var_frac", "eval/exact_match"):
         assert key in keys, key
 
