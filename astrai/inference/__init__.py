@@ -3,7 +3,8 @@
 `InferenceEngine` is the front door. Each step, `InferenceScheduler.schedule()` decides
 which requests run with how many tokens (a `StepPlan`), `ModelRunner.run(plan)` runs the
 forward and samples, and `InferenceScheduler.postprocess(...)` appends the tokens and
-applies the stop rules. A request's settings travel as one `SamplingParams`.
+applies the stop rules. A request's settings travel as one `SamplingParams`. Prompt
+log-probs and `InferenceEngine.score` (log-likelihoods): `astrai.inference.logprobs`.
 """
 
 from astrai.inference.engine import (
@@ -12,6 +13,7 @@ from astrai.inference.engine import (
     InferenceEngine,
     RequestRejected,
 )
+from astrai.inference.logprobs import ScoreResult, TokenLogprob
 from astrai.inference.result import GenerateResult
 from astrai.inference.runner import ModelRunner
 from astrai.inference.sampling import SamplingParams
@@ -27,6 +29,8 @@ __all__ = [
     "ModelRunner",
     "RequestRejected",
     "SamplingParams",
+    "ScoreResult",
     "StepPlan",
     "Task",
+    "TokenLogprob",
 ]

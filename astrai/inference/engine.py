@@ -1,7 +1,8 @@
 """`InferenceEngine`: text in, text out, over a scheduler that plans and a runner that runs.
 
-Three callers share it: the HTTP server (`generate_async` / `submit`), generation-based
-evaluation during training, and GRPO rollouts (`run_batch`, token ids and log-probs).
+Three callers share it: the HTTP server (`generate_async` / `submit`), evaluation
+(`run_batch`, and `score` for log-likelihoods), and GRPO rollouts (`run_batch`, token ids
+and log-probs).
 Its step is nano-vllm's: `scheduler.schedule()` -> `runner.run(plan)` ->
 `scheduler.postprocess(...)`, driven by one background thread or, for `run_batch`, by the
 calling thread; both use `step()`.
@@ -18,14 +19,17 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from tqdm.auto import tqdm
 
 from astrai.extension import BackendUnavailable, selected_backend
 from astrai.inference.cache import PagePool
 from astrai.inference.graph import DecodeGraphRunner
+from astrai.inference.logprobs import MAX_LOGPROBS, ScoreResult
 from astrai.inference.result import GenerateResult
 from astrai.inference.runner import ModelRunner
 from astrai.inference.sampling import SamplingParams
 from astrai.inference.scheduler import InferenceScheduler
+from astrai.inference.scoring import check_score_requests, score_phases, score_result
 from astrai.inference.task import Task
 from astrai.model import Transformer
 from astrai.tokenizer import AutoTokenizer
@@ -67,7 +71,8 @@ class InferenceEngine:
     `cache_mode="contiguous"` (default) gives every batch slot `max_seq_len` fixed KV
     slots; `"paged"` shares a pool of `page_size`-token pages (budget `kv_tokens` or
     `memory_fraction` of free memory) with radix prefix sharing when `page_size > 1`
-    (`prefix_cache=False` turns it off, `True` forces it on).
+    (`prefix_cache=False` turns it off, `True` forces it on). `logprob_chunk` bounds the
+    prompt positions whose full-vocabulary logits exist at once (prompt log-probs, `score`).
     """
 
     def __init__(
@@ -85,6 +90,7 @@ class InferenceEngine:
         max_prefill_tokens: int = 2048,
         max_queue: int | None = None,
         decode_graphs: bool | str | None = None,
+        logprob_chunk: int = 512,
         start: bool = True,
     ) -> None:
         # No .eval() here: GRPO shares the live policy module, whose mode Lightning owns. The
@@ -120,7 +126,11 @@ class InferenceEngine:
             max_queue=max_queue,
         )
         self.runner = ModelRunner(
-            model, self.pool, max_batch_size=max_batch_size, decode_graphs=decode_graphs
+            model,
+            self.pool,
+            max_batch_size=max_batch_size,
+            decode_graphs=decode_graphs,
+            logprob_chunk=logprob_chunk,
         )
         self._closed = False
         self._stop = threading.Event()
@@ -195,11 +205,11 @@ class InferenceEngine:
         scheduler, runner = self.scheduler, self.runner
         for plan in scheduler.schedule():
             try:
-                tokens, logprobs = runner.run(plan)
+                out = runner.run(plan)
             except BackendUnavailable as err:
                 scheduler.abort(plan, str(err))
                 continue
-            scheduler.postprocess(plan, tokens, logprobs)
+            scheduler.postprocess(plan, *out)
         scheduler.cleanup()
 
     def _loop(self) -> None:
@@ -281,7 +291,8 @@ class InferenceEngine:
 
         Settings come as `params` and/or `SamplingParams` keywords (max_tokens,
         ignore_eos, stop_ids, temperature, top_p, top_k, min_p, presence_penalty,
-        frequency_penalty, logit_bias, seed, logprobs_mode), keywords overriding `params`.
+        frequency_penalty, logit_bias, seed, logprobs_mode, logprobs, prompt_logprobs,
+        prompt_logprobs_start), keywords overriding `params`.
         Invalid settings raise `ValueError` naming the parameter before anything is queued;
         a prompt that can never run ends at once with finish reason `rejected` (see
         `check_request`).
@@ -423,16 +434,8 @@ class InferenceEngine:
                 checked.append((task, None))
             except RequestRejected as err:
                 checked.append((task, str(err)))
-        was_running = self.running
-        if was_running:
-            self._pause()
-        try:
-            tasks = [self._queue(task, rejection) for task, rejection in checked]
-            while self.scheduler.has_work():
-                self.step()
-        finally:
-            if was_running and not self._closed:
-                self.start()
+        tasks = [task for task, _ in checked]
+        self._run_here([checked])
         results = []
         for t in tasks:
             lp = list(t.logprobs) if (return_logprobs or return_details) else None
@@ -443,6 +446,72 @@ class InferenceEngine:
             else:
                 results.append(list(t.output_ids))
         return results
+
+    def score(
+        self,
+        requests: Sequence[tuple[Sequence[int], Sequence[int]]],
+        *,
+        top_logprobs: int = 0,
+        progress: bool = False,
+    ) -> list[ScoreResult]:
+        """Log-likelihood of each continuation given its context, on the calling thread.
+
+        `requests`: `(context_ids, continuation_ids)` pairs, both non-empty, together at most
+        `max_seq_len` tokens. Returns one `ScoreResult` per request, in input order: the
+        summed log-prob, whether every continuation token is its position's argmax, and
+        each token's `TokenLogprob` with `top_logprobs` alternatives. Nothing is sampled.
+        A bad request raises ValueError naming its index before any work. With a radix
+        prefix cache, the first request of each context runs first and the others reuse
+        the whole KV pages of its context before the last context token.
+        """
+        if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int):
+            raise ValueError(f"top_logprobs must be an int, got {top_logprobs!r}")
+        if not 0 <= top_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top_logprobs}")
+        pairs = check_score_requests(
+            requests, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size
+        )
+        backend = selected_backend()
+        tasks = []
+        for i, (context, continuation) in enumerate(pairs):
+            params = SamplingParams(
+                max_tokens=0, prompt_logprobs=top_logprobs, prompt_logprobs_start=len(context)
+            )
+            task = Task(prompt_ids=context + continuation, params=params, backend=backend)
+            try:
+                self.check_request(task.prompt_ids, params)
+            except ValueError as err:
+                raise ValueError(f"request {i}: {err}") from None
+            tasks.append(task)
+        phases = score_phases([c for c, _ in pairs], self.pool.shares_prefixes)
+        with tqdm(
+            total=len(tasks), desc="score", unit="req", disable=None if progress else True
+        ) as bar:
+            for t in tasks:
+                t.on_finish = lambda _, bar=bar: bar.update(1)
+            self._run_here([[(tasks[i], None) for i in phase] for phase in phases])
+        results = []
+        for i, (t, (context, _)) in enumerate(zip(tasks, pairs)):
+            if t.finish_reason != "length":
+                raise RuntimeError(f"request {i} {t.finish_reason}: {t.error}")
+            results.append(score_result(t, len(context)))
+        return results
+
+    def _run_here(self, phases: Sequence[Sequence[tuple[Task, str | None]]]) -> None:
+        """Run checked tasks (with their rejection, if any) to the end on this thread, one
+        phase after the other; the background loop is paused meanwhile."""
+        was_running = self.running
+        if was_running:
+            self._pause()
+        try:
+            for phase in phases:
+                for task, rejection in phase:
+                    self._queue(task, rejection)
+                while self.scheduler.has_work():
+                    self.step()
+        finally:
+            if was_running and not self._closed:
+                self.start()
 
     def update_weights(
         self, fn: Callable[[], Any] | None = None, version: int | None = None

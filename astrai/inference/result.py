@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 
+from astrai.inference.logprobs import TokenLogprob, TopLogprobs
 from astrai.inference.task import Task
 from astrai.tokenizer import AutoTokenizer
 
@@ -91,6 +92,25 @@ class GenerateResult:
     @property
     def finish_reason(self) -> str | None:
         return self.task.finish_reason
+
+    @property
+    def logprobs(self) -> list[float]:
+        """Log-probs of the generated tokens (the request's `logprobs_mode`; raw by default)."""
+        return list(self.task.logprobs)
+
+    @property
+    def top_logprobs(self) -> list[TopLogprobs]:
+        """Per generated token, its `params.logprobs` most likely `(token_id, logprob)` under
+        the raw distribution, descending (empty unless the request asked)."""
+        return list(self.task.top_logprobs)
+
+    @property
+    def prompt_logprobs(self) -> list[TokenLogprob | None] | None:
+        """Per prompt position, its token's `TokenLogprob` (None before
+        `prompt_logprobs_start`); None when the request did not ask. Complete once the
+        first token is out (or, for `max_tokens=0`, once done)."""
+        lps = self.task.prompt_logprobs
+        return None if lps is None else list(lps)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until new text or the end arrives; True if something did."""

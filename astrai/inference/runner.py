@@ -5,12 +5,15 @@ eager forward through the pool, runs the model, keeps each seeded request's gene
 samples. A plan that is pure decode and fits a captured batch size replays a graph on the
 fixed-address workspace; when the decoding rows are the same as last step, their input
 tokens are last step's samples, copied device-to-device instead of through the host.
+A plan with prompt log-prob rows runs eagerly through `Transformer.hidden_packed` and
+scores them in slices (`astrai.inference.logprobs`); the sampling rows keep the cheap path.
 """
 
 from __future__ import annotations
 
 import logging
 import weakref
+from typing import NamedTuple
 
 import torch
 
@@ -22,8 +25,10 @@ from astrai.inference.graph import (
     StandInGraphRunner,
     capture_sizes,
 )
+from astrai.inference.logprobs import PromptScores, TopLogprobs
 from astrai.inference.sampling import SamplingBatchCache, sample_batch
 from astrai.inference.scheduler import StepPlan
+from astrai.inference.scoring import PromptTargets, top_alternatives
 from astrai.inference.task import Task
 from astrai.inference.workspace import InferenceWorkspace
 from astrai.model import Transformer
@@ -31,11 +36,25 @@ from astrai.model import Transformer
 logger = logging.getLogger(__name__)
 
 
+class StepOutput(NamedTuple):
+    """What one plan's forward produced, for `InferenceScheduler.postprocess`.
+
+    `token_ids` / `logprobs`: one per `plan.samplers`; `prompt_logprobs`: the prompt tokens
+    scored by this forward; `top_logprobs`: per sampler, None when no sampler asks.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    prompt_logprobs: list[PromptScores] | None = None
+    top_logprobs: list[TopLogprobs] | None = None
+
+
 class ModelRunner:
     """Runs step plans of one model over one KV pool.
 
     `decode_graphs`: None = CUDA graphs for decode on a CUDA model, True = CUDA graphs
     (a CUDA model is required), `"stand-in"` = the CPU stand-in (tests), False = eager.
+    `logprob_chunk`: at most this many prompt positions go through `lm_head` at once.
     """
 
     def __init__(
@@ -45,7 +64,15 @@ class ModelRunner:
         *,
         max_batch_size: int,
         decode_graphs: bool | str | None = None,
+        logprob_chunk: int = 512,
     ) -> None:
+        if (
+            isinstance(logprob_chunk, bool)
+            or not isinstance(logprob_chunk, int)
+            or logprob_chunk < 1
+        ):
+            raise ValueError(f"logprob_chunk must be a positive int, got {logprob_chunk!r}")
+        self.logprob_chunk = logprob_chunk
         self.model = model
         self.pool = pool
         self.device = pool.device
@@ -96,17 +123,17 @@ class ModelRunner:
         return isinstance(self.graph_runner, CUDAGraphRunner)
 
     @torch.inference_mode()
-    def run(self, plan: StepPlan) -> tuple[list[int], list[float]]:
+    def run(self, plan: StepPlan) -> StepOutput:
         """Forward `plan` under its attention backend and sample its samplers' next tokens.
 
-        Returns the token ids and their log-probs (each request's `logprobs_mode`), one per
-        `plan.samplers`.
+        The token ids and their log-probs (each request's `logprobs_mode`) come one per
+        `plan.samplers`, with the prompt log-probs and top alternatives rows asked for.
         """
         previous, self._last_sampled = self._last_sampled, None
         with attn_backend(plan.backend):
-            logits, graphed = self._forward(plan, previous)
+            logits, graphed, prompt = self._forward(plan, previous)
             if not plan.samplers:
-                return [], []
+                return StepOutput([], [], prompt)
             samplers = plan.samplers
             tokens, logprobs = sample_batch(
                 logits.float(),
@@ -114,12 +141,16 @@ class ModelRunner:
                 generated=[t.output_ids for t in samplers],
                 generators=[self._generator(t) for t in samplers],
             )
+            top = top_alternatives(logits, [t.params.logprobs for t in samplers])
         if graphed:
             self._last_sampled = tokens
-        return tokens.tolist(), logprobs.tolist()
+        return StepOutput(tokens.tolist(), logprobs.tolist(), prompt, top)
 
-    def _forward(self, plan: StepPlan, previous: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
-        """Logits `[len(plan.samplers), vocab]`, and whether a captured graph produced them."""
+    def _forward(
+        self, plan: StepPlan, previous: torch.Tensor | None
+    ) -> tuple[torch.Tensor, bool, list[PromptScores] | None]:
+        """Logits `[len(plan.samplers), vocab]`, whether a captured graph produced them, and
+        the prompt log-probs of the plan (None when no row asks)."""
         graphs = self.graph_runner
         padded = None
         if graphs is not None and plan.decode_only:
@@ -134,7 +165,7 @@ class ModelRunner:
                 padded,
                 device_tokens=previous if same else None,
             )
-            return graphs.run(padded, len(plan.rows)), True
+            return graphs.run(padded, len(plan.rows)), True, None
         if self.workspace is not None:
             self.workspace.last_rows = None
         kv_cache = self.pool.bind_tasks(plan.rows, plan.seq_lens, plan.q_lens)
@@ -142,10 +173,14 @@ class ModelRunner:
         ids = torch.tensor(plan.token_ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(plan.positions, dtype=torch.int64, device=self.device)
         logits_idx = ends[plan.sample_rows].to(self.device)
-        logits = self.model.forward_packed(
-            ids, pos, kv_cache, logits_idx, max_position=max(plan.positions)
-        )
-        return logits, False
+        model, max_position = self.model, max(plan.positions)
+        targets = PromptTargets.of(plan)
+        if targets is None:  # the cheap path: logits of the sampling rows only
+            logits = model.forward_packed(ids, pos, kv_cache, logits_idx, max_position=max_position)
+            return logits, False, None
+        hidden = model.hidden_packed(ids, pos, kv_cache, max_position=max_position)
+        prompt = targets.score(hidden, model.lm_head, self.logprob_chunk)
+        return model.lm_head(hidden[logits_idx]), False, prompt
 
     def _generator(self, task: Task) -> torch.Generator | None:
         """The request's own generator (seeded requests), created at its first draw."""

@@ -36,6 +36,9 @@ from typing import NamedTuple
 
 import torch
 
+from astrai.inference.logprobs import MAX_LOGPROBS as MAX_LOGPROBS
+from astrai.inference.logprobs import check_int_fields
+
 logger = logging.getLogger(__name__)
 
 MAX_TEMPERATURE = 100.0
@@ -63,8 +66,9 @@ class SamplingParams:
     count only generated tokens. `seed` makes the request's draws reproducible. Generation
     ends after `max_tokens` tokens, or at a token of `stop_ids` (None: the tokenizer's stop
     tokens) unless `ignore_eos`. `logprobs_mode` picks the distribution the returned
-    log-probs are of (`raw`, `scaled` or `processed`, see the module docstring). Frozen, so a
-    batch built from the same objects can be reused (`SamplingBatchCache`).
+    log-probs are of (`raw`, `scaled` or `processed`, see the module docstring). `logprobs`,
+    `prompt_logprobs` (None: off; allows `max_tokens=0`), `prompt_logprobs_start`: see
+    `astrai.inference.logprobs`. Frozen, so a batch from the same objects is reused.
     """
 
     temperature: float = 1.0
@@ -79,6 +83,9 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_ids: frozenset[int] | None = None
     logprobs_mode: str = "raw"
+    logprobs: int = 0
+    prompt_logprobs: int | None = None
+    prompt_logprobs_start: int = 1
 
     def __post_init__(self) -> None:
         stops = self.stop_ids
@@ -115,12 +122,7 @@ class SamplingParams:
                         f"logit_bias token id {token} is outside the vocabulary (size {vocab_size})"
                     )
                 _check_number(f"logit_bias[{token}]", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
-        if self.seed is not None and (
-            isinstance(self.seed, bool) or not isinstance(self.seed, int)
-        ):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
-            raise ValueError(f"max_tokens must be an int, got {self.max_tokens!r}")
+        check_int_fields(self)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.stop_ids is not None and not (

@@ -4,8 +4,8 @@ The scheduler only decides; it never touches the model, the workspace, graphs or
 sampling (that is `runner.ModelRunner`). One engine step is
 
     plans = scheduler.schedule()          # cleanup, admission, which rows run with what
-    tokens, logprobs = runner.run(plan)   # for each plan: forward + sampling
-    scheduler.postprocess(plan, tokens, logprobs)   # append, stop rules, finish
+    out = runner.run(plan)                # for each plan: forward + sampling
+    scheduler.postprocess(plan, *out)     # append, stop rules, finish
     scheduler.cleanup()                   # free the KV of finished tasks
 
 and both the engine's background loop and its synchronous `run_batch()` drive exactly that
@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from astrai.inference.cache import PagePool
+from astrai.inference.logprobs import PromptScores, TopLogprobs
 from astrai.inference.sampling import SamplingParams
 from astrai.inference.task import Task, TaskState
 
@@ -107,13 +108,22 @@ class InferenceScheduler:
         """Why a request with valid `params` can never run (None: it can)."""
         if not prompt_ids:
             return "empty prompt"
-        if len(prompt_ids) >= self.max_seq_len:
+        scoring = params.prompt_logprobs is not None
+        if params.max_tokens < 0 or (params.max_tokens == 0 and not scoring):
+            return (
+                f"max_tokens must be positive (0 only with prompt_logprobs), "
+                f"got {params.max_tokens}"
+            )
+        if len(prompt_ids) + min(params.max_tokens, 1) > self.max_seq_len:
             return (
                 f"prompt too long: {len(prompt_ids)} tokens, the context holds "
-                f"{self.max_seq_len} (prompt + at least one generated token)"
+                f"{self.max_seq_len} (prompt + at least one generated token, unless max_tokens=0)"
             )
-        if params.max_tokens <= 0:
-            return f"max_tokens must be positive, got {params.max_tokens}"
+        if scoring and params.prompt_logprobs_start >= len(prompt_ids):
+            return (
+                f"prompt_logprobs_start ({params.prompt_logprobs_start}) must be below the "
+                f"prompt length ({len(prompt_ids)}): nothing would be scored"
+            )
         vocab = self.vocab_size
         bad = [i for i in prompt_ids if not 0 <= i < vocab]
         if bad:
@@ -228,7 +238,7 @@ class InferenceScheduler:
                 budget -= n
                 new = t.prompt_ids[t.computed : t.computed + n]
             start, n = t.computed, len(new)
-            if start + n >= len(t.prompt_ids):
+            if start + n >= len(t.prompt_ids) and t.params.max_tokens > 0:
                 plan.sample_rows.append(len(plan.tasks))
                 plan.samplers.append(t)
             plan.tasks.append(t)
@@ -239,15 +249,33 @@ class InferenceScheduler:
             plan.positions.extend(range(start, start + n))
         return plan, budget
 
-    def postprocess(self, plan: StepPlan, tokens: list[int], logprobs: list[float]) -> None:
-        """Account the forward of `plan` and append each sampler's token; apply stop rules."""
+    def postprocess(
+        self,
+        plan: StepPlan,
+        tokens: list[int],
+        logprobs: list[float],
+        prompt_logprobs: list[PromptScores] | None = None,
+        top_logprobs: list[TopLogprobs] | None = None,
+    ) -> None:
+        """Account the forward of `plan`, record its prompt log-probs, append each sampler's
+        token (and top alternatives); apply stop rules. Score-only tasks (`max_tokens=0`)
+        end once their prompt is computed."""
         for t, n in zip(plan.tasks, plan.q_lens):
             t.computed += n
+        for scores in prompt_logprobs or ():
+            t = plan.tasks[scores.row]
+            t.prompt_logprobs[scores.first : scores.first + len(scores.tokens)] = scores.tokens
+        for t in plan.tasks:
+            if t.params.max_tokens == 0 and t.prefilled:
+                self._finish(t, "length")
         self.num_steps += 1
         now = time.perf_counter()
-        for t, tok, lp in zip(plan.samplers, tokens, logprobs):
+        tops = top_logprobs or [()] * len(plan.samplers)
+        for t, tok, lp, top in zip(plan.samplers, tokens, logprobs, tops):
             t.output_ids.append(tok)
             t.logprobs.append(lp)
+            if t.params.logprobs > 0:
+                t.top_logprobs.append(top)
             self.total_tokens += 1
             if t.first_token_at is None:
                 t.first_token_at = now
@@ -316,7 +344,7 @@ class InferenceScheduler:
     def _admit(self, admitted: list[Task]) -> None:
         while self._waiting and len(self._running) < self.max_batch_size:
             task = self._waiting[0]
-            need = len(task.prompt_ids) + 1
+            need = len(task.prompt_ids) + min(task.params.max_tokens, 1)
             if not self.pool.can_hold(need, reserve_pages=len(self._running)):
                 if not self._running:  # nothing will ever free memory for it
                     with self._lock:
@@ -324,7 +352,10 @@ class InferenceScheduler:
                     self._finish(task, "rejected", "KV allocation failed: prompt does not fit")
                     continue
                 return
-            alloc = self.pool.alloc_task(task.prompt_ids)
+            # Prompt log-probs from position s need the logits of position s - 1: computed.
+            p = task.params
+            limit = None if p.prompt_logprobs is None else p.prompt_logprobs_start - 1
+            alloc = self.pool.alloc_task(task.prompt_ids, limit=limit)
             if alloc is None:
                 return
             row, cached = alloc

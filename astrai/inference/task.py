@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from astrai.inference.logprobs import TokenLogprob, TopLogprobs
 from astrai.inference.sampling import SamplingParams
 
 _ids = itertools.count(1)
@@ -26,6 +27,9 @@ class Task:
     prefill, then prompt + all but the newest output token while decoding.
     Finish reasons: "stop" (a stop token), "length" (max_tokens or context full),
     "cancelled", "rejected" (never admitted, see `error`), "aborted" (failed while running).
+    `prompt_logprobs` (when `params.prompt_logprobs` is set) has one entry per prompt
+    position, None before `params.prompt_logprobs_start`; `top_logprobs` is aligned with
+    `output_ids` when `params.logprobs > 0` (the chosen tokens' own log-probs: `logprobs`).
     """
 
     prompt_ids: list[int]
@@ -45,6 +49,12 @@ class Task:
     error: str | None = None
     cancel_requested: bool = False
     first_token_at: float | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None] * len(self.prompt_ids)
 
     @property
     def prefilled(self) -> bool:

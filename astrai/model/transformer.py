@@ -154,6 +154,29 @@ class Transformer(nn.Module):
         x = self.norm(x)
         return x if return_hidden else self.lm_head(x)
 
+    def hidden_packed(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVCache,
+        max_position: int | None = None,
+        *,
+        indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Final-normed hidden states `[T, hidden]` of packed `[T]` tokens (only the rows
+        `indices`, when given), writing every new token's K/V to `kv_cache`.
+
+        `lm_head` of a row gives its logits; the engine's prompt log-probs apply it to slices
+        of these rows, so the full-vocabulary logits of a whole prefill never exist at once.
+        """
+        cos, sin = self.rotary(positions, max_position)
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer.forward_cached(x, cos, sin, kv_cache)
+        if indices is not None:
+            x = x[indices]
+        return self.norm(x)
+
     def forward_packed(
         self,
         input_ids: torch.Tensor,
@@ -168,10 +191,7 @@ class Transformer(nn.Module):
         `logits_indices` (the rows that sample), which keeps the vocab projection cheap.
         `max_position` bounds `positions` from the host, so nothing waits for the device.
         """
-        cos, sin = self.rotary(positions, max_position)
-        x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer.forward_cached(x, cos, sin, kv_cache)
-        if logits_indices is not None:
-            x = x[logits_indices]
-        return self.lm_head(self.norm(x))
+        hidden = self.hidden_packed(
+            input_ids, positions, kv_cache, max_position, indices=logits_indices
+        )
+        return self.lm_head(hidden)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from astrai.inference.sampling import (
+    MAX_LOGPROBS,
     MinPStrategy,
     SamplingBatch,
     SamplingBatchCache,
@@ -375,6 +376,13 @@ def test_seeded_draws_follow_the_distribution():
         ("ignore_eos", 1),
         ("stop_ids", 5),
         ("stop_ids", [1.5]),
+        ("logprobs", 21),  # above MAX_LOGPROBS
+        ("logprobs", -1),
+        ("logprobs", True),
+        ("prompt_logprobs", 21),
+        ("prompt_logprobs", 1.0),
+        ("prompt_logprobs_start", 0),
+        ("prompt_logprobs_start", "1"),
     ],
 )
 def test_invalid_params_name_the_parameter(field, value):
@@ -396,6 +404,7 @@ def test_valid_params_pass_and_vocab_is_checked():
         stop_ids=[7, 9],
     )
     assert params.validate() is params
+    assert SamplingParams(logprobs=MAX_LOGPROBS, prompt_logprobs=0).validate()
     assert params.stop_ids == frozenset({7, 9})  # any iterable of ids, kept as a frozenset
     assert SamplingParams().stop_ids is None  # None: the tokenizer's stop tokens
     with pytest.raises(ValueError, match="logit_bias token id 3 is outside"):

@@ -206,6 +206,11 @@ class PagePool:
     def cached_tokens(self) -> int:
         return self.prefix.cached_tokens
 
+    @property
+    def shares_prefixes(self) -> bool:
+        """A prefix cache is on: requests with a common prompt prefix can share its KV."""
+        return not isinstance(self.prefix, NoPrefixCache)
+
     def all_free(self) -> bool:
         """True when no request holds any KV (prefix-cached pages count as reclaimable)."""
         return self.req_pool.num_free == self.req_pool.num_reqs and self.allocator.holds_nothing()
@@ -217,14 +222,19 @@ class PagePool:
         return self.allocator.can_hold(num_tokens, reserve_pages)
 
     # ------------------------------------------------------------------ per-request lifecycle
-    def alloc_task(self, token_ids: list[int]) -> tuple[int, int] | None:
-        """A request row plus the number of leading tokens whose KV is already cached."""
+    def alloc_task(self, token_ids: list[int], limit: int | None = None) -> tuple[int, int] | None:
+        """A request row plus the number of leading tokens whose KV is already cached.
+
+        `limit` caps that number (a request scoring its prompt from position s must compute
+        the logits of position s - 1 on: limit s - 1).
+        """
         row = self.req_pool.alloc()
         if row is None:
             return None
         # Match all but the last token, so at least one prompt token is computed and no
-        # request ever writes into a shared page.
-        shared = self.prefix.match(token_ids[:-1]) if len(token_ids) >= 2 else []
+        # request ever writes into a shared page (matches are whole pages).
+        end = len(token_ids) - 1 if limit is None else min(len(token_ids) - 1, limit)
+        shared = self.prefix.match(token_ids[:end]) if end >= 1 else []
         self.allocator.open(row, shared)
         return row, len(shared) * self.page_size
 
