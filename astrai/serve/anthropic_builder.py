@@ -97,7 +97,7 @@ class AnthropicResponseBuilder(ResponseBuilder):
         if top_p == 0:
             temperature, top_p = 0.0, 1.0
         return Prepared(
-            prompt_ids=render_prompt(tokenizer, messages, tools),
+            prompts=[render_prompt(tokenizer, messages, tools)],
             max_tokens=body.max_tokens,
             sampling={
                 "temperature": temperature,

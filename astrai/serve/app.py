@@ -12,11 +12,12 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from astrai.serve.anthropic_builder import AnthropicResponseBuilder
+from astrai.serve.completions_builder import CompletionsResponseBuilder
 from astrai.serve.errors import APIError, error_body, kind_for_status
 from astrai.serve.handler import ProtocolHandler, ServerState
 from astrai.serve.openai_builder import OpenAIResponseBuilder
 from astrai.serve.parsing import tool_call_format
-from astrai.serve.schemas import ChatCompletionRequest, MessagesRequest
+from astrai.serve.schemas import ChatCompletionRequest, CompletionRequest, MessagesRequest
 from astrai.serve.settings import ServeSettings
 
 if TYPE_CHECKING:
@@ -57,6 +58,7 @@ def create_app(engine: InferenceEngine, settings: ServeSettings | None = None) -
     app.state.astrai = state
     openai = ProtocolHandler(state, OpenAIResponseBuilder())
     anthropic = ProtocolHandler(state, AnthropicResponseBuilder())
+    completions = ProtocolHandler(state, CompletionsResponseBuilder())
 
     async def check_key(request: Request) -> None:
         if settings.api_key is None:
@@ -96,6 +98,10 @@ def create_app(engine: InferenceEngine, settings: ServeSettings | None = None) -
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await openai.handle(body, request)
+
+    @app.post("/v1/completions", dependencies=auth)
+    async def text_completions(body: CompletionRequest, request: Request) -> Response:
+        return await completions.handle(body, request)
 
     @app.post("/v1/messages", dependencies=auth)
     async def messages(body: MessagesRequest, request: Request) -> Response:

@@ -42,9 +42,14 @@ logger = logging.getLogger("astrai.serve")
 
 @dataclass
 class Prepared:
-    """A request reduced to what the engine and the parsers need."""
+    """A request reduced to what the engine and the parsers need.
 
-    prompt_ids: list[int]
+    `prompts` holds one token list per prompt (chat: one; legacy completions: a batch);
+    each is sampled `n` times, choice `index = prompt_index * n + j`. `prompt_param` is the
+    request field an error about a prompt names; `options` is the builder's own (echo...).
+    """
+
+    prompts: list[list[int]]
     max_tokens: int
     sampling: dict[str, Any]
     n: int = 1
@@ -53,20 +58,37 @@ class Prepared:
     stream: bool = False
     include_usage: bool = False
     model: str = "astrai"
+    prompt_param: str = "messages"
+    options: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
 class Choice:
-    """Output of one engine task, as seen by the client."""
+    """Output of one engine task, as seen by the client.
+
+    Token bookkeeping for log-probs: every text piece from the engine arrives with the
+    number of output tokens it completes (`marks`: raw characters so far -> tokens so far),
+    so a builder hands out the entries of the tokens whose text it has emitted (`chars`)
+    and no others: text held back (a possible stop string) holds its tokens back too.
+    `token_end` is where the reported tokens end: at the piece a stop string matched in, or
+    at the last output token once the task is done. `tokens_sent` is the builder's cursor.
+    """
 
     index: int
     result: GenerateResult
     parser: OutputParser
+    prompt_index: int = 0
     text: list[str] = field(default_factory=list)
     tool_calls: list[ToolCall] = field(default_factory=list)
     finish_reason: str | None = None
     stop_sequence: str | None = None
     error: str | None = None
+    chars: int = 0  # length of `content`
+    marks: list[tuple[int, int]] = field(default_factory=list)
+    token_end: int | None = None
+    tokens_sent: int = 0
+    _mark: int = 0  # marks before this one are covered by the text emitted so far
+    _covered: int = 0
 
     @property
     def finished(self) -> bool:
@@ -79,6 +101,27 @@ class Choice:
     @property
     def output_tokens(self) -> int:
         return len(self.result.task.output_ids)
+
+    def received(self, text: str, tokens: int) -> None:
+        """Record a raw text piece that completes the first `tokens` output tokens."""
+        chars = self.marks[-1][0] + len(text) if self.marks else len(text)
+        self.marks.append((chars, tokens))
+
+    def tokens_emitted(self) -> int:
+        """How many output tokens the text emitted so far fully covers (never decreases)."""
+        while self._mark < len(self.marks) and self.marks[self._mark][0] <= self.chars:
+            self._covered = self.marks[self._mark][1]
+            self._mark += 1
+        end = self.token_end
+        return self._covered if end is None else min(self._covered, end)
+
+    def take_tokens(self, upto: int | None = None) -> range:
+        """Output positions not yet handed out, through `upto` (default: `token_end`)."""
+        end = self.token_end if upto is None else upto
+        end = max(self.tokens_sent, end if end is not None else self.tokens_sent)
+        out = range(self.tokens_sent, end)
+        self.tokens_sent = end
+        return out
 
 
 @dataclass(eq=False)
@@ -99,7 +142,7 @@ class RequestContext:
 
     @property
     def prompt_tokens(self) -> int:
-        return len(self.prepared.prompt_ids)
+        return sum(len(p) for p in self.prepared.prompts)
 
     @property
     def completion_tokens(self) -> int:
@@ -246,7 +289,7 @@ class ProtocolHandler:
         if ctx.error is not None:
             rejected = any(c.result.finish_reason == "rejected" for c in ctx.choices)
             if rejected:  # e.g. a paged KV pool that can never hold this prompt
-                raise APIError(400, ctx.error, param="messages")
+                raise APIError(400, ctx.error, param=prepared.prompt_param)
             raise APIError(500, ctx.error, kind="server")
         return JSONResponse(self.builder.format_response(ctx))
 
@@ -255,26 +298,37 @@ class ProtocolHandler:
         limit = self.engine.max_seq_len - 1
         if self.state.settings.max_prompt_tokens is not None:
             limit = min(limit, self.state.settings.max_prompt_tokens)
-        if len(p.prompt_ids) > limit:
-            raise APIError(
-                400,
-                f"messages: prompt is too long: {len(p.prompt_ids)} tokens, the limit is {limit}",
-                param="messages",
-                code="context_length_exceeded",
-            )
-        if not p.prompt_ids:
-            raise APIError(400, "the prompt is empty", param="messages")
+        vocab = self.engine.vocab_size
+        for i, ids in enumerate(p.prompts):
+            name = p.prompt_param if len(p.prompts) == 1 else f"{p.prompt_param}[{i}]"
+            if len(ids) > limit:
+                raise APIError(
+                    400,
+                    f"{name}: prompt is too long: {len(ids)} tokens, the limit is {limit}",
+                    param=p.prompt_param,
+                    code="context_length_exceeded",
+                )
+            if not ids:
+                raise APIError(400, f"{name}: the prompt is empty", param=p.prompt_param)
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise APIError(
+                    400,
+                    f"{name}: token id(s) outside the vocabulary [0, {vocab}): {bad[:5]}",
+                    param=p.prompt_param,
+                )
 
     def _submit(self, ctx: RequestContext) -> None:
         p = ctx.prepared
         loop = asyncio.get_running_loop()
         fmt = self.state.tool_format if p.parse_tools else None
-        for i in range(p.n):
+        for i in range(len(p.prompts) * p.n):
             sampling = dict(p.sampling)
             if sampling.get("seed") is not None:
                 sampling["seed"] += i
+            prompt = i // p.n
             try:  # the engine's one request check: bad settings raise, naming the parameter
-                result = self.engine.submit(p.prompt_ids, max_tokens=p.max_tokens, **sampling)
+                result = self.engine.submit(p.prompts[prompt], max_tokens=p.max_tokens, **sampling)
             except EngineNotReady as err:
                 self._cancel_all(ctx)
                 raise APIError(503, str(err), kind="overloaded") from err
@@ -284,12 +338,16 @@ class ProtocolHandler:
             if result.done and result.finish_reason in ("rejected", "aborted"):
                 self._cancel_all(ctx)
                 status = 400 if result.finish_reason == "rejected" else 503
-                raise APIError(status, result.task.error or "request rejected")
+                param = p.prompt_param if status == 400 else None
+                raise APIError(status, result.task.error or "request rejected", param=param)
             parser = OutputParser(p.stops, fmt, self.builder.tool_id_prefix)
-            ctx.choices.append(Choice(i, result, parser))
+            ctx.choices.append(Choice(i, result, parser, prompt_index=prompt))
+            # The callbacks run on the loop thread right after a token is appended, so the
+            # output length then is the number of tokens this text completes.
+            out = result.task.output_ids
             result.subscribe(
-                lambda t, i=i: _pusher(loop, ctx.queue, (i, t)),
-                lambda _, i=i: _pusher(loop, ctx.queue, (i, None)),
+                lambda t, i=i, out=out: _pusher(loop, ctx.queue, (i, t, len(out))),
+                lambda _, i=i, out=out: _pusher(loop, ctx.queue, (i, None, len(out))),
             )
 
     def _cancel_all(self, ctx: RequestContext) -> None:
@@ -298,7 +356,9 @@ class ProtocolHandler:
                 self.engine.cancel(c.result)
 
     # ------------------------------------------------------------------ the event stream
-    async def _next(self, ctx: RequestContext, request: Request | None) -> tuple[int, str | None]:
+    async def _next(
+        self, ctx: RequestContext, request: Request | None
+    ) -> tuple[int, str | None, int]:
         if request is None:  # streaming: Starlette cancels the response on disconnect
             return await ctx.queue.get()
         poll = self.state.settings.disconnect_poll_s
@@ -328,19 +388,25 @@ class ProtocolHandler:
             while not ctx.queue.empty():
                 items.append(ctx.queue.get_nowait())
             out: list[tuple[Choice, Event | None]] = []
-            for i, text in items:
+            for i, text, tokens in items:
                 choice = ctx.choices[i]
                 if choice.finished:
                     continue
                 if text is None:
+                    if choice.token_end is None:
+                        choice.token_end = tokens
                     self._emit(out, choice, choice.parser.flush())
                     self._finish(choice)
                     out.append((choice, None))
                     pending -= 1
                     continue
+                choice.received(text, tokens)
+                stopped = choice.parser.matched_stop is not None
                 events = choice.parser.feed(text)
-                if choice.parser.matched_stop is not None and not choice.result.done:
-                    self.engine.cancel(choice.result)
+                if not stopped and choice.parser.matched_stop is not None:
+                    choice.token_end = tokens  # the stop string ends in this piece's tokens
+                    if not choice.result.done:
+                        self.engine.cancel(choice.result)
                 self._emit(out, choice, events)
             if out:
                 yield out
@@ -350,6 +416,7 @@ class ProtocolHandler:
         for ev in events:
             if isinstance(ev, TextDelta):
                 choice.text.append(ev.text)
+                choice.chars += len(ev.text)
                 if out and out[-1][0] is choice and isinstance(out[-1][1], TextDelta):
                     out[-1] = (choice, TextDelta(out[-1][1].text + ev.text))
                     continue

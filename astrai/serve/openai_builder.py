@@ -6,6 +6,7 @@ from typing import Any
 
 from astrai.serve.errors import APIError, openai_error_body
 from astrai.serve.handler import Choice, Prepared, RequestContext, ResponseBuilder, sse
+from astrai.serve.logprobs import chat_entries, token_text
 from astrai.serve.parsing import Event, TextDelta
 from astrai.serve.schemas import ChatCompletionRequest, ChatMessage, NamedToolChoice
 from astrai.serve.settings import ServeSettings
@@ -67,13 +68,55 @@ def usage(ctx: RequestContext) -> dict[str, int]:
     }
 
 
-class OpenAIResponseBuilder(ResponseBuilder):
+def top_logprobs(body: ChatCompletionRequest) -> int | None:
+    """How many alternatives per token the request wants (None: no log-probs at all)."""
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(
+            400,
+            "top_logprobs: requires logprobs to be true",
+            param="top_logprobs",
+        )
+    return (body.top_logprobs or 0) if body.logprobs else None
+
+
+class OpenAIStyleBuilder(ResponseBuilder):
+    """What OpenAI's endpoints share: the error body and the SSE chunk frame and ending."""
+
+    chunk_object: str = "chat.completion.chunk"
+
+    def error_body(self, err: APIError) -> dict[str, Any]:
+        return openai_error_body(err)
+
+    def _chunk(
+        self, ctx: RequestContext, choices: list[dict[str, Any]], usage: dict | None = None
+    ) -> str:
+        data: dict[str, Any] = {
+            "id": ctx.id,
+            "object": self.chunk_object,
+            "created": ctx.created,
+            "model": ctx.model,
+            "choices": choices,
+        }
+        if usage is not None:
+            data["usage"] = usage
+        return sse(data)
+
+    def format_stream_end(self, ctx: RequestContext) -> list[str]:
+        out = [self._chunk(ctx, [], usage(ctx))] if ctx.prepared.include_usage else []
+        return [*out, sse("[DONE]")]
+
+    def format_stream_error(self, ctx: RequestContext, err: APIError) -> list[str]:
+        return [sse(self.error_body(err)), sse("[DONE]")]
+
+
+class OpenAIResponseBuilder(OpenAIStyleBuilder):
     id_prefix = "chatcmpl-"
     tool_id_prefix = "call_"
 
     def prepare(
         self, body: ChatCompletionRequest, tokenizer: AutoTokenizer, settings: ServeSettings
     ) -> Prepared:
+        top = top_logprobs(body)
         tools = None
         choice = body.tool_choice
         if body.tools and choice != "none":
@@ -86,13 +129,14 @@ class OpenAIResponseBuilder(ResponseBuilder):
                     400, f"tool_choice names an unknown function {name!r}", param="tool_choice"
                 )
         prompt_ids = render_prompt(tokenizer, [_message(m) for m in body.messages], tools)
+        sampling: dict[str, Any] = {} if top is None else {"logprobs": top}
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         temperature = 1.0 if body.temperature is None else body.temperature
         top_p = 1.0 if body.top_p is None else body.top_p
         if top_p == 0:  # only the most likely token survives: greedy
             temperature, top_p = 0.0, 1.0
         return Prepared(
-            prompt_ids=prompt_ids,
+            prompts=[prompt_ids],
             max_tokens=body.max_completion_tokens or body.max_tokens or 2048,
             sampling={
                 "temperature": temperature,
@@ -103,6 +147,7 @@ class OpenAIResponseBuilder(ResponseBuilder):
                 "frequency_penalty": body.frequency_penalty or 0.0,
                 "logit_bias": body.logit_bias or None,
                 "seed": body.seed,
+                **sampling,
             },
             n=body.n or 1,
             stops=[s for s in stops if s],
@@ -110,26 +155,10 @@ class OpenAIResponseBuilder(ResponseBuilder):
             stream=bool(body.stream),
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
             model=body.model,
+            options={"tokens": token_text(tokenizer) if top is not None else None},
         )
 
-    def error_body(self, err: APIError) -> dict[str, Any]:
-        return openai_error_body(err)
-
     # ------------------------------------------------------------------ streaming
-    def _chunk(
-        self, ctx: RequestContext, choices: list[dict[str, Any]], usage: dict | None = None
-    ) -> str:
-        data: dict[str, Any] = {
-            "id": ctx.id,
-            "object": "chat.completion.chunk",
-            "created": ctx.created,
-            "model": ctx.model,
-            "choices": choices,
-        }
-        if usage is not None:
-            data["usage"] = usage
-        return sse(data)
-
     def format_stream_start(self, ctx: RequestContext) -> list[str]:
         return [
             self._chunk(
@@ -145,11 +174,31 @@ class OpenAIResponseBuilder(ResponseBuilder):
             )
         ]
 
+    def _logprobs(self, ctx: RequestContext, choice: Choice, upto: int | None) -> dict | None:
+        """`{"content": [...], "refusal": None}` for the tokens not yet sent, through `upto`."""
+        tokens = ctx.prepared.options.get("tokens")
+        if tokens is None:
+            return None
+        task = choice.result.task
+        span = choice.take_tokens(upto)
+        tops = task.top_logprobs
+        entries = chat_entries(
+            tokens,
+            task.output_ids[span.start : span.stop],
+            task.logprobs[span.start : span.stop],
+            [tops[k] if k < len(tops) else () for k in span],
+        )
+        return {"content": entries, "refusal": None}
+
     def format_chunk(self, ctx: RequestContext, choice: Choice, event: Event) -> list[str]:
         i = choice.index
         if isinstance(event, TextDelta):
             delta = {"content": event.text}
-            return [self._chunk(ctx, [{"index": i, "delta": delta, "finish_reason": None}])]
+            part = {"index": i, "delta": delta, "finish_reason": None}
+            logprobs = self._logprobs(ctx, choice, choice.tokens_emitted())
+            if logprobs is not None:
+                part["logprobs"] = logprobs
+            return [self._chunk(ctx, [part])]
         head = {
             "index": event.index,
             "id": event.id,
@@ -164,15 +213,11 @@ class OpenAIResponseBuilder(ResponseBuilder):
 
     def format_choice_end(self, ctx: RequestContext, choice: Choice) -> list[str]:
         end = {"index": choice.index, "delta": {}, "finish_reason": _FINISH[choice.finish_reason]}
+        logprobs = self._logprobs(ctx, choice, None)  # whatever is left, e.g. the end token
+        if logprobs is not None:
+            end["logprobs"] = logprobs
         # The last finish chunk carries the usage (standard form, see the spec's Amendment 2).
         return [self._chunk(ctx, [end], usage(ctx) if ctx.all_finished else None)]
-
-    def format_stream_end(self, ctx: RequestContext) -> list[str]:
-        out = [self._chunk(ctx, [], usage(ctx))] if ctx.prepared.include_usage else []
-        return [*out, sse("[DONE]")]
-
-    def format_stream_error(self, ctx: RequestContext, err: APIError) -> list[str]:
-        return [sse(self.error_body(err)), sse("[DONE]")]
 
     # ------------------------------------------------------------------ plain
     def format_response(self, ctx: RequestContext) -> dict[str, Any]:
@@ -193,7 +238,7 @@ class OpenAIResponseBuilder(ResponseBuilder):
                 {
                     "index": c.index,
                     "message": message,
-                    "logprobs": None,
+                    "logprobs": self._logprobs(ctx, c, None),
                     "finish_reason": _FINISH[c.finish_reason or "stop"],
                 }
             )

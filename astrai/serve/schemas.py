@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 MAX_N = 16
 MAX_STOPS = 16
+MAX_LOGPROBS = 20  # the engine's limit (astrai.inference.sampling.MAX_LOGPROBS), checked in tests
 
 
 class _Body(BaseModel):
@@ -86,6 +87,37 @@ class ChatCompletionRequest(_Body):
     user: str | None = None
     tools: list[OpenAITool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = "auto"
+    logprobs: bool | None = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+
+# One prompt of the legacy completions API: text, or token ids (strict: "1" is not a token).
+TokenIds = Annotated[list[StrictInt], Field(min_length=1)]
+
+
+class CompletionRequest(_Body):
+    """Legacy `/v1/completions` (what lm-eval's `local-completions` speaks)."""
+
+    model: str = "astrai"
+    prompt: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
+    suffix: str | None = None
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = 1.0
+    top_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = 1.0
+    top_k: Annotated[int, Field(ge=-1)] | None = 0
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = 0.0
+    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = 1
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool | None = False
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = 0.0
+    logit_bias: dict[int, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    seed: int | None = None
+    user: str | None = None
 
 
 # --------------------------------------------------------------------------- Anthropic

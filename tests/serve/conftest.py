@@ -132,3 +132,17 @@ def ant(base_url) -> anthropic.Anthropic:
 @pytest.fixture
 def aant(base_url) -> anthropic.AsyncAnthropic:
     return anthropic.AsyncAnthropic(base_url=base_url, api_key="x", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="session")
+def dense_logprobs(engine):
+    """`dense_logprobs(ids)` -> `[len(ids), vocab]` log_softmax of the model's dense training
+    forward (no KV cache, no engine): the independent reference for served log-probs."""
+    import torch
+
+    def run(ids: list[int]):
+        with torch.no_grad():
+            logits = Transformer.forward(engine.model, torch.tensor([ids]))[0]
+        return torch.log_softmax(logits.float(), dim=-1)
+
+    return run

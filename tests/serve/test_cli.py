@@ -4,10 +4,8 @@ engine settings come from the shared `engine` config group."""
 import functools
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -15,6 +13,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
+from serve_helpers import free_port, wait_healthy
 
 from astrai.inference import InferenceEngine
 
@@ -84,9 +83,7 @@ def test_missing_model_names_the_path(tmp_path):
 
 @pytest.mark.slow
 def test_serve_command(model_dir):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "ASTRAI_MODEL": str(model_dir)}  # the default model path
     proc = subprocess.Popen(
         [
@@ -106,15 +103,7 @@ def test_serve_command(model_dir):
     )
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
-            time.sleep(0.2)
+        wait_healthy(proc, url, 120)
         models = httpx.get(url + "/v1/models").json()
         assert models["data"][0]["id"] == model_dir.name
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}

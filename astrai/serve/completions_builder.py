@@ -1,0 +1,198 @@
+"""Legacy OpenAI text completions: `/v1/completions`, plain and streaming.
+
+This is the API that scoring clients speak (lm-eval's `local-completions`): a batch of
+prompts as text or token ids, `echo` to get the prompt back with the log-prob of every
+prompt token, `max_tokens=0` to score without sampling. Prompts are used as given: no
+chat template and no special tokens are added (as `InferenceEngine.generate` does).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from astrai.serve.errors import APIError
+from astrai.serve.handler import Choice, Prepared, RequestContext
+from astrai.serve.logprobs import LegacyLogprobs, token_text
+from astrai.serve.openai_builder import OpenAIStyleBuilder, usage
+from astrai.serve.parsing import Event, TextDelta
+from astrai.serve.schemas import CompletionRequest
+from astrai.serve.settings import ServeSettings
+from astrai.tokenizer import AutoTokenizer
+
+_FINISH = {
+    "stop": "stop",
+    "stop_sequence": "stop",
+    "length": "length",
+    "tool_calls": "stop",
+    "error": "stop",
+}
+
+
+def _prompts(
+    prompt: str | list[str] | list[int] | list[list[int]], tokenizer: AutoTokenizer, echo: bool
+) -> tuple[list[list[int]], list[str]]:
+    """Token ids and echo text of every prompt (text is echoed as given, ids decoded).
+
+    Ids are checked against the model's vocabulary by the handler, after this: an id the
+    tokenizer does not know decodes to nothing here and is refused there.
+    """
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not prompt:
+        raise APIError(400, "prompt: the list of prompts is empty", param="prompt")
+    if isinstance(prompt[0], int):
+        prompt = [prompt]  # one prompt of token ids
+    ids: list[list[int]] = []
+    texts: list[str] = []
+    for p in prompt:
+        if isinstance(p, str):
+            ids.append(tokenizer.encode(p))
+            texts.append(p)
+        else:
+            ids.append(list(p))
+            ok = echo and all(t >= 0 for t in p)
+            texts.append(tokenizer.decode(p) if ok else "")
+    return ids, texts
+
+
+class CompletionsResponseBuilder(OpenAIStyleBuilder):
+    id_prefix = "cmpl-"
+    chunk_object = "text_completion"
+
+    def prepare(
+        self, body: CompletionRequest, tokenizer: AutoTokenizer, settings: ServeSettings
+    ) -> Prepared:
+        if body.suffix:
+            raise APIError(400, "suffix: insertion (suffix) is not supported", param="suffix")
+        n = body.n or 1
+        if body.best_of is not None and body.best_of != n:
+            raise APIError(
+                400,
+                f"best_of: only best_of == n is supported (got best_of={body.best_of}, n={n})",
+                param="best_of",
+            )
+        echo = bool(body.echo)
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        if max_tokens == 0 and not echo:
+            raise APIError(
+                400, "max_tokens: 0 is allowed only with echo (prompt scoring)", param="max_tokens"
+            )
+        prompts, texts = _prompts(body.prompt, tokenizer, echo)
+        k = body.logprobs
+        extra: dict[str, Any] = {}
+        if k is not None:
+            extra["logprobs"] = k
+        if echo and (k is not None or max_tokens == 0):
+            extra["prompt_logprobs"] = k or 0  # scoring only: the engine samples nothing
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        temperature = 1.0 if body.temperature is None else body.temperature
+        top_p = 1.0 if body.top_p is None else body.top_p
+        if top_p == 0:  # only the most likely token survives: greedy
+            temperature, top_p = 0.0, 1.0
+        return Prepared(
+            prompts=prompts,
+            max_tokens=max_tokens,
+            sampling={
+                "temperature": temperature,
+                "top_p": top_p,
+                "top_k": body.top_k or 0,
+                "min_p": body.min_p or 0.0,
+                "presence_penalty": body.presence_penalty or 0.0,
+                "frequency_penalty": body.frequency_penalty or 0.0,
+                "logit_bias": body.logit_bias or None,
+                "seed": body.seed,
+                **extra,
+            },
+            n=n,
+            stops=[s for s in stops if s],
+            stream=bool(body.stream),
+            include_usage=bool(body.stream_options and body.stream_options.include_usage),
+            model=body.model,
+            prompt_param="prompt",
+            options={
+                "echo": texts if echo else None,
+                "tokens": token_text(tokenizer) if k is not None else None,
+            },
+        )
+
+    # ------------------------------------------------------------------ pieces of a choice
+    def _echo(self, ctx: RequestContext, choice: Choice) -> str | None:
+        """The prompt text, once per choice, when echoing (None otherwise, or after that)."""
+        texts = ctx.prepared.options["echo"]
+        echoed = ctx.extra.setdefault("echoed", set())
+        if texts is None or choice.index in echoed:
+            return None
+        echoed.add(choice.index)
+        return texts[choice.prompt_index]
+
+    def _logprobs(
+        self, ctx: RequestContext, choice: Choice, echo: bool, upto: int | None
+    ) -> dict | None:
+        """Legacy log-probs of the prompt (with `echo`) and of the tokens not yet sent."""
+        tt = ctx.prepared.options["tokens"]
+        if tt is None:
+            return None
+        builders = ctx.extra.setdefault("logprobs", {})
+        lp = builders.setdefault(choice.index, LegacyLogprobs(tt))
+        task = choice.result.task
+        parts = []
+        if echo:
+            ids = ctx.prepared.prompts[choice.prompt_index]
+            scored = task.prompt_logprobs or [None] * len(ids)
+            parts.append(
+                lp.build(
+                    ids,
+                    [None if e is None else e.logprob for e in scored],
+                    [None if e is None else e.top for e in scored],
+                )
+            )
+        span = choice.take_tokens(upto)
+        tops = task.top_logprobs
+        parts.append(
+            lp.build(
+                task.output_ids[span.start : span.stop],
+                task.logprobs[span.start : span.stop],
+                [tops[i] if i < len(tops) else () for i in span],
+            )
+        )
+        return LegacyLogprobs.merge(parts)
+
+    def _choice(
+        self, ctx: RequestContext, choice: Choice, text: str, upto: int | None, finish: str | None
+    ) -> dict[str, Any]:
+        echo = self._echo(ctx, choice)
+        return {
+            "index": choice.index,
+            "text": (echo or "") + text,
+            "logprobs": self._logprobs(ctx, choice, echo is not None, upto),
+            "finish_reason": finish,
+        }
+
+    # ------------------------------------------------------------------ streaming
+    def format_stream_start(self, ctx: RequestContext) -> list[str]:
+        return []  # the echo comes with a choice's first chunk, once its prompt is scored
+
+    def format_chunk(self, ctx: RequestContext, choice: Choice, event: Event) -> list[str]:
+        if not isinstance(event, TextDelta):  # no tools here; nothing else is produced
+            return []
+        upto = choice.tokens_emitted()
+        return [self._chunk(ctx, [self._choice(ctx, choice, event.text, upto, None)])]
+
+    def format_choice_end(self, ctx: RequestContext, choice: Choice) -> list[str]:
+        end = self._choice(ctx, choice, "", None, _FINISH[choice.finish_reason or "stop"])
+        return [self._chunk(ctx, [end], usage(ctx) if ctx.all_finished else None)]
+
+    # ------------------------------------------------------------------ plain
+    def format_response(self, ctx: RequestContext) -> dict[str, Any]:
+        choices = [
+            self._choice(ctx, c, c.content, None, _FINISH[c.finish_reason or "stop"])
+            for c in ctx.choices
+        ]
+        return {
+            "id": ctx.id,
+            "object": "text_completion",
+            "created": ctx.created,
+            "model": ctx.model,
+            "choices": choices,
+            "usage": usage(ctx),
+        }
