@@ -19,14 +19,9 @@ from train_helpers import SMALL, TINY_MODEL
 from astrai.data.datasets import IGNORE_INDEX
 from astrai.model import preset_model
 from astrai.tokenizer import AutoTokenizer
+from astrai.tokenizer.bytes import corpus_metrics, token_byte_lengths
 from astrai.train import metrics
-from astrai.train.metrics import (
-    CorpusNLL,
-    corpus_metrics,
-    dataset_targets,
-    token_byte_lengths,
-    unigram_baseline,
-)
+from astrai.train.metrics import CorpusNLL, dataset_targets, unigram_baseline
 from astrai.train.optim import adamw, constant
 from astrai.train.strategies.pretrain import PretrainModule
 

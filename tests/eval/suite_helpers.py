@@ -1,0 +1,81 @@
+"""Shared pieces of the suite tests: a tiny model, its dense-forward reference, a scripted
+engine for tests that need known completions, and a JSONL writer."""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from astrai.inference import BatchResult, InferenceEngine
+from astrai.model import ModelConfig, Transformer
+from astrai.tokenizer import AutoTokenizer
+
+
+def tiny_tokenizer() -> AutoTokenizer:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts = [p.read_text(errors="ignore") for p in sorted(stdlib.glob("[a-c]*.py"))[:10]]
+    texts += ["Question: What is 2 + 3?\nAnswer: 5\n"] * 5
+    return AutoTokenizer.train(texts, vocab_size=384)
+
+
+def tiny_model(tokenizer: AutoTokenizer, max_positions: int = 512) -> Transformer:
+    cfg = ModelConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        initializer_range=0.15,  # spread-out logits: no near-ties between choices
+    )
+    torch.manual_seed(0)
+    return Transformer(cfg).eval()
+
+
+def engine_for(model: Transformer, tokenizer: AutoTokenizer, **kwargs: Any) -> InferenceEngine:
+    """A synchronous engine (no loop thread); paged with small pages by default, so scoring
+    choices of one question goes through the prefix cache."""
+    options = dict(start=False, max_batch_size=8, max_seq_len=256, cache_mode="paged", page_size=4)
+    return InferenceEngine(model, tokenizer, **{**options, **kwargs})
+
+
+@torch.no_grad()
+def dense_logprobs(model: Transformer, ids: Sequence[int]) -> torch.Tensor:
+    """`log p(ids[t] | ids[:t])` for t >= 1 from one plain dense forward (float64 out)."""
+    logits = model(torch.tensor([list(ids)]))[0].double()
+    logp = torch.log_softmax(logits, dim=-1)
+    return logp[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+def write_jsonl(path: Path, rows: Sequence[Any]) -> Path:
+    """Rows as JSONL; a str row is written as is (for malformed lines)."""
+    lines = [r if isinstance(r, str) else json.dumps(r) for r in rows]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+class ScriptedEngine:
+    """Stands in for an engine in tests that need known completions: `run_batch` answers
+    each prompt with `reply(prompt_text, seed)` and records the calls."""
+
+    def __init__(self, tokenizer: AutoTokenizer, reply: Callable[[str, int], str]) -> None:
+        self.tokenizer = tokenizer
+        self.reply = reply
+        self.calls: list[dict[str, Any]] = []
+        self.max_seq_len = 4096
+
+    def run_batch(
+        self, prompt_ids_list: Sequence[Sequence[int]], *, seed: int = 0, **sampling: Any
+    ) -> list[BatchResult]:
+        self.calls.append({"n": len(prompt_ids_list), "seed": seed, **sampling})
+        out = []
+        for i, ids in enumerate(prompt_ids_list):
+            text = self.reply(self.tokenizer.decode(ids), seed + i)
+            out.append(BatchResult(self.tokenizer.encode(text), None, "stop"))
+        return out
