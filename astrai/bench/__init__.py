@@ -8,6 +8,7 @@ names to modules, which are imported only when run.
 BENCHMARKS: dict[str, str] = {
     "data": "astrai.bench.data",
     "engine": "astrai.bench.engine",
+    "eval": "astrai.bench.eval",
     "kernels": "astrai.bench.kernels",
     "serve": "astrai.bench.serve",
 }

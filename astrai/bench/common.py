@@ -56,3 +56,16 @@ def bench_model(cfg: dict[str, Any]) -> tuple[Transformer, AutoTokenizer, torch.
     model = instantiate(cfg["model"])(device=device)
     model = model.to(getattr(torch, cfg.get("dtype", "float32"))).eval()
     return model, bench_tokenizer(model.config.vocab_size), device
+
+
+def report_header(cfg: dict[str, Any], model: Transformer, device: torch.device) -> dict[str, Any]:
+    """The fields every benchmark report starts with: its config, model, size and machine."""
+    import torch
+
+    return {
+        "config": cfg,
+        "model": model_name(cfg),
+        "parameters": model.num_parameters(),
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+    }

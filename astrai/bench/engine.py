@@ -24,7 +24,7 @@ import torch
 from hydra.utils import instantiate
 from tqdm import tqdm
 
-from astrai.bench.common import as_list, bench_model, model_name, percentile
+from astrai.bench.common import as_list, bench_model, percentile, report_header
 from astrai.inference import InferenceEngine
 from astrai.model import Transformer, save_pretrained
 from astrai.tokenizer import AutoTokenizer
@@ -131,13 +131,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     engine = instantiate(cfg["engine"])
     model, tokenizer, device = bench_model(cfg)
     model_cfg, dtype = model.config, getattr(torch, cfg["dtype"])
-    report: dict[str, Any] = {
-        "config": cfg,
-        "model": model_name(cfg),
-        "parameters": model.num_parameters(),
-        "device": str(device),
-        "threads": torch.get_num_threads(),
-    }
+    report: dict[str, Any] = report_header(cfg, model, device)
     work = _workload(cfg, model_cfg.vocab_size)
     graphs = None if device.type == "cuda" else False
     runs = [

@@ -22,7 +22,7 @@ import random
 import time
 from typing import Any
 
-from astrai.bench.common import bench_model, model_name, percentile
+from astrai.bench.common import bench_model, model_name, percentile, report_header
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,6 @@ def _client(url: str, bodies: list[dict[str, Any]]) -> dict[str, Any]:
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
     """Offline and HTTP throughput on the workload of conf/bench/serve.yaml."""
     # Imported here: the spawned client process imports this module and needs none of them.
-    import torch
     from hydra.utils import instantiate
 
     from astrai.serve import ServerThread, ServeSettings, create_app
@@ -103,11 +102,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     max_len = max(len(p) + n for p, n in zip(ids, outputs)) + 1
     engine = instantiate(cfg["engine"])(model, tokenizer, max_seq_len=max_len)
     report: dict[str, Any] = {
-        "config": cfg,
-        "model": model_name(cfg),
-        "parameters": model.num_parameters(),
-        "device": str(device),
-        "threads": torch.get_num_threads(),
+        **report_header(cfg, model, device),
         "workload": {
             "requests": len(prompts),
             "prompt_tokens": sum(map(len, ids)),
