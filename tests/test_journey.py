@@ -88,7 +88,7 @@ def test_train_serve_and_ask_through_openai(tmp_path: Path) -> None:
     _run(
         [sys.executable, "-m", "astrai.train", "experiment=tiny_sft", "debug=fast",
          "model=pretrained", "model.path=outputs/tiny_pretrain/latest/export",
-         "tokenizer=from_model", "callbacks.eval_generation=null"],
+         "tokenizer=from_model", "callbacks.eval=null"],
         clone,
         600,
     )  # fmt: skip

@@ -3,7 +3,7 @@ interruption, eval generation.
 
 Checkpointing, learning-rate monitoring and progress bars are Lightning's own callbacks
 (configured in `conf/callbacks/`); what is here is what Lightning does not provide.
-`EvalGenerationCallback` lives in `astrai.train.eval_generation` and is re-exported.
+`EvalCallback` lives in `astrai.train.evaluation` and is re-exported.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from astrai.model import Transformer, inject_lora, merge_lora, save_pretrained
 
 log = logging.getLogger(__name__)
 
-__all__ = [  # and EvalGenerationCallback, imported on first use
+__all__ = [  # and EvalCallback, imported on first use
     "ExportCallback",
     "InterruptCheckpoint",
     "WandbRunState",
@@ -45,8 +45,8 @@ __all__ = [  # and EvalGenerationCallback, imported on first use
 
 
 def __getattr__(name: str) -> Any:
-    if name == "EvalGenerationCallback":  # lazy: keeps the inference engine out of imports
-        return importlib.import_module("astrai.train.eval_generation").EvalGenerationCallback
+    if name == "EvalCallback":  # lazy: keeps the inference engine out of imports
+        return importlib.import_module("astrai.train.evaluation").EvalCallback
     raise AttributeError(f"module 'astrai.train.callbacks' has no attribute {name!r}")
 
 

@@ -1,12 +1,12 @@
 """A run's start and end figures with 95% confidence intervals, as a markdown table.
 
-    python -m astrai.train.report RUN_DIR [--metric eval/exact_match ...] [--n val/rewards/accuracy=480]
+    python -m astrai.train.report RUN_DIR [--metric eval/arithmetic/exact_match ...] [--n val/rewards/accuracy=480]
 
 An accuracy measured on ``n`` problems is a binomial proportion; the Wilson score interval
 (Wilson 1927) stays inside [0, 1] and is accurate at the small ``n`` and extreme rates of
-our reference runs, where the normal approximation is not. ``n`` for the ``eval/*`` metrics
-is the run's ``callbacks.eval_generation.num_prompts`` (read from ``.hydra/config.yaml``);
-give any other with ``--n METRIC=COUNT``.
+our reference runs, where the normal approximation is not. ``n`` for an ``eval/<suite>/*``
+metric is the ``eval/<suite>/count`` the evaluation callback logged with it (the items the
+suite scored); give any other with ``--n METRIC=COUNT``.
 """
 
 from __future__ import annotations
@@ -78,14 +78,11 @@ def markdown_table(
     return "\n".join(lines)
 
 
-def _eval_count(run: Path) -> int | None:
-    config = run / ".hydra" / "config.yaml"
-    if not config.is_file():
-        return None
-    from omegaconf import OmegaConf
-
-    value = OmegaConf.select(OmegaConf.load(config), "callbacks.eval_generation.num_prompts")
-    return int(value) if value is not None else None
+def _eval_count(series: Mapping[str, Sequence[tuple[int, float]]], metric: str) -> int | None:
+    """The item count logged next to an ``eval/<suite>/<metric>`` (its last value)."""
+    suite, _, _ = metric.rpartition("/")
+    points = series.get(f"{suite}/count") if metric.startswith("eval/") and suite else None
+    return int(points[-1][1]) if points else None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -101,11 +98,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not sep or not value.isdigit():
             parser.error(f"--n takes METRIC=COUNT, got {item!r}")
         counts[key] = int(value)
-    eval_n = _eval_count(args.run)
     ordered: dict[str, int] = {}  # the order of --metric
-    for metric in args.metric or [m for m in series if m == "eval/exact_match"]:
+    for metric in args.metric or [m for m in series if m.endswith("/exact_match")]:
         if metric not in counts:
-            if not metric.startswith("eval/") or eval_n is None:
+            eval_n = _eval_count(series, metric)
+            if eval_n is None:
                 parser.error(f"--n {metric}=COUNT is needed (no count known for it)")
             counts[metric] = eval_n
         ordered[metric] = counts[metric]

@@ -330,8 +330,8 @@ def test_tiny_grpo_fast_via_entry_point(tmp_path, data_dir):
             "strategy.num_generations=4",
             "strategy.max_new_tokens=8",
             "strategy.kl_coef=0.04",  # a reference model and train/kl whatever the recipe says
-            "callbacks.eval_generation.num_prompts=4",
-            "callbacks.eval_generation.max_tokens=8",
+            "callbacks.eval.suites.arithmetic.num_prompts=4",
+            "callbacks.eval.suites.arithmetic.max_tokens=8",
             "callbacks.progress_bar=null",
             "trainer.enable_model_summary=false",
             *run_dirs(tmp_path, data_dir),
@@ -348,7 +348,7 @@ def test_tiny_grpo_fast_via_entry_point(tmp_path, data_dir):
         "train/kl",
         "train/clip_ratio/region_mean",
         "train/gen_time_frac",
-        "eval/exact_match",
+        "eval/arithmetic/exact_match",
     ):
         assert key in keys, key
 

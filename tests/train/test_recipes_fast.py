@@ -20,8 +20,8 @@ SMALL_TOKENIZER = "tokenizer.train.max_bytes=400000"  # shared with the other CL
 FAST = [
     "debug=fast",
     SMALL_TOKENIZER,
-    "callbacks.eval_generation.num_prompts=4",
-    "callbacks.eval_generation.max_tokens=8",
+    "callbacks.eval.suites.arithmetic.num_prompts=4",
+    "callbacks.eval.suites.arithmetic.max_tokens=8",
     *QUIET,
 ]
 
@@ -62,7 +62,12 @@ def test_sft_start_then_dpo_and_grpo_from_it(tmp_path: Path, data_dir: Path) -> 
     dpo = tmp_path / "dpo"
     assert (dpo / "export" / "model.safetensors").is_file()
     keys = set(read_metrics(dpo))
-    for key in ("train/loss", "train/rewards/accuracy", "val/rewards/accuracy", "eval/exact_match"):
+    for key in (
+        "train/loss",
+        "train/rewards/accuracy",
+        "val/rewards/accuracy",
+        "eval/arithmetic/exact_match",
+    ):
         assert key in keys, key
     config = json.loads((dpo / "export" / "training_state.json").read_text())
     assert config["global_step"] == 3
@@ -81,7 +86,12 @@ def test_sft_start_then_dpo_and_grpo_from_it(tmp_path: Path, data_dir: Path) -> 
     grpo = tmp_path / "grpo"
     assert (grpo / "export" / "model.safetensors").is_file()
     keys = set(read_metrics(grpo))
-    for key in ("train/loss", "train/reward_mean", "train/zero_var_frac", "eval/exact_match"):
+    for key in (
+        "train/loss",
+        "train/reward_mean",
+        "train/zero_var_frac",
+        "eval/arithmetic/exact_match",
+    ):
         assert key in keys, key
 
 

@@ -59,21 +59,18 @@ def test_bad_counts_are_refused():
 def test_report_cli_reads_the_run(tmp_path, capsys):
     run = tmp_path / "run"
     (run / "csv" / "v0").mkdir(parents=True)
-    (run / ".hydra").mkdir()
-    (run / ".hydra" / "config.yaml").write_text(
-        "callbacks:\n  eval_generation:\n    num_prompts: 100\n"
-    )
+    em, count = "eval/arithmetic/exact_match", "eval/arithmetic/count"
     with open(run / "csv" / "v0" / "metrics.csv", "w", newline="") as fh:
-        w = csv.DictWriter(fh, ["step", "eval/exact_match", "val/rewards/accuracy"])
+        w = csv.DictWriter(fh, ["step", em, count, "val/rewards/accuracy"])
         w.writeheader()
-        w.writerow({"step": 0, "eval/exact_match": 0.25, "val/rewards/accuracy": 0.5})
-        w.writerow({"step": 10, "eval/exact_match": 0.75, "val/rewards/accuracy": 0.95})
+        w.writerow({"step": 0, em: 0.25, count: 100, "val/rewards/accuracy": 0.5})
+        w.writerow({"step": 10, em: 0.75, count: 100, "val/rewards/accuracy": 0.95})
     assert (
         main(
             [
                 str(run),
                 "--metric",
-                "eval/exact_match",
+                em,
                 "--metric",
                 "val/rewards/accuracy",
                 "--n",
@@ -83,7 +80,7 @@ def test_report_cli_reads_the_run(tmp_path, capsys):
         == 0
     )
     out = capsys.readouterr().out
-    assert "| eval/exact_match | 100 | 0.250 [" in out and "(25/100) (0)" in out
+    assert "| eval/arithmetic/exact_match | 100 | 0.250 [" in out and "(25/100) (0)" in out
     assert "0.750 [" in out and "(75/100) (10)" in out and "+0.500 [" in out
     assert "| val/rewards/accuracy | 40 |" in out and "(38/40)" in out
     with pytest.raises(SystemExit):

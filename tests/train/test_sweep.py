@@ -49,8 +49,8 @@ def multirun(tmp_path: Path) -> Path:
         "0",
         ["experiment=tiny_sft", "optim.lr=1e-3"],
         [
-            {"step": 100, "eval/exact_match": 0.25, "val/loss": 2.0},
-            {"step": 400, "eval/exact_match": 0.5, "val/loss": 1.5},
+            {"step": 100, "eval/arithmetic/exact_match": 0.25, "val/loss": 2.0},
+            {"step": 400, "eval/arithmetic/exact_match": 0.5, "val/loss": 1.5},
         ],
     )
     _job(
@@ -58,14 +58,14 @@ def multirun(tmp_path: Path) -> Path:
         "1",
         ["experiment=tiny_sft", "optim.lr=3e-3"],
         [
-            {"step": 100, "eval/exact_match": 0.75},
+            {"step": 100, "eval/arithmetic/exact_match": 0.75},
             {"step": 200, "train/loss": 1.0},
-            {"step": 400, "eval/exact_match": 0.625},
+            {"step": 400, "eval/arithmetic/exact_match": 0.625},
         ],
     )
     _job(root, "2", ["experiment=tiny_sft", "++optim.lr=1e-2"], [{"step": 5, "train/loss": 9.0}])
     # no lr in the overrides: read from the job's config
-    _job(root, "10", ["seed=1"], [{"step": 400, "eval/exact_match": 0.0}], lr=0.03)
+    _job(root, "10", ["seed=1"], [{"step": 400, "eval/arithmetic/exact_match": 0.0}], lr=0.03)
     (root / "multirun.yaml").write_text("hydra: {}\n")
     return root
 
@@ -79,7 +79,7 @@ def test_sweep_plot_writes_png_and_table(multirun: Path, tmp_path: Path, capsys)
             "--param",
             "optim.lr",
             "--metric",
-            "eval/exact_match",
+            "eval/arithmetic/exact_match",
             "--out",
             str(out),
         ]
@@ -91,9 +91,14 @@ def test_sweep_plot_writes_png_and_table(multirun: Path, tmp_path: Path, capsys)
         rows = list(csv.DictReader(fh))
     assert [r["job"] for r in rows] == ["0", "1", "2", "10"]
     assert [float(r["optim.lr"]) for r in rows] == [1e-3, 3e-3, 1e-2, 0.03]
-    assert [r["eval/exact_match"] for r in rows] == ["0.5", "0.625", "", "0.0"]  # last values
+    assert [r["eval/arithmetic/exact_match"] for r in rows] == [
+        "0.5",
+        "0.625",
+        "",
+        "0.0",
+    ]  # last values
     md = out.with_suffix(".md").read_text().splitlines()
-    assert md[0] == "| job | optim.lr | eval/exact_match |"
+    assert md[0] == "| job | optim.lr | eval/arithmetic/exact_match |"
     assert md[2:] == [
         "| 0 | 1e-3 | 0.5 |",
         "| 1 | 3e-3 | **0.625** |",
@@ -105,9 +110,14 @@ def test_sweep_plot_writes_png_and_table(multirun: Path, tmp_path: Path, capsys)
 def test_sweep_plot_best_value_and_lower_is_better(multirun: Path, tmp_path: Path) -> None:
     out = tmp_path / "best.png"
     args = ["sweep", str(multirun), "--param", "optim.lr", "--out", str(out)]
-    plot.main([*args, "--metric", "eval/exact_match", "--reduce", "max"])
+    plot.main([*args, "--metric", "eval/arithmetic/exact_match", "--reduce", "max"])
     with open(out.with_suffix(".csv")) as fh:
-        assert [r["eval/exact_match"] for r in csv.DictReader(fh)] == ["0.5", "0.75", "", "0.0"]
+        assert [r["eval/arithmetic/exact_match"] for r in csv.DictReader(fh)] == [
+            "0.5",
+            "0.75",
+            "",
+            "0.0",
+        ]
     plot.main([*args, "--metric", "val/loss", "--reduce", "min"])
     md = out.with_suffix(".md").read_text()
     assert "| 0 | 1e-3 | **1.5** |" in md and md.count("missing") == 3
@@ -124,7 +134,7 @@ def test_single_run_plot_still_works(multirun: Path, tmp_path: Path, capsys) -> 
     out = tmp_path / "curves.png"
     plot.main([str(multirun / "0"), "--out", str(out)])
     assert out.read_bytes()[:8] == PNG_MAGIC
-    assert json.loads(capsys.readouterr().out)["final"]["eval/exact_match"] == 0.5
+    assert json.loads(capsys.readouterr().out)["final"]["eval/arithmetic/exact_match"] == 0.5
 
 
 def test_single_run_plot_adds_named_metric_panels(multirun: Path, tmp_path: Path) -> None:
@@ -179,9 +189,9 @@ def test_lr_grid_runs_one_folder_per_job(tmp_path: Path, data_dir: Path) -> None
             *SMALL[:1],
             "data.train.prepare.builtin.n=200",
             "data.val.prepare.builtin.n=32",
-            "callbacks.eval_generation.num_prompts=4",
-            "callbacks.eval_generation.max_tokens=8",
-            "callbacks.eval_generation.at_start=false",
+            "callbacks.eval.suites.arithmetic.num_prompts=4",
+            "callbacks.eval.suites.arithmetic.max_tokens=8",
+            "callbacks.eval.at_start=false",
             "export=false",
             f"paths.data_dir={data_dir}",
             f"paths.log_dir={tmp_path / 'outputs'}",

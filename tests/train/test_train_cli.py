@@ -82,8 +82,8 @@ def test_tiny_sft_fast_with_lora(tmp_path: Path, data_dir: Path) -> None:
             "tokenizer.train.max_bytes=400000",
             "data.train.prepare.builtin.n=300",
             "data.val.prepare.builtin.n=64",
-            "callbacks.eval_generation.num_prompts=4",
-            "callbacks.eval_generation.max_tokens=8",
+            "callbacks.eval.suites.arithmetic.num_prompts=4",
+            "callbacks.eval.suites.arithmetic.max_tokens=8",
             "strategy.lora={r: 4, lora_alpha: 8}",
             *QUIET,
             *run_dirs(tmp_path, data_dir),
@@ -94,7 +94,7 @@ def test_tiny_sft_fast_with_lora(tmp_path: Path, data_dir: Path) -> None:
     assert w and not any("lora" in k for k in w)
     rows = _metrics(run)
     assert _last(rows, "train/assistant_tokens") > 0
-    assert any(r.get("eval/exact_match") for r in rows)
+    assert any(r.get("eval/arithmetic/exact_match") for r in rows)
     assert (run / "eval_samples.jsonl").is_file()
     assert (tmp_path / "outputs" / "tiny_sft" / "latest").resolve() == run.resolve()
 

@@ -1,4 +1,4 @@
-"""Eval-generation callback: live weights, metrics, sample tables, RNG isolation."""
+"""Evaluation callback: suites on the live weights, metrics, sample tables, RNG isolation."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from unittest import mock
 import pytest
 import torch
 
+from astrai.eval import GenerationSuite, Suite, SuiteResult
 from astrai.model import ModelConfig, Transformer
-from astrai.train.eval_generation import EvalGenerationCallback, builtin_prompts
+from astrai.train.evaluation import EvalCallback
 
 
 @pytest.fixture(scope="module")
@@ -61,47 +62,64 @@ def _greedy(model, prompt, n, stop):
     return ids[len(prompt) :]
 
 
-def test_builtin_prompts():
-    recs, chat = builtin_prompts("arithmetic", 5)
-    assert chat and len(recs) == 5 and all("answer" in r for r in recs)
-    recs, chat = builtin_prompts("stdlib", 3)
-    assert not chat and len(recs) == 3 and all(r["prompt"].endswith("\n") for r in recs)
-    with pytest.raises(ValueError, match="unknown task"):
-        builtin_prompts("nope", 1)
-    with pytest.raises(ValueError, match="exactly one"):
-        EvalGenerationCallback()
-    with pytest.raises(KeyError, match="available"):
-        EvalGenerationCallback(task="arithmetic", metric="nope")
+class CountingSuite(Suite):
+    """Records the engine and weights version it was run on."""
+
+    name = "counting"
+
+    def __init__(self, need: int = 40) -> None:
+        self.need, self.calls = need, []
+
+    def required_seq_len(self, tokenizer) -> int:
+        return self.need
+
+    def run(self, engine, *, progress=False) -> SuiteResult:
+        self.calls.append(engine.policy_version)
+        return SuiteResult(self.name, {"score": 0.5}, [{"item": 1}, {"item": 2}], 0.25)
+
+
+def test_bad_suites_are_refused():
+    with pytest.raises(ValueError, match="no suites"):
+        EvalCallback({})
+    with pytest.raises(ValueError, match=r"suites\.x must be an astrai\.eval\.Suite"):
+        EvalCallback({"x": {"task": "arithmetic"}})
 
 
 def test_evaluates_live_weights_logs_metrics_and_keeps_rng(tok, tmp_path):
     model = _model(tok)
     module = SimpleNamespace(model=model, tokenizer=tok, device=torch.device("cpu"))
     logger = mock.MagicMock()
-    cb = EvalGenerationCallback(task="arithmetic", num_prompts=4, max_tokens=8, every_n_steps=2)
+    suite = GenerationSuite("arithmetic", task="arithmetic", num_prompts=4, max_tokens=8)
+    cb = EvalCallback({"arithmetic": suite, "other": CountingSuite()}, every_n_steps=2)
     trainer = _trainer(tmp_path, 0, [logger])
 
     rng = torch.random.get_rng_state()
     metrics = cb.evaluate(trainer, module)
     assert torch.equal(rng, torch.random.get_rng_state())  # training randomness untouched
-    assert set(metrics) >= {"eval/exact_match", "eval/completion_len"}
+    assert set(metrics) >= {
+        "eval/arithmetic/exact_match",
+        "eval/arithmetic/completion_len",
+        "eval/arithmetic/count",
+        "eval/other/score",
+        "eval/other/seconds",
+    }
+    assert metrics["eval/arithmetic/count"] == 4 and metrics["eval/other/count"] == 2
+    assert metrics["eval/other/score"] == 0.5 and metrics["eval/other/seconds"] == 0.25
     logger.log_metrics.assert_called_once()
     assert logger.log_metrics.call_args.kwargs["step"] == 0
 
-    def expected(m):
-        return [
-            tok.decode(_greedy(m, p, 8, set(tok.stop_ids)), skip_special_tokens=True)
-            for p in cb._prompt_ids
-        ]
+    prompts = suite.encode(tok)
 
-    rows = [json.loads(x) for x in (tmp_path / "eval_samples.jsonl").read_text().splitlines()]
-    assert [r["completion"] for r in rows] == expected(model)
-    # chat template: the prompt ids are the rendered user turn plus the generation prompt
-    assert cb._prompt_ids[0] == tok.apply_chat_template(
-        [{"role": "user", "content": cb.records[0]["prompt"]}],
-        add_generation_prompt=True,
-        tokenize=True,
-    )
+    def expected(m):
+        stop = set(tok.stop_ids)
+        return [tok.decode(_greedy(m, p, 8, stop), skip_special_tokens=True) for p in prompts]
+
+    def rows(step):
+        lines = (tmp_path / "eval_samples.jsonl").read_text().splitlines()
+        return [r for r in map(json.loads, lines) if r["step"] == step]
+
+    assert [r["completion"] for r in rows(0) if r["suite"] == "arithmetic"] == expected(model)
+    assert [r["item"] for r in rows(0) if r["suite"] == "other"] == [1, 2]
 
     # New weights after an optimizer step: the next evaluation sees them (no stale cache).
     with torch.no_grad():
@@ -109,38 +127,41 @@ def test_evaluates_live_weights_logs_metrics_and_keeps_rng(tok, tmp_path):
             p.add_(0.05 * torch.randn_like(p))
     trainer.global_step = 2
     cb.evaluate(trainer, module)
-    assert cb._engine.scheduler.policy_version == 2
-    rows = [json.loads(x) for x in (tmp_path / "eval_samples.jsonl").read_text().splitlines()]
-    assert [r["completion"] for r in rows if r["step"] == 2] == expected(model)
-    # Metric per row is the registered reward of that row.
+    assert cb.engine.policy_version == 2 and cb.suites["other"].calls == [0, 2]
+    assert [r["completion"] for r in rows(2) if r["suite"] == "arithmetic"] == expected(model)
     from astrai.data.rewards import exact_match
 
-    for r in rows:
-        assert r["exact_match"] == exact_match({"answer": r["answer"]}, r["completion"])
+    for r in rows(2):
+        if r["suite"] == "arithmetic":
+            assert r["exact_match"] == exact_match({"answer": r["answer"]}, r["completion"])
     cb.teardown(trainer, module, "fit")
-    assert cb._engine is None
+    assert cb.engine is None
 
 
-def test_engine_factory_gets_sizes_from_the_prompts(tok, tmp_path):
-    """The callback calls its engine factory (conf/engine/) with its own batch and context."""
+def test_engine_factory_is_sized_by_the_suites(tok, tmp_path):
+    """The callback calls its engine factory (conf/engine/) with the suites' context."""
     from hydra.utils import instantiate
 
     from astrai.inference import InferenceEngine
     from astrai.train.runner import compose
 
-    cfg = compose(["callbacks=eval_generation", "paths.output_dir=/tmp/unused"])
-    node = cfg.callbacks.eval_generation.engine
+    cfg = compose(["callbacks=eval", "paths.output_dir=/tmp/unused"])
+    node = cfg.callbacks.eval.engine
     assert node.cache_mode == "contiguous" and node._target_ == "astrai.inference.InferenceEngine"
+    assert cfg.callbacks.eval.suites.arithmetic._target_ == "astrai.eval.GenerationSuite"
     factory = mock.Mock(side_effect=instantiate(node))
     model = _model(tok)
     module = SimpleNamespace(model=model, tokenizer=tok, device=torch.device("cpu"))
-    cb = EvalGenerationCallback(task="arithmetic", num_prompts=3, max_tokens=8, engine=factory)
+    cb = EvalCallback(
+        {"small": CountingSuite(40), "large": CountingSuite(100)},
+        engine=factory,
+        max_batch_size=3,
+    )
     cb.evaluate(_trainer(tmp_path), module)
     (args, kw) = factory.call_args
     assert args == (model, tok) and kw["start"] is False and kw["max_batch_size"] == 3
-    longest = max(len(p) for p in cb._prompt_ids) + 8
-    assert kw["max_seq_len"] == max(longest, 64)
-    assert isinstance(cb._engine, InferenceEngine) and cb._engine.max_seq_len == kw["max_seq_len"]
+    assert kw["max_seq_len"] == 100  # the largest need
+    assert isinstance(cb.engine, InferenceEngine) and cb.engine.max_seq_len == 100
     cb.teardown(_trainer(tmp_path), module, "fit")
 
 
@@ -149,13 +170,14 @@ def test_hook_schedule_and_wandb_table(tok, tmp_path):
 
     module = SimpleNamespace(model=_model(tok), tokenizer=tok, device=torch.device("cpu"))
     wandb = mock.create_autospec(WandbLogger, instance=True)
-    cb = EvalGenerationCallback(
+    suite = GenerationSuite(
+        "mixed",
         prompts=["def main(", {"prompt": "What is 1 + 1?", "answer": "2"}],
         chat=False,
         max_tokens=4,
-        every_n_steps=3,
-        metric="exact_match",
+        metrics="exact_match",
     )
+    cb = EvalCallback({"mixed": suite}, every_n_steps=3)
     trainer = _trainer(tmp_path, 0, [wandb])
     cb.on_train_start(trainer, module)  # at_start
     for step in (1, 2, 3, 3, 4):  # 3 twice: gradient accumulation repeats a global step
@@ -164,13 +186,12 @@ def test_hook_schedule_and_wandb_table(tok, tmp_path):
     trainer.global_step = 5
     cb.on_train_end(trainer, module)  # at_end
     assert [h["step"] for h in cb.history] == [0, 3, 5]
-    # exact_match only where the record has an answer: 1 of 2 prompts scored
     assert wandb.log_table.call_count == 3
     kwargs = wandb.log_table.call_args.kwargs
-    assert kwargs["key"] == "eval/samples" and kwargs["step"] == 5
-    assert kwargs["columns"][:3] == ["step", "prompt", "completion"]
+    assert kwargs["key"] == "eval/mixed/samples" and kwargs["step"] == 5
+    assert kwargs["columns"][:2] == ["step", "suite"] and "completion" in kwargs["columns"]
     assert len(kwargs["data"]) == 2
-    # Non-zero ranks generate nothing.
+    # Non-zero ranks evaluate nothing.
     trainer.is_global_zero = False
     trainer.global_step = 6
     assert cb.evaluate(trainer, module) == {}
