@@ -1,7 +1,9 @@
 """Plot a run's curves from its CSV logs: `python -m astrai.train.plot RUN_DIR [--out PNG]`.
 
 `python -m astrai.train.plot sweep MULTIRUN_DIR --param KEY --metric NAME` plots a sweep's
-final metric against a swept parameter instead (`astrai.train.sweep_plot`).
+final metric against a swept parameter instead (`astrai.train.sweep_plot`), and
+`python -m astrai.train.plot compare RUN_A RUN_B ... --metrics train/loss,val/loss` draws
+several runs' curves on shared axes (`astrai.train.compare_plot`).
 
 Reads every `<run>/csv/*/metrics.csv` (one per launch, so a resumed run is one curve), and
 draws train/val loss against the optimizer step, plus `val/bpb` (pretraining), any `eval/*`
@@ -24,8 +26,8 @@ from astrai.train.logs import read_metrics, summary
 log = logging.getLogger(__name__)
 
 
-#: eval/* bookkeeping that is not a score: kept out of the scores panel
-NOT_SCORES = ("eval/seconds", "eval/completion_len")
+#: eval/<suite>/* bookkeeping that is not a score: kept out of the scores panel
+NOT_SCORES = ("/seconds", "/count", "/completion_len")
 
 
 def _panel(ax: Any, m: dict[str, Any], keys: list[str], style: str, ylabel: str | None) -> None:
@@ -51,7 +53,7 @@ def plot(
     missing = [k for k in extra or [] if k not in m]
     if missing:
         raise KeyError(f"metrics not logged in {run}: {missing} (have: {sorted(m)})")
-    evals = sorted(k for k in m if k.startswith("eval/") and k not in NOT_SCORES)
+    evals = sorted(k for k in m if k.startswith("eval/") and not k.endswith(NOT_SCORES))
     lrs = sorted(k for k in m if k.startswith("lr"))
     panels: list[tuple[list[str], str, str | None]] = []  # (metrics, line style, y label)
     if "val/bpb" in m:
@@ -91,6 +93,11 @@ def main(argv: list[str] | None = None) -> None:
         from astrai.train.sweep_plot import main as sweep_main
 
         sweep_main(argv[1:])
+        return
+    if argv[:1] == ["compare"]:
+        from astrai.train.compare_plot import main as compare_main
+
+        compare_main(argv[1:])
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run", help="a run folder (holds csv/)")

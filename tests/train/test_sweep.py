@@ -211,3 +211,24 @@ def test_lr_grid_runs_one_folder_per_job(tmp_path: Path, data_dir: Path) -> None
     for job in ("0", "1"):
         saved = yaml.safe_load((sweep / job / ".hydra" / "config.yaml").read_text())
         assert saved["optim"]["lr"] == [1e-3, 1e-2][int(job)]
+
+
+def test_compare_plot_draws_runs_on_shared_axes(tmp_path: Path, capsys) -> None:
+    dense = _job(
+        tmp_path, "dense", [], [{"step": 10, "val/loss": 3.0}, {"step": 20, "val/loss": 2.5}]
+    )
+    moe = _job(tmp_path, "moe", [], [{"step": 10, "val/loss": 2.9}, {"step": 20, "val/loss": 2.25}])
+    out = tmp_path / "cmp.png"
+    plot.main(["compare", str(dense), str(moe), "--metrics", "val/loss", "--labels", "d,m",
+               "--out", str(out)])  # fmt: skip
+    assert out.read_bytes()[:8] == PNG_MAGIC
+    assert json.loads(capsys.readouterr().out)["final"] == {
+        "d": {"val/loss": 2.5},
+        "m": {"val/loss": 2.25},
+    }
+    assert out.with_suffix(".md").read_text().splitlines()[2:] == [
+        "| d | 2.5000 |",
+        "| m | 2.2500 |",
+    ]
+    with pytest.raises(KeyError, match="not logged"):
+        plot.main(["compare", str(dense), "--metrics", "train/loss", "--out", str(out)])
