@@ -11,6 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from astrai.model.mla_config import mla_attention_params, mla_head_dim, mla_problems
+from astrai.model.moe_config import as_list, moe_layer, moe_param_delta, moe_problems
+
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 # Fields each RoPE scaling type needs, beyond `rope_type`.
@@ -58,11 +61,39 @@ class ModelConfig:
     # The HF architecture a checkpoint came from (llama, qwen2, qwen3, mistral); HF export
     # writes it back when it can represent the model, so a Mistral stays a Mistral.
     hf_model_type: str | None = None
+    # ---- mixture of experts (astrai/model/moe.py); num_experts=0 is a dense model
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int | None = None
+    num_shared_experts: int = 0
+    shared_expert_intermediate_size: int | None = None
+    shared_expert_gate: bool = False
+    norm_topk_prob: bool = False
+    router_scoring: str = "softmax"
+    router_topk_method: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    router_correction_bias: bool = False
+    mlp_only_layers: list[int] = dataclasses.field(default_factory=list)
+    decoder_sparse_step: int = 1
+    first_k_dense_replace: int = 0
+    router_aux_loss_coef: float = 0.001
+    router_z_loss_coef: float = 0.0
+    # ---- multi-head latent attention (astrai/model/mla.py); head_dim is then the rotary dim
+    attention_type: str = "gqa"
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
 
     def __post_init__(self) -> None:
+        self.mlp_only_layers = as_list(self.mlp_only_layers)  # a tuple or Hydra's ListConfig
         self._check_types()
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
+        self.head_dim = mla_head_dim(self)  # MLA: the rotary dim (astrai/model/mla_config.py)
         if self.head_dim is None and self.num_attention_heads:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.rope_scaling is not None:
@@ -85,6 +116,8 @@ class ModelConfig:
     def validate(self) -> None:
         """Check types and cross-field constraints; raise `ConfigError` naming the field."""
         self._check_types()
+        for problem in mla_problems(self):  # MLA fields: astrai/model/mla_config.py
+            raise ConfigError(problem)
         for name in (
             "vocab_size",
             "hidden_size",
@@ -124,6 +157,12 @@ class ModelConfig:
             factor = self.rope_scaling.get("factor")
             if factor is not None and (not isinstance(factor, int | float) or factor <= 0):
                 raise ConfigError(f"ModelConfig.rope_scaling.factor: must be > 0, got {factor!r}")
+        for problem in moe_problems(self):  # MoE fields: astrai/model/moe_config.py
+            raise ConfigError(problem)
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        """Whether block `layer_id` has a routed-expert MLP (Qwen's and DeepSeek's rules)."""
+        return moe_layer(self, layer_id)
 
     # ------------------------------------------------------------------ serialisation
     def to_dict(self) -> dict[str, Any]:
@@ -191,10 +230,13 @@ class ModelConfig:
             attn += h
         if self.qk_norm:
             attn += 2 * d
+        if self.attention_type == "mla":  # astrai/model/mla_config.py
+            attn = mla_attention_params(self)
         block = attn + 3 * h * self.intermediate_size + 2 * h
         embed = self.vocab_size * h
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return embed + self.num_hidden_layers * block + h + head
+        moe = moe_param_delta(self)  # sparse layers: router + experts instead of the dense MLP
+        return embed + self.num_hidden_layers * block + h + head + moe
 
 
 def _type_ok(value: Any, hint: Any) -> bool:
@@ -239,6 +281,22 @@ PRESETS: dict[str, dict[str, Any]] = {
         max_position_embeddings=1024,
         tie_word_embeddings=True,
     ),
+    # Multi-head latent attention (DeepSeek-V2/V3 style) at unit-test size.
+    "tiny-mla": dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        attention_type="mla",
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+    ),
     # A few million parameters: the default CPU experiment finishes in minutes.
     "astrai-5m": dict(
         vocab_size=4096,
@@ -261,6 +319,22 @@ PRESETS: dict[str, dict[str, Any]] = {
         max_position_embeddings=4096,
         tie_word_embeddings=True,
     ),
+    # astrai-30m with MLA (DeepSeek-V2-Lite-like: no q compression): the KV-size comparison of
+    # `bench engine` (160 cached values per token and layer against astrai-30m's 512).
+    "astrai-30m-mla": dict(
+        vocab_size=8192,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        attention_type="mla",
+        kv_lora_rank=128,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=32,
+        v_head_dim=64,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    ),
     "astrai-1b": dict(
         vocab_size=100000,
         hidden_size=1536,
@@ -272,6 +346,58 @@ PRESETS: dict[str, dict[str, Any]] = {
         max_position_embeddings=32768,
         rope_theta=500000.0,
         tie_word_embeddings=True,
+    ),
+    # Mixture of experts for unit tests: 4 experts (2 per token), a gated shared expert and a
+    # dense first layer (Qwen2-MoE's shape), so every MoE code path runs in milliseconds.
+    "tiny-moe": dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        num_shared_experts=1,
+        shared_expert_gate=True,
+        norm_topk_prob=True,
+        mlp_only_layers=[0],
+    ),
+    # astrai-5m with 8 experts of half its intermediate size, 2 per token: the same active MLP
+    # parameters per token as the dense model, 4x in total (experiment tiny_pretrain_moe).
+    "astrai-5m-moe": dict(
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=352,
+        router_aux_loss_coef=0.01,
+    ),
+    # OLMoE-1B-7B's shape class: 64 experts of 1024, 8 per token; ~1.3B active, ~6.9B total.
+    "astrai-1b-moe": dict(
+        vocab_size=100000,
+        hidden_size=2048,
+        intermediate_size=1024,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        max_position_embeddings=4096,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+        qk_norm=True,
+        num_experts=64,
+        num_experts_per_tok=8,
+        moe_intermediate_size=1024,
+        router_aux_loss_coef=0.01,
     ),
     # Qwen3-0.6B's shape (random weights in benchmarks; real weights load from an HF directory).
     "qwen3-0.6b": dict(

@@ -1,9 +1,11 @@
 """Model directories: `config.json` + safetensors weights (+ tokenizer files).
 
-Weights are always stored under Hugging Face's Llama names (`model.layers.0.self_attn...`),
-so our directories differ from HF's only in `config.json`. `from_pretrained` reads ours
-and HF Llama, Qwen2, Qwen3 and Mistral directories; `save_pretrained(hf_format=True)`
-writes one that `transformers.AutoModelForCausalLM` loads. Nothing here uses pickle.
+Weights are always stored under Hugging Face's names (`model.layers.0.self_attn...`; MoE
+experts one tensor per expert, as HF writes them, stacked in memory by `hf_moe`), so our
+directories differ from HF's only in `config.json`. `from_pretrained` reads ours and HF
+Llama, Qwen2, Qwen3, Mistral, Mixtral, Qwen2-MoE, Qwen3-MoE (`hf_moe`) and DeepSeek-V2/V3
+(`hf_deepseek`) directories; `save_pretrained(hf_format=True)` writes one that
+`transformers.AutoModelForCausalLM` loads. Nothing here uses pickle.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from astrai.model import hf_deepseek, hf_moe
 from astrai.model.config import ConfigError, ModelConfig
+from astrai.model.hf_common import hf_base_fields
 from astrai.model.transformer import Transformer
 
 if TYPE_CHECKING:
@@ -38,6 +42,8 @@ HF_ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
 }
+HF_ARCHITECTURES.update(hf_moe.MOE_ARCHITECTURES)  # Mixtral, Qwen2-MoE, Qwen3-MoE
+HF_ARCHITECTURES.update(hf_deepseek.DEEPSEEK_ARCHITECTURES)  # DeepSeek-V2 / V3 (MLA)
 # Old HF checkpoints sometimes carry these non-parameter buffers.
 _IGNORED_KEYS = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
@@ -64,6 +70,8 @@ def config_from_hf(data: dict[str, Any], *, source: str = CONFIG_NAME) -> ModelC
             f"{source}: model_type {model_type!r} is not supported; "
             f"expected 'astrai' or one of {sorted(HF_ARCHITECTURES)}"
         )
+    if model_type in hf_deepseek.DEEPSEEK_ARCHITECTURES:  # MLA + DeepSeek MoE: hf_deepseek.py
+        return hf_deepseek.config_from_hf(data, source=source)
     if data.get("mlp_bias"):
         raise ConfigError(f"{source}: mlp_bias=true is not supported")
     rope_params = dict(data.get("rope_parameters") or {})
@@ -116,6 +124,7 @@ def config_from_hf(data: dict[str, Any], *, source: str = CONFIG_NAME) -> ModelC
         pad_token_id=data.get("pad_token_id"),
         hf_model_type=model_type,
     )
+    fields.update(hf_moe.config_fields(data, model_type, source))
     missing = [k for k, v in fields.items() if v is None and k in _HF_REQUIRED]
     if missing:
         raise ConfigError(f"{source}: missing required field(s) {missing}")
@@ -137,6 +146,10 @@ def hf_model_type(config: ModelConfig) -> str:
     The architecture the checkpoint came from wins when it fits (Mistral and Llama compute
     the same function, but users expect to get back what they loaded).
     """
+    if config.attention_type == "mla":
+        return hf_deepseek.hf_deepseek_model_type(config)
+    if config.num_experts:
+        return hf_moe.hf_moe_model_type(config)
     plain = not (config.qk_norm or config.attention_bias or config.o_proj_bias)
     if config.hf_model_type == "mistral" and plain:
         return "mistral"
@@ -152,35 +165,11 @@ def hf_model_type(config: ModelConfig) -> str:
 
 
 def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    if config.attention_type == "mla":
+        return hf_deepseek.config_to_hf(config, dtype)
     model_type = hf_model_type(config)
-    rope_parameters = {"rope_type": "default", "rope_theta": config.rope_theta}
-    if config.rope_scaling:
-        rope_parameters.update(config.rope_scaling)
-    data: dict[str, Any] = {
-        "architectures": [HF_ARCHITECTURES[model_type]],
-        "model_type": model_type,
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": config.num_hidden_layers,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": config.max_position_embeddings,
-        "rms_norm_eps": config.rms_norm_eps,
-        "rope_theta": config.rope_theta,
-        "rope_scaling": dict(config.rope_scaling) if config.rope_scaling else None,
-        "rope_parameters": rope_parameters,
-        "tie_word_embeddings": config.tie_word_embeddings,
-        "attention_dropout": 0.0,
-        "initializer_range": config.initializer_range,
-        "bos_token_id": config.bos_token_id,
-        "eos_token_id": config.eos_token_id,
-        "pad_token_id": config.pad_token_id,
-        "torch_dtype": str(dtype).removeprefix("torch."),
-        "use_cache": True,
-    }
+    data = hf_base_fields(config, HF_ARCHITECTURES[model_type], model_type, dtype)
+    data.update(num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim)
     if model_type in ("llama", "qwen3"):
         data["attention_bias"] = config.attention_bias
     if model_type == "llama":
@@ -188,6 +177,7 @@ def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dic
     if model_type in ("qwen2", "qwen3"):
         data["use_sliding_window"] = False
         data["sliding_window"] = None
+    data.update(hf_moe.config_to_hf_fields(config, model_type))
     return data
 
 
@@ -277,6 +267,8 @@ def load_pretrained(
         expected.pop("lm_head.weight", None)
     stored = read_state_dict(path, device)
     stored = {k: v for k, v in stored.items() if not _IGNORED_KEYS.search(k)}
+    stored = hf_moe.state_from_hf(stored)  # per-expert HF tensors -> stacked experts
+    stored = hf_deepseek.state_from_hf(stored, config)  # MLA rotary rows, shared experts
     if config.tie_word_embeddings:
         stored.pop("lm_head.weight", None)
     missing = sorted(set(expected) - set(stored))
@@ -350,6 +342,9 @@ def save_pretrained(
             t = t.to(dtype)
         state[to_hf_key(name)] = t.to("cpu").contiguous()
     stored_dtype = next(iter(state.values())).dtype
+    state = hf_deepseek.state_to_hf(state, config, unstack=hf_format)  # MLA: DeepSeek layout
+    if hf_format:  # stacked experts -> the per-expert tensors of HF checkpoints
+        state = hf_moe.state_to_hf(state, hf_model_type(config))
 
     limit = _parse_size(max_shard_size)
     shards: list[dict[str, torch.Tensor]] = [{}]

@@ -8,7 +8,9 @@ from torch.utils.checkpoint import checkpoint
 
 from astrai.extension import KVCache
 from astrai.model.config import ModelConfig
-from astrai.model.layers import MLP, Attention, Linear, RMSNorm, RotaryEmbedding
+from astrai.model.layers import Linear, RMSNorm, RotaryEmbedding
+from astrai.model.mla import make_attention
+from astrai.model.moe import MoE, RouterStats, make_mlp, router_losses, router_stats
 
 
 class DecoderBlock(nn.Module):
@@ -18,9 +20,9 @@ class DecoderBlock(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_id)
+        self.self_attn = make_attention(config, layer_id)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = make_mlp(config, layer_id)
 
     def forward(
         self,
@@ -109,6 +111,18 @@ class Transformer(nn.Module):
                     module.bias.zero_()
             elif isinstance(module, RMSNorm):
                 module.reset_parameters()
+            elif isinstance(module, MoE):
+                module.reset_parameters(std, generator)
+
+    def router_stats(self) -> list[RouterStats]:
+        """Per MoE layer: load-balancing loss, z-loss and tokens per expert of the latest
+        training forward (empty for a dense model)."""
+        return router_stats(self)
+
+    def moe_aux_loss(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(load-balancing loss, router z-loss) of the latest training forward, each the mean
+        over MoE layers; None for a dense model or before any training forward."""
+        return router_losses(self)
 
     def num_parameters(self, trainable_only: bool = False) -> int:
         """Unique parameters (a tied head counts once); works on the meta device."""

@@ -45,6 +45,7 @@ from astrai.model import (
     merge_lora,
     save_pretrained,
 )
+from astrai.model.moe import inactive_expert_parameters
 from astrai.tokenizer import AutoTokenizer
 from astrai.train.optim import OptimizerFactory, ScheduleFactory, adamw, configure_optimizers
 
@@ -308,7 +309,9 @@ class LMModule(L.LightningModule, ABC):
         init_from_export(self.model, init_from)
         # DPO and GRPO set a frozen copy of the initial policy here (after init_from)
         self.reference: ReferencePolicy | None = None
-        self.flops_per_token: float = 6.0 * self.model.num_parameters()
+        # a mixture of experts runs only its routed experts per token: active parameters
+        active = self.model.num_parameters() - inactive_expert_parameters(self.model)
+        self.flops_per_token: float = 6.0 * active
         self.flops_per_batch: float | None = None  # read by Lightning's ThroughputMonitor
         # exact resume: the checkpoint's RNG states, restored at the first step after loading,
         # and the states validation started with (restored when it ends)
@@ -362,12 +365,34 @@ class LMModule(L.LightningModule, ABC):
             ids = batch["input_ids"]
             self.flops_per_batch = self.flops_per_token * ids.numel()
         loss, metrics = self.compute_loss(batch)
-        self._check_finite(loss, "the training loss")
         bs = self._batch_size(batch)
+        loss = loss + self.router_loss(bs)
+        self._check_finite(loss, "the training loss")
         self.log("train/loss", loss.detach(), prog_bar=True, batch_size=bs)
         for key, value in metrics.items():
             self.log(f"train/{key}", value, batch_size=bs)
         return loss
+
+    def router_loss(self, batch_size: int = 1) -> Tensor | float:
+        """`router_aux_loss_coef * load-balancing + router_z_loss_coef * z-loss` of the policy's
+        latest training forward (0 for a dense model), added to every strategy's loss here.
+
+        Logs `train/router/aux_loss`, `train/router/z_loss` (means over MoE layers) and each
+        layer's expert-load coefficient of variation `train/router/load_cv/layer_<i>` with
+        their mean `train/router/load_cv`.
+        """
+        stats = self.model.router_stats()
+        if not stats:
+            return 0.0
+        aux, z = self.model.moe_aux_loss()
+        config = self.model.config
+        self.log("train/router/aux_loss", aux.detach(), batch_size=batch_size)
+        self.log("train/router/z_loss", z.detach(), batch_size=batch_size)
+        cvs = [s.load_cv() for s in stats]
+        for s, cv in zip(stats, cvs):
+            self.log(f"train/router/load_cv/layer_{s.layer_id}", cv, batch_size=batch_size)
+        self.log("train/router/load_cv", torch.stack(cvs).mean(), batch_size=batch_size)
+        return config.router_aux_loss_coef * aux + config.router_z_loss_coef * z
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
         loss, metrics = self.compute_loss(batch)

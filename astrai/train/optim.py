@@ -54,10 +54,17 @@ ScheduleFactory = Callable[..., Callable[[int], float]]
 
 # ---------------------------------------------------------------------- parameter groups
 def split_params(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:
-    """Trainable parameters by role: `hidden` 2-D matrices inside the blocks, `embed`
-    (embedding and output head: Muon's orthogonalisation does not suit them), `other`
-    (norms, biases, anything not 2-D). A tied head appears once."""
-    out: dict[str, list[tuple[str, nn.Parameter]]] = {"hidden": [], "embed": [], "other": []}
+    """Trainable parameters by role: `hidden` 2-D matrices inside the blocks, `experts`
+    (a MoE layer's stacked `[E, out, in]` expert matrices: decayed like hidden ones, but
+    `torch.optim.Muon` takes 2-D parameters only), `embed` (embedding and output head: Muon's
+    orthogonalisation does not suit them), `other` (norms, biases, router bias, anything
+    else). A tied head appears once."""
+    out: dict[str, list[tuple[str, nn.Parameter]]] = {
+        "hidden": [],
+        "experts": [],
+        "embed": [],
+        "other": [],
+    }
     seen: set[int] = set()
     for name, p in model.named_parameters():
         if not p.requires_grad or id(p) in seen:
@@ -67,6 +74,8 @@ def split_params(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:
             out["embed"].append((name, p))
         elif p.ndim == 2:
             out["hidden"].append((name, p))
+        elif p.ndim == 3:
+            out["experts"].append((name, p))
         else:
             out["other"].append((name, p))
     if not any(out.values()):
@@ -78,13 +87,18 @@ def param_groups(
     model: nn.Module,
     weight_decay: float = 0.0,
     embedding_weight_decay: float = 0.0,
-    roles: Sequence[str] = ("hidden", "embed", "other"),
+    roles: Sequence[str] = ("hidden", "experts", "embed", "other"),
 ) -> list[dict[str, Any]]:
-    """Named optimizer groups (`hidden`, `embed`, `other`; empty ones left out): decay
-    `weight_decay` on hidden matrices, `embedding_weight_decay` on the embedding/head, none
-    on norms and biases. The names show in the LR monitor (`lr/hidden`)."""
+    """Named optimizer groups (`hidden`, `experts`, `embed`, `other`; empty ones left out):
+    decay `weight_decay` on hidden and expert matrices, `embedding_weight_decay` on the
+    embedding/head, none on norms and biases. The names show in the LR monitor (`lr/hidden`)."""
     parts = split_params(model)
-    decay = {"hidden": weight_decay, "embed": embedding_weight_decay, "other": 0.0}
+    decay = {
+        "hidden": weight_decay,
+        "experts": weight_decay,
+        "embed": embedding_weight_decay,
+        "other": 0.0,
+    }
     return [
         {"params": [p for _, p in parts[role]], "weight_decay": float(decay[role]), "name": role}
         for role in roles
@@ -150,7 +164,9 @@ def muon(
             ns_steps=int(ns_steps),
             adjust_lr_fn=adjust_lr_fn,
         )
-    rest = param_groups(model, weight_decay, embedding_weight_decay, roles=("embed", "other"))
+    rest = param_groups(
+        model, weight_decay, embedding_weight_decay, roles=("experts", "embed", "other")
+    )
     if rest:
         optimizers["adamw"] = torch.optim.AdamW(
             rest,

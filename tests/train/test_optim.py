@@ -49,6 +49,21 @@ def test_decay_on_hidden_matrices_only(model: Transformer, factory) -> None:
     assert decay == {"hidden": 0.1, "embed": 0.0, "other": 0.0}
 
 
+def test_moe_expert_matrices_are_decayed_and_kept_off_muon() -> None:
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny-moe"))
+    experts = {id(p) for p in model.parameters() if p.ndim == 3}
+    assert experts  # stacked [E, out, in] expert weights
+    groups = {g["name"]: g for g in adamw(model, lr=1e-3, weight_decay=0.1).param_groups}
+    assert groups["experts"]["weight_decay"] == 0.1
+    assert {id(p) for p in groups["experts"]["params"]} == experts
+    opt = muon(model, lr=1e-3, muon_lr=0.02)
+    muon_params = {id(p) for g in opt.optimizers["muon"].param_groups for p in g["params"]}
+    adamw_groups = {g["name"]: g for g in opt.optimizers["adamw"].param_groups}
+    assert not experts & muon_params  # torch.optim.Muon takes 2-D parameters only
+    assert {id(p) for p in adamw_groups["experts"]["params"]} == experts
+
+
 def test_muon_for_hidden_matrices_adamw_for_the_rest(model: Transformer) -> None:
     opt = muon(model, lr=1e-3, muon_lr=0.02)
     assert isinstance(opt, CombinedOptimizer)
