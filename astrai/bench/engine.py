@@ -27,6 +27,7 @@ from tqdm import tqdm
 from astrai.bench.common import as_list, bench_model, percentile, report_header
 from astrai.inference import InferenceEngine
 from astrai.model import Transformer, save_pretrained
+from astrai.model.mla_config import kv_bytes_per_token
 from astrai.tokenizer import AutoTokenizer
 
 logger = logging.getLogger(__name__)
@@ -132,6 +133,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     model, tokenizer, device = bench_model(cfg)
     model_cfg, dtype = model.config, getattr(torch, cfg["dtype"])
     report: dict[str, Any] = report_header(cfg, model, device)
+    per_token = kv_bytes_per_token(model_cfg, torch.empty(0, dtype=dtype).element_size())
+    report["kv_bytes_per_token"] = per_token  # MLA: latent + rotary key; GQA: K and V per head
+    report["kv_tokens_per_gib"] = 2**30 // per_token
     work = _workload(cfg, model_cfg.vocab_size)
     graphs = None if device.type == "cuda" else False
     runs = [
@@ -198,6 +202,11 @@ def format_report(report: dict[str, Any]) -> str:
         f"model {report['model']} ({report['parameters'] / 1e6:.1f}M params) on "
         f"{report['device']}, {report['threads']} threads"
     ]
+    if "kv_bytes_per_token" in report:
+        lines.append(
+            f"KV cache {report['kv_bytes_per_token']} bytes/token -> "
+            f"{report['kv_tokens_per_gib']} tokens per GiB"
+        )
     a = report["astrai"]
     lines.append(
         f"astrai        {a['tokens_per_s']:8.1f} tok/s  TTFT p50 {a['ttft_p50']:.2f}s p99 {a['ttft_p99']:.2f}s  ({a['tokens']} tokens in {a['seconds']:.1f}s)"

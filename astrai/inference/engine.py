@@ -32,6 +32,7 @@ from astrai.inference.scheduler import InferenceScheduler
 from astrai.inference.scoring import check_score_requests, score_phases, score_result
 from astrai.inference.task import Task
 from astrai.model import Transformer
+from astrai.model.mla_config import kv_geometry
 from astrai.tokenizer import AutoTokenizer
 
 logger = logging.getLogger(__name__)
@@ -105,8 +106,7 @@ class InferenceEngine:
             )
         self.pool = PagePool(
             num_layers=cfg.num_hidden_layers,
-            num_kv_heads=cfg.num_key_value_heads,
-            head_dim=cfg.head_dim,
+            **kv_geometry(cfg),  # K/V per kv head, or MLA's latent (astrai/model/mla_config.py)
             dtype=param.dtype,
             device=param.device,
             max_batch_size=max_batch_size,

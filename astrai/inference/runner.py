@@ -95,6 +95,9 @@ class ModelRunner:
         if not mode:
             return
         cfg = self.model.config
+        if cfg.attention_type == "mla":  # the decode workspace is laid out for K/V heads
+            logger.warning("decode graphs disabled: MLA decodes eagerly in the latent space")
+            return
         if (cfg.rope_scaling or {}).get("rope_type") == "dynamic":
             logger.warning("decode graphs disabled: dynamic RoPE depends on the step's length")
             return

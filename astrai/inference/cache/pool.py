@@ -25,6 +25,9 @@ class KVStorage:
     head_dim]` in memory, the same shape through a transposed view). The CPU attention then
     streams one head's keys contiguously from a request's row, about 25% faster than over
     token-major rows on the benchmark machine.
+
+    `v_head_dim=0` (MLA) leaves `v_buffer` zero-width: the one vector per token in `k_buffer`
+    (the latent plus the rotary key) serves as both key and value.
     """
 
     def __init__(
@@ -36,24 +39,33 @@ class KVStorage:
         dtype: torch.dtype,
         device: torch.device,
         head_major: bool = False,
+        v_head_dim: int | None = None,
     ) -> None:
+        v_dim = head_dim if v_head_dim is None else v_head_dim
         self.size = size
         self.scratch_slot = size
         self.head_major = head_major
         if head_major:
             shape = (num_layers, num_kv_heads, size + 1, head_dim)
+            v_shape = (*shape[:-1], v_dim)
             self.k_buffer = torch.zeros(shape, dtype=dtype, device=device).transpose(1, 2)
-            self.v_buffer = torch.zeros(shape, dtype=dtype, device=device).transpose(1, 2)
+            self.v_buffer = torch.zeros(v_shape, dtype=dtype, device=device).transpose(1, 2)
         else:
             shape = (num_layers, size + 1, num_kv_heads, head_dim)
+            v_shape = (*shape[:-1], v_dim)
             self.k_buffer = torch.zeros(shape, dtype=dtype, device=device)
-            self.v_buffer = torch.zeros(shape, dtype=dtype, device=device)
+            self.v_buffer = torch.zeros(v_shape, dtype=dtype, device=device)
 
     @staticmethod
     def bytes_per_token(
-        num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        v_head_dim: int | None = None,
     ) -> int:
-        return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+        width = head_dim + (head_dim if v_head_dim is None else v_head_dim)
+        return num_layers * num_kv_heads * width * torch.finfo(dtype).bits // 8
 
 
 class ReqToTokenPool:
@@ -102,6 +114,9 @@ class PagePool:
     `head_major` picks the storage layout (see `KVStorage`); the default is head-major for
     contiguous rows on the CPU, which the CPU attention reads in place, and token-major
     otherwise (paged KV is gathered, and gathering whole token rows is faster).
+    `latent_dim` (MLA) stores one vector of that width per token and layer instead of K and
+    V per kv head (`num_kv_heads` / `head_dim` are then ignored); `bytes_per_token` is the
+    per-token KV size either way.
     """
 
     def __init__(
@@ -120,6 +135,7 @@ class PagePool:
         memory_fraction: float | None = None,
         enable_radix: bool | None = None,
         head_major: bool | None = None,
+        latent_dim: int | None = None,
     ) -> None:
         if mode not in ("contiguous", "paged"):
             raise ValueError(f"cache mode must be 'contiguous' or 'paged', got {mode!r}")
@@ -131,7 +147,11 @@ class PagePool:
         self.mode = mode
         self.device = device
         self.max_seq_len = max_seq_len
-        per_token = KVStorage.bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
+        v_head_dim = None
+        if latent_dim is not None:  # MLA: one latent vector per token, no separate V
+            num_kv_heads, head_dim, v_head_dim = 1, latent_dim, 0
+        per_token = KVStorage.bytes_per_token(num_layers, num_kv_heads, head_dim, dtype, v_head_dim)
+        self.bytes_per_token = per_token
         if mode == "contiguous":
             size = max_batch_size * max_seq_len
         else:
@@ -146,7 +166,14 @@ class PagePool:
         if head_major is None:  # CPU contiguous rows are read in place: head-major is faster
             head_major = device.type == "cpu" and mode == "contiguous"
         self.storage = KVStorage(
-            num_layers, size, num_kv_heads, head_dim, dtype, device, head_major=head_major
+            num_layers,
+            size,
+            num_kv_heads,
+            head_dim,
+            dtype,
+            device,
+            head_major=head_major,
+            v_head_dim=v_head_dim,
         )
         self.req_pool = ReqToTokenPool(max_batch_size, max_seq_len, device)
         table = self.req_pool.req_to_token
