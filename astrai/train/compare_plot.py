@@ -1,6 +1,7 @@
 """Several runs' curves on shared axes: `python -m astrai.train.plot compare RUN ... --metrics`.
 
-One panel per metric, one line per run (labelled by `--labels` or the run's folder), so an
+One panel per metric, one line per run that logged it (labelled by `--labels` or the run's
+folder), so an
 ablation (a MoE model against a dense one of the same active size, two learning rates) reads
 at a glance. The final value of each metric per run is printed as JSON and written as a
 markdown table beside the PNG.
@@ -31,15 +32,17 @@ def compare(
     if len(labels) != len(runs):
         raise ValueError(f"compare: {len(labels)} labels for {len(runs)} runs")
     logged = [read_metrics(r) for r in runs]
-    for run, m in zip(runs, logged):
-        missing = [k for k in metrics if k not in m]
-        if missing:
-            raise KeyError(f"metrics not logged in {run}: {missing} (have: {sorted(m)})")
+    nowhere = [k for k in metrics if not any(k in m for m in logged)]
+    if nowhere:
+        have = sorted({k for m in logged for k in m})
+        raise KeyError(f"metrics not logged in any of {list(runs)}: {nowhere} (have: {have})")
     plt = pyplot()
     fig, axes = plt.subplots(1, len(metrics), figsize=(5.5 * len(metrics), 4), squeeze=False)
     finals: dict[str, dict[str, float]] = {label: {} for label in labels}
     for ax, key in zip(axes[0], metrics):
         for label, m in zip(labels, logged):
+            if key not in m:  # e.g. router statistics of the MoE run only
+                continue
             xs, ys = zip(*m[key])
             ax.plot(xs, ys, "o-" if len(xs) < 40 else "-", label=label, markersize=4, alpha=0.8)
             finals[label][key] = ys[-1]
@@ -52,7 +55,7 @@ def compare(
     path = save_figure(fig, out)
     rows = ["| run | " + " | ".join(metrics) + " |", "| --- |" + " --- |" * len(metrics)]
     rows += [
-        f"| {label} | " + " | ".join(f"{v[k]:.4f}" for k in metrics) + " |"
+        f"| {label} | " + " | ".join(f"{v[k]:.4f}" if k in v else "-" for k in metrics) + " |"
         for label, v in finals.items()
     ]
     path.with_suffix(".md").write_text("\n".join(rows) + "\n")
