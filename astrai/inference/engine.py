@@ -200,7 +200,10 @@ class InferenceEngine:
     def step(self) -> None:
         """One step: plan, run each plan, post-process, then free what finished.
 
-        A plan whose (strict) attention backend cannot serve it aborts its tasks only.
+        Faults are contained: a request whose own sampling fails (a logits processor, its
+        seed) ends `aborted` alone (the runner reports it); a plan whose (strict) attention
+        backend cannot serve it, or whose model forward raises, aborts that plan's tasks
+        only, and the loop goes on.
         """
         scheduler, runner = self.scheduler, self.runner
         for plan in scheduler.schedule():
@@ -208,6 +211,10 @@ class InferenceEngine:
                 out = runner.run(plan)
             except BackendUnavailable as err:
                 scheduler.abort(plan, str(err))
+                continue
+            except Exception as err:
+                logger.exception("model forward failed; aborting its %d requests", len(plan.tasks))
+                scheduler.abort(plan, f"model forward failed: {type(err).__name__}: {err}")
                 continue
             scheduler.postprocess(plan, *out)
         scheduler.cleanup()
@@ -292,7 +299,8 @@ class InferenceEngine:
         Settings come as `params` and/or `SamplingParams` keywords (max_tokens,
         ignore_eos, stop_ids, temperature, top_p, top_k, min_p, presence_penalty,
         frequency_penalty, logit_bias, seed, logprobs_mode, logprobs, prompt_logprobs,
-        prompt_logprobs_start), keywords overriding `params`.
+        prompt_logprobs_start, logits_processors), keywords overriding `params`. A seed may
+        be any int (it is used mod 2**64).
         Invalid settings raise `ValueError` naming the parameter before anything is queued;
         a prompt that can never run ends at once with finish reason `rejected` (see
         `check_request`).
@@ -407,9 +415,10 @@ class InferenceEngine:
         """Generate for every prompt on the calling thread; results in input order.
 
         Returns token-id lists, or `(ids, logprobs)` pairs with `return_logprobs`, or
-        `BatchResult`s with `return_details`. Prompt `i` draws with seed `seed + i`. A
-        rejected prompt (empty, too long, `max_tokens <= 0`, KV allocation failed) gets
-        finish reason `rejected` and an error; it never blocks the others. Invalid
+        `BatchResult`s with `return_details`. Prompt `i` draws with seed `seed + i` (any int:
+        seeds are used mod 2**64). A rejected prompt (empty, too long, `max_tokens <= 0`,
+        KV allocation failed) gets finish reason `rejected` and an error; a request that
+        faults (see `step`) gets `aborted`; neither blocks the others. Invalid
         sampling settings raise ValueError. The background loop is paused for the call.
         `logprobs_mode` (`raw`, `scaled`, `processed`: see `astrai.inference.sampling`)
         picks the distribution the log-probs are of; RL wants `scaled` (its trainer's

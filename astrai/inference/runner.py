@@ -25,10 +25,11 @@ from astrai.inference.graph import (
     StandInGraphRunner,
     capture_sizes,
 )
+from astrai.inference.isolation import sample_isolated
 from astrai.inference.logprobs import PromptScores, TopLogprobs
-from astrai.inference.sampling import SamplingBatchCache, sample_batch
+from astrai.inference.sampling import SamplingBatchCache
 from astrai.inference.scheduler import StepPlan
-from astrai.inference.scoring import PromptTargets, top_alternatives
+from astrai.inference.scoring import PromptTargets
 from astrai.inference.task import Task
 from astrai.inference.workspace import InferenceWorkspace
 from astrai.model import Transformer
@@ -40,13 +41,16 @@ class StepOutput(NamedTuple):
     """What one plan's forward produced, for `InferenceScheduler.postprocess`.
 
     `token_ids` / `logprobs`: one per `plan.samplers`; `prompt_logprobs`: the prompt tokens
-    scored by this forward; `top_logprobs`: per sampler, None when no sampler asks.
+    scored by this forward; `top_logprobs`: per sampler, None when no sampler asks;
+    `faults`: `{sampler index: error}` for requests whose own sampling failed (their token is
+    a placeholder: `postprocess` aborts them instead).
     """
 
     token_ids: list[int]
     logprobs: list[float]
     prompt_logprobs: list[PromptScores] | None = None
     top_logprobs: list[TopLogprobs] | None = None
+    faults: dict[int, str] | None = None
 
 
 class ModelRunner:
@@ -130,24 +134,19 @@ class ModelRunner:
         """Forward `plan` under its attention backend and sample its samplers' next tokens.
 
         The token ids and their log-probs (each request's `logprobs_mode`) come one per
-        `plan.samplers`, with the prompt log-probs and top alternatives rows asked for.
+        `plan.samplers`, with the prompt log-probs and top alternatives rows asked for. A
+        request whose own sampling fails (a logits processor, its seed) is reported in
+        `faults`, the others are sampled as usual; an exception raised here is the forward's.
         """
         previous, self._last_sampled = self._last_sampled, None
         with attn_backend(plan.backend):
             logits, graphed, prompt = self._forward(plan, previous)
             if not plan.samplers:
                 return StepOutput([], [], prompt)
-            samplers = plan.samplers
-            tokens, logprobs = sample_batch(
-                logits.float(),
-                self._sampling.get([t.params for t in samplers], logits.device),
-                generated=[t.output_ids for t in samplers],
-                generators=[self._generator(t) for t in samplers],
-            )
-            top = top_alternatives(logits, [t.params.logprobs for t in samplers])
-        if graphed:
-            self._last_sampled = tokens
-        return StepOutput(tokens.tolist(), logprobs.tolist(), prompt, top)
+            out = sample_isolated(logits, plan.samplers, self._sampling, self._generator)
+        if graphed and not out.faults:
+            self._last_sampled = out.device_tokens
+        return StepOutput(out.token_ids, out.logprobs, prompt, out.top_logprobs, out.faults)
 
     def _forward(
         self, plan: StepPlan, previous: torch.Tensor | None

@@ -38,6 +38,7 @@ import torch
 
 from astrai.inference.logprobs import MAX_LOGPROBS as MAX_LOGPROBS
 from astrai.inference.logprobs import check_int_fields
+from astrai.inference.processors import LogitsProcessor, check_logits_processors
 
 logger = logging.getLogger(__name__)
 
@@ -63,12 +64,12 @@ class SamplingParams:
     """One request's generation settings (OpenAI semantics), travelling as one object.
 
     temperature 0 is greedy; top_k 0 or -1 is off; top_p 1 and min_p 0 are off. Penalties
-    count only generated tokens. `seed` makes the request's draws reproducible. Generation
-    ends after `max_tokens` tokens, or at a token of `stop_ids` (None: the tokenizer's stop
-    tokens) unless `ignore_eos`. `logprobs_mode` picks the distribution the returned
-    log-probs are of (`raw`, `scaled` or `processed`, see the module docstring). `logprobs`,
+    count only generated tokens. `seed` (any int, used mod 2**64) makes draws reproducible.
+    Generation ends after `max_tokens` tokens, or at a token of `stop_ids` (None: the
+    tokenizer's stop tokens) unless `ignore_eos`. `logprobs_mode` picks the distribution of
+    the returned log-probs (`raw`, `scaled`, `processed`: module docstring). `logprobs`,
     `prompt_logprobs` (None: off; allows `max_tokens=0`), `prompt_logprobs_start`: see
-    `astrai.inference.logprobs`. Frozen, so a batch from the same objects is reused.
+    `astrai.inference.logprobs`; `logits_processors`: `processors.py`. Frozen (batches reuse).
     """
 
     temperature: float = 1.0
@@ -86,6 +87,7 @@ class SamplingParams:
     logprobs: int = 0
     prompt_logprobs: int | None = None
     prompt_logprobs_start: int = 1
+    logits_processors: Sequence[LogitsProcessor] = ()
 
     def __post_init__(self) -> None:
         stops = self.stop_ids
@@ -123,6 +125,7 @@ class SamplingParams:
                     )
                 _check_number(f"logit_bias[{token}]", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
         check_int_fields(self)
+        check_logits_processors(self.logits_processors)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.stop_ids is not None and not (

@@ -13,6 +13,12 @@ step, so the two paths cannot drift apart. A step packs every active request int
 ragged forward: decode rows (one token each) always run, prefill rows take chunks from a
 per-step token budget, so a long prompt never stalls decoding. Tasks are planned in groups
 by the attention backend their submitter chose (`attn_backend(...)` is per thread).
+
+When the paged KV pool runs out while decoding, the newest running request is preempted
+(vLLM's recompute preemption): its complete pages go to the prefix cache, its KV is freed,
+and it goes back to the front of the waiting queue with its generated tokens; re-admitted,
+it prefills prompt + generated tokens (mostly prefix-cache hits) and samples on, so its
+stream has no gap or repeat. Only a request that cannot fit alone is aborted.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from typing import Any
 
 from astrai.inference.cache import PagePool
 from astrai.inference.logprobs import PromptScores, TopLogprobs
+from astrai.inference.processors import describe
 from astrai.inference.sampling import SamplingParams
 from astrai.inference.task import Task, TaskState
 
@@ -95,6 +102,7 @@ class InferenceScheduler:
         self.total_prompt_tokens = 0
         self.total_cached_tokens = 0
         self.num_steps = 0
+        self.preemptions = 0
 
     # ------------------------------------------------------------------ queues
     @property
@@ -179,6 +187,7 @@ class InferenceScheduler:
             "active_tasks": len(self._running),
             "waiting_queue": len(self._waiting),
             "steps": self.num_steps,
+            "preemptions": self.preemptions,
             "policy_version": self.policy_version,
             **self.pool.stats(),
         }
@@ -205,9 +214,11 @@ class InferenceScheduler:
         """End cancelled tasks, admit waiting ones, and plan this step's forwards.
 
         One plan per attention backend of the running tasks; the prefill token budget is
-        shared by all of them. A decode row whose KV cannot grow is aborted here.
+        shared by all of them. Decoding tasks get their next token's KV first (preempting
+        the newest tasks if the pool is short), then waiting tasks are admitted.
         """
         self.cleanup()
+        self._reserve_decode()
         self._refill()
         groups: dict[Any, list[Task]] = {}
         for t in self._running:
@@ -226,19 +237,16 @@ class InferenceScheduler:
         for t in [t for t in tasks if t.prefilled] + [t for t in tasks if not t.prefilled]:
             if t.finished or t.cancel_requested:
                 continue
-            if t.prefilled:  # decode: feed the newest token
-                if not self.pool.ensure(t.row, t.total_len):
-                    self._finish(t, "aborted", "KV allocation failed while decoding")
-                    continue
+            if t.prefilled:  # decode: feed the newest token (its KV: `_reserve_decode`)
                 new = [t.output_ids[-1]]
             else:
-                n = min(len(t.prompt_ids) - t.computed, budget)
+                n = min(t.prefill_len - t.computed, budget)
                 if n <= 0:
                     continue
                 budget -= n
-                new = t.prompt_ids[t.computed : t.computed + n]
+                new = t.prefill_ids[t.computed : t.computed + n]
             start, n = t.computed, len(new)
-            if start + n >= len(t.prompt_ids) and t.params.max_tokens > 0:
+            if start + n >= t.prefill_len and t.params.max_tokens > 0:
                 plan.sample_rows.append(len(plan.tasks))
                 plan.samplers.append(t)
             plan.tasks.append(t)
@@ -256,10 +264,12 @@ class InferenceScheduler:
         logprobs: list[float],
         prompt_logprobs: list[PromptScores] | None = None,
         top_logprobs: list[TopLogprobs] | None = None,
+        faults: dict[int, str] | None = None,
     ) -> None:
         """Account the forward of `plan`, record its prompt log-probs, append each sampler's
         token (and top alternatives); apply stop rules. Score-only tasks (`max_tokens=0`)
-        end once their prompt is computed."""
+        end once their prompt is computed. A sampler in `faults` (its own sampling failed)
+        or whose `on_token` callback raises ends `aborted` with the cause; the rest go on."""
         for t, n in zip(plan.tasks, plan.q_lens):
             t.computed += n
         for scores in prompt_logprobs or ():
@@ -271,7 +281,12 @@ class InferenceScheduler:
         self.num_steps += 1
         now = time.perf_counter()
         tops = top_logprobs or [()] * len(plan.samplers)
-        for t, tok, lp, top in zip(plan.samplers, tokens, logprobs, tops):
+        faults = faults or {}
+        for i, (t, tok, lp, top) in enumerate(zip(plan.samplers, tokens, logprobs, tops)):
+            if i in faults:
+                logger.warning("request %d aborted: %s", t.id, faults[i])
+                self._finish(t, "aborted", faults[i])
+                continue
             t.output_ids.append(tok)
             t.logprobs.append(lp)
             if t.params.logprobs > 0:
@@ -280,7 +295,12 @@ class InferenceScheduler:
             if t.first_token_at is None:
                 t.first_token_at = now
             if t.on_token is not None:
-                t.on_token(t, tok, lp)
+                try:
+                    t.on_token(t, tok, lp)
+                except Exception as err:
+                    logger.exception("on_token callback of task %d failed", t.id)
+                    self._finish(t, "aborted", f"on_token callback failed: {describe(err)}")
+                    continue
             p = t.params
             if not p.ignore_eos and tok in (self.stop_ids if p.stop_ids is None else p.stop_ids):
                 self._finish(t, "stop")
@@ -329,6 +349,48 @@ class InferenceScheduler:
                 task.row = None
             self._finish(task, "aborted", f"engine error: {reason}")
 
+    def _reserve_decode(self) -> None:
+        """Back the next token of every decoding task with KV, oldest first; when the pool is
+        short, preempt the newest running task (possibly the one asking) and retry. A task
+        that is alone and still cannot grow is aborted: nothing else holds memory."""
+        i = 0
+        while i < len(self._running):
+            t = self._running[i]
+            i += 1
+            if t.finished or t.cancel_requested or not t.prefilled:
+                continue
+            while not self.pool.ensure(t.row, t.total_len):
+                if len(self._running) == 1:
+                    self._finish(
+                        t,
+                        "aborted",
+                        f"KV allocation failed while decoding: {t.total_len} tokens of this "
+                        f"request alone do not fit in the KV pool "
+                        f"({self.pool.capacity_tokens} tokens)",
+                    )
+                    break
+                victim = self._running[-1]
+                self._preempt(victim)
+                if victim is t:
+                    break
+
+    def _preempt(self, task: Task) -> None:
+        """Free `task`'s KV (caching its complete pages) and requeue it at the front."""
+        with self._lock:
+            self._running.remove(task)
+            self._waiting.appendleft(task)
+        if task.row is not None:
+            if task.computed > 0:
+                self.pool.cache_task(task.row, task.materialized_ids())
+            self.pool.free_task(task.row)
+            task.row = None
+        task.recompute = len(task.output_ids)
+        task.computed = 0
+        task.state = TaskState.WAITING
+        task.preemptions += 1
+        self.preemptions += 1
+        logger.debug("preempted task %d after %d tokens", task.id, task.recompute)
+
     def _refill(self) -> None:
         """Admit waiting tasks while there are request rows and KV for their prompts."""
         admitted: list[Task] = []
@@ -337,34 +399,41 @@ class InferenceScheduler:
         finally:
             if len(admitted) > 1:  # the allocator places the rows of one admission
                 rows = [t.row for t in admitted]
-                lens = [len(t.prompt_ids) for t in admitted]
+                lens = [t.prefill_len for t in admitted]
                 for t, row in zip(admitted, self.pool.arrange_rows(rows, lens)):
                     t.row = row
 
     def _admit(self, admitted: list[Task]) -> None:
         while self._waiting and len(self._running) < self.max_batch_size:
             task = self._waiting[0]
-            need = len(task.prompt_ids) + min(task.params.max_tokens, 1)
+            ids = task.prefill_ids
+            # A preempted task was running: if it can no longer fit, it is aborted.
+            failed = "aborted" if task.preemptions else "rejected"
+            need = len(ids) + min(task.params.max_tokens, 1)
             if not self.pool.can_hold(need, reserve_pages=len(self._running)):
                 if not self._running:  # nothing will ever free memory for it
                     with self._lock:
                         self._waiting.popleft()
-                    self._finish(task, "rejected", "KV allocation failed: prompt does not fit")
+                    what = "prompt + generated tokens do" if task.recompute else "prompt does"
+                    self._finish(task, failed, f"KV allocation failed: {what} not fit")
                     continue
                 return
-            # Prompt log-probs from position s need the logits of position s - 1: computed.
+            # Prompt log-probs from position s need the logits of position s - 1: computed
+            # (a preempted task that has sampled has all of its prompt log-probs already).
             p = task.params
-            limit = None if p.prompt_logprobs is None else p.prompt_logprobs_start - 1
-            alloc = self.pool.alloc_task(task.prompt_ids, limit=limit)
+            scoring = p.prompt_logprobs is not None and not task.recompute
+            alloc = self.pool.alloc_task(
+                ids, limit=p.prompt_logprobs_start - 1 if scoring else None
+            )
             if alloc is None:
                 return
             row, cached = alloc
-            if not self.pool.ensure(row, len(task.prompt_ids)):
+            if not self.pool.ensure(row, len(ids)):
                 self.pool.free_task(row)
                 if not self._running:
                     with self._lock:
                         self._waiting.popleft()
-                    self._finish(task, "rejected", "KV allocation failed")
+                    self._finish(task, failed, "KV allocation failed")
                     continue
                 return
             with self._lock:
@@ -372,10 +441,11 @@ class InferenceScheduler:
                 self._running.append(task)
             task.row = row
             admitted.append(task)
-            task.computed = min(cached, len(task.prompt_ids) - 1)
+            task.computed = min(cached, len(ids) - 1)
             task.state = TaskState.RUNNING
-            self.total_prompt_tokens += len(task.prompt_ids)
-            self.total_cached_tokens += task.computed
+            if not task.preemptions:  # prompt figures count each request once
+                self.total_prompt_tokens += len(task.prompt_ids)
+                self.total_cached_tokens += task.computed
 
     def _finish(self, task: Task, reason: str, error: str | None = None) -> None:
         if task.finished:

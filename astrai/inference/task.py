@@ -24,7 +24,9 @@ class Task:
     """Prompt, settings and progress of one request.
 
     `computed` counts the tokens whose KV is in the cache: prompt tokens during (chunked)
-    prefill, then prompt + all but the newest output token while decoding.
+    prefill, then prompt + all but the newest output token while decoding. A preempted task
+    (its KV freed for others) is prefilled again over `prefill_ids`: the prompt plus the
+    `recompute` output tokens it had, and samples its next token at the end of it.
     Finish reasons: "stop" (a stop token), "length" (max_tokens or context full),
     "cancelled", "rejected" (never admitted, see `error`), "aborted" (failed while running).
     `prompt_logprobs` (when `params.prompt_logprobs` is set) has one entry per prompt
@@ -51,14 +53,27 @@ class Task:
     first_token_at: float | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    recompute: int = 0
+    preemptions: int = 0
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = [None] * len(self.prompt_ids)
 
     @property
+    def prefill_ids(self) -> list[int]:
+        """The tokens to prefill: the prompt, plus the outputs of a preempted task."""
+        if not self.recompute:
+            return self.prompt_ids
+        return self.prompt_ids + self.output_ids[: self.recompute]
+
+    @property
+    def prefill_len(self) -> int:
+        return len(self.prompt_ids) + self.recompute
+
+    @property
     def prefilled(self) -> bool:
-        return self.computed >= len(self.prompt_ids)
+        return self.computed >= self.prefill_len
 
     @property
     def total_len(self) -> int:

@@ -183,8 +183,10 @@ def test_random_stress_frees_everything_and_ends_each_stream_once(model, tokeniz
 
 
 def test_loop_crash_ends_every_stream_and_frees_kv(model, tokenizer):
+    # A fault of the scheduler itself (not of one request, not of the model forward: those
+    # are contained, see test_fault_isolation.py) ends the loop.
     eng = InferenceEngine(model, tokenizer, cache_mode="paged", page_size=4, start=False)
-    original = eng.model.forward_packed
+    original = eng.scheduler.postprocess
     calls = {"n": 0}
 
     def flaky(*args, **kwargs):
@@ -193,7 +195,7 @@ def test_loop_crash_ends_every_stream_and_frees_kv(model, tokenizer):
             raise RuntimeError("boom")
         return original(*args, **kwargs)
 
-    eng.model.forward_packed = flaky
+    eng.scheduler.postprocess = flaky
     try:
         results = [eng.submit(p, max_tokens=20, ignore_eos=True) for p in prompts(4, seed=6)]
         eng.start()
@@ -203,7 +205,7 @@ def test_loop_crash_ends_every_stream_and_frees_kv(model, tokenizer):
         assert not eng.ready and eng.pool.all_free()
         assert {r.finish_reason for r in results} == {"aborted"}
     finally:
-        del eng.model.forward_packed
+        del eng.scheduler.postprocess
         eng.shutdown()
 
 
