@@ -37,8 +37,10 @@ def _prompt_of(record: Any, tokenizer: AutoTokenizer) -> str | list[int]:
     if not isinstance(record, dict):
         raise ValueError(f"expected a JSON object, got {type(record).__name__}")
     if "messages" in record:
+        # ids, not text: encoding the rendered text would parse special tokens typed
+        # into the messages as control tokens
         return tokenizer.apply_chat_template(
-            record["messages"], tools=record.get("tools"), add_generation_prompt=True
+            record["messages"], tools=record.get("tools"), add_generation_prompt=True, tokenize=True
         )
     if "prompt" in record:
         if not isinstance(record["prompt"], str) or not record["prompt"]:

@@ -20,6 +20,7 @@ from tokenizers import Tokenizer
 from astrai.tokenizer.bpe import train_bpe
 from astrai.tokenizer.chat import CHAT_ROLES, ChatFormatter, span_mask
 from astrai.tokenizer.chat_template import TemplateError
+from astrai.tokenizer.content_text import ContentShield
 from astrai.tokenizer.io import (
     TokenizerFiles,
     load_tokenizer_json,
@@ -91,6 +92,7 @@ class AutoTokenizer:
         self._extra_stop_tokens = list(dict.fromkeys(extra_stop_tokens))
         self.model_max_length = model_max_length
         self._fingerprint: tuple[int, str] | None = None
+        self._shield: tuple[int, ContentShield] | None = None
         self._chat = ChatFormatter(
             chat_template,
             {"bos_token": bos_token, "eos_token": eos_token, "pad_token": pad_token},
@@ -327,16 +329,28 @@ class AutoTokenizer:
         **extra: Any,
     ) -> str | list[int]:
         """Render a conversation (text, or ids when ``tokenize``), identically to
-        transformers' ``apply_chat_template`` for the same template and inputs.
+        transformers' ``apply_chat_template`` for the same template and inputs, except that
+        with ``tokenize`` control-token text inside messages, tools or ``extra`` is encoded
+        as text: only the template writes control tokens (see
+        :mod:`astrai.tokenizer.content_text`). Encoding the returned text yourself parses
+        every special token in it, so pass ``tokenize=True`` for untrusted content.
 
         ``extra`` variables reach the template (e.g. ``enable_thinking=False``).
         """
         text = self._chat.render(
             messages, tools=tools, add_generation_prompt=add_generation_prompt, extra=extra
         )
-        if tokenize:
+        if not tokenize:
+            return text
+        shield = self._content_shield()
+        shielded, changed = shield.shield((messages, tools, extra))
+        if not changed:
             return self.encode(text, add_special_tokens=False)
-        return text
+        s_messages, s_tools, s_extra = shielded
+        s_text = self._chat.render(
+            s_messages, tools=s_tools, add_generation_prompt=add_generation_prompt, extra=s_extra
+        )
+        return shield.encode(text, s_text)[0]
 
     def encode_chat(
         self,
@@ -351,17 +365,36 @@ class AutoTokenizer:
         The mask is 1 on tokens of assistant turns (content, tool calls and the turn's
         closing stop token such as ``<|im_end|>``), 0 elsewhere (headers like
         ``<|im_start|>assistant\\n``, other roles, separators after the stop token).
-        It is computed without knowing the template, from renderings of conversation
+        Control-token text inside the messages is encoded as text, exactly as
+        ``apply_chat_template(tokenize=True)`` does, so training and serving see the same
+        ids. The mask is computed without knowing the template, from renderings of conversation
         prefixes (see :meth:`ChatFormatter.render_with_assistant_spans`); a template that
         is not prefix-stable raises TemplateError.
         """
         stop_strings = [s for s in (self.id_to_token(i) for i in self.stop_ids) if s]
-        text, spans = self._chat.render_with_assistant_spans(
-            messages,
-            tools=tools,
+        shield = self._content_shield()
+        shielded, changed = shield.shield((messages, tools, extra))
+        s_messages, s_tools, s_extra = shielded
+        s_text, spans = self._chat.render_with_assistant_spans(
+            s_messages,
+            tools=s_tools,
             add_generation_prompt=add_generation_prompt,
-            extra=extra,
+            extra=s_extra,
             stop_strings=stop_strings,
         )
-        ids, offsets = self.encode_with_offsets(text)
+        if not changed:
+            ids, offsets = self.encode_with_offsets(s_text)
+        else:
+            text = self._chat.render(
+                messages, tools=tools, add_generation_prompt=add_generation_prompt, extra=extra
+            )
+            ids, offsets = shield.encode(text, s_text)
         return ids, span_mask(offsets, spans)
+
+    def _content_shield(self) -> ContentShield:
+        """The control tokens of this vocabulary (cached, keyed on the vocabulary size)."""
+        key = self.vocab_size
+        if self._shield is None or self._shield[0] != key:
+            extra = [IM_START_TOKEN, *(t for t in map(self.id_to_token, self.stop_ids) if t)]
+            self._shield = (key, ContentShield(self._tok, extra))
+        return self._shield[1]
