@@ -22,6 +22,9 @@ CONF_DIR = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "
 
 logger = logging.getLogger("astrai.serve")
 
+# ServeSettings fields taken from conf/serve.yaml as they are.
+_LIMITS = ("max_body_bytes", "max_prompt_chars", "tokenizer_threads", "request_timeout_s")
+
 
 def build_engine(cfg: dict[str, Any]) -> InferenceEngine:
     """Load the model and tokenizer from `cfg["model_path"]` and start the engine that the
@@ -63,6 +66,7 @@ def serve(cfg: dict[str, Any]) -> None:
         api_key=cfg.get("api_key") or None,
         tool_call_format=str(cfg.get("tool_call_format") or "none"),
         max_prompt_tokens=cfg.get("max_prompt_tokens"),
+        **{k: cfg[k] for k in _LIMITS if k in cfg},
     )
     app = create_app(engine, settings)
     config = uvicorn.Config(

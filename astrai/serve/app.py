@@ -8,16 +8,23 @@ from typing import TYPE_CHECKING
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from astrai.serve.anthropic_builder import AnthropicResponseBuilder
 from astrai.serve.completions_builder import CompletionsResponseBuilder
 from astrai.serve.errors import APIError, error_body, kind_for_status
-from astrai.serve.handler import ProtocolHandler, ServerState
+from astrai.serve.handler import ProtocolHandler, SafeJSONResponse, ServerState
+from astrai.serve.limits import BodyLimitMiddleware
 from astrai.serve.openai_builder import OpenAIResponseBuilder
+from astrai.serve.openapi import install_openapi
 from astrai.serve.parsing import tool_call_format
-from astrai.serve.schemas import ChatCompletionRequest, CompletionRequest, MessagesRequest
+from astrai.serve.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    CountTokensRequest,
+    MessagesRequest,
+)
 from astrai.serve.settings import ServeSettings
 
 if TYPE_CHECKING:
@@ -40,8 +47,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(parts) or "invalid request", param
 
 
-def _error_response(request: Request, err: APIError) -> JSONResponse:
-    return JSONResponse(
+def _error_response(request: Request, err: APIError) -> SafeJSONResponse:
+    return SafeJSONResponse(
         error_body(request.url.path, err), status_code=err.status, headers=err.headers
     )
 
@@ -56,6 +63,8 @@ def create_app(engine: InferenceEngine, settings: ServeSettings | None = None) -
     state = ServerState(engine, settings, tool_call_format(settings.tool_call_format))
     app = FastAPI(title="astrai", version="1", docs_url=None, redoc_url=None)
     app.state.astrai = state
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    install_openapi(app)
     openai = ProtocolHandler(state, OpenAIResponseBuilder())
     anthropic = ProtocolHandler(state, AnthropicResponseBuilder())
     completions = ProtocolHandler(state, CompletionsResponseBuilder())
@@ -75,23 +84,28 @@ def create_app(engine: InferenceEngine, settings: ServeSettings | None = None) -
     auth = [Depends(check_key)]
 
     @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+    async def _api_error(request: Request, exc: APIError) -> SafeJSONResponse:
         if exc.status >= 500:
             logger.warning("%s %s -> %d: %s", request.method, request.url.path, exc.status, exc)
         return _error_response(request, exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _invalid(request: Request, exc: RequestValidationError) -> SafeJSONResponse:
         message, param = _validation_message(exc)
         return _error_response(request, APIError(400, message, param=param))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        err = APIError(exc.status_code, str(exc.detail), kind=kind_for_status(exc.status_code))
+    async def _http(request: Request, exc: StarletteHTTPException) -> SafeJSONResponse:
+        err = APIError(
+            exc.status_code,
+            str(exc.detail),
+            kind=kind_for_status(exc.status_code),
+            headers=dict(exc.headers or {}),  # e.g. Allow on a 405
+        )
         return _error_response(request, err)
 
     @app.exception_handler(Exception)
-    async def _crash(request: Request, exc: Exception) -> JSONResponse:
+    async def _crash(request: Request, exc: Exception) -> SafeJSONResponse:
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
         return _error_response(request, APIError(500, "internal server error", kind="server"))
 
@@ -107,26 +121,40 @@ def create_app(engine: InferenceEngine, settings: ServeSettings | None = None) -
     async def messages(body: MessagesRequest, request: Request) -> Response:
         return await anthropic.handle(body, request)
 
-    @app.get("/v1/models", dependencies=auth)
-    async def models() -> dict:
+    @app.post("/v1/messages/count_tokens", dependencies=auth)
+    async def count_tokens(body: CountTokensRequest) -> dict:
+        return {"input_tokens": await anthropic.count_tokens(body.as_messages_request())}
+
+    def model_card() -> dict:
         return {
-            "object": "list",
-            "data": [
-                {
-                    "id": settings.model_name,
-                    "object": "model",
-                    "created": int(state.started),
-                    "owned_by": "astrai",
-                }
-            ],
+            "id": settings.model_name,
+            "object": "model",
+            "created": int(state.started),
+            "owned_by": "astrai",
         }
 
+    @app.get("/v1/models", dependencies=auth)
+    async def models() -> dict:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=auth)
+    async def model(model_id: str) -> dict:
+        if model_id != settings.model_name:
+            raise APIError(
+                404,
+                f"The model {model_id!r} does not exist",
+                kind="not_found",
+                param="model",
+                code="model_not_found",
+            )
+        return model_card()
+
     @app.get("/health")
-    async def health() -> JSONResponse:
+    async def health() -> SafeJSONResponse:
         ok = engine.ready and not state.draining
         body = {"status": "ok" if ok else "unavailable", "model_loaded": engine.ready}
         headers = {} if ok else {"retry-after": str(settings.retry_after_s)}
-        return JSONResponse(body, status_code=200 if ok else 503, headers=headers)
+        return SafeJSONResponse(body, status_code=200 if ok else 503, headers=headers)
 
     @app.get("/stats", dependencies=auth)
     async def stats() -> dict:

@@ -4,20 +4,26 @@ from __future__ import annotations
 
 from typing import Literal
 
-ErrorKind = Literal["invalid_request", "authentication", "not_found", "overloaded", "server"]
+ErrorKind = Literal[
+    "invalid_request", "authentication", "not_found", "too_large", "overloaded", "timeout", "server"
+]
 
 _OPENAI_TYPES: dict[str, str] = {
     "invalid_request": "invalid_request_error",
     "authentication": "authentication_error",
     "not_found": "not_found_error",
+    "too_large": "invalid_request_error",
     "overloaded": "service_unavailable_error",
+    "timeout": "timeout_error",
     "server": "server_error",
 }
 _ANTHROPIC_TYPES: dict[str, str] = {
     "invalid_request": "invalid_request_error",
     "authentication": "authentication_error",
     "not_found": "not_found_error",
+    "too_large": "request_too_large",
     "overloaded": "overloaded_error",
+    "timeout": "timeout_error",
     "server": "api_error",
 }
 
@@ -49,6 +55,10 @@ def kind_for_status(status: int) -> ErrorKind:
         return "authentication"
     if status == 404:
         return "not_found"
+    if status == 413:
+        return "too_large"
+    if status in (408, 504):
+        return "timeout"
     if status in (429, 503):
         return "overloaded"
     return "server" if status >= 500 else "invalid_request"

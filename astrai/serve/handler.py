@@ -18,7 +18,8 @@ import secrets
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from astrai.inference.engine import EngineNotReady, GenerateResult
 from astrai.serve.errors import APIError
+from astrai.serve.limits import check_prompt_chars, check_unicode
 from astrai.serve.parsing import Event, OutputParser, TextDelta, ToolCall, ToolCallFormat
 from astrai.serve.settings import ServeSettings
 
@@ -162,6 +164,8 @@ class ResponseBuilder(ABC):
 
     id_prefix: str = "req_"
     tool_id_prefix: str = "call_"
+    # Request fields whose text is the prompt (the character limit); absent ones are skipped.
+    prompt_fields: tuple[str, ...] = ("system", "messages", "prompt", "suffix")
 
     @abstractmethod
     def prepare(self, body: Any, tokenizer: AutoTokenizer, settings: ServeSettings) -> Prepared:
@@ -208,6 +212,19 @@ class ServerState:
         self.tokens_out = 0
         self.started = time.time()
         self.ttfts: deque[float] = deque(maxlen=1000)  # seconds, of the latest requests
+        # Prompt rendering and tokenizing run here, so a large prompt never blocks the
+        # event loop (other streams, /health); `tokenizers` releases the GIL while encoding.
+        self.executor = ThreadPoolExecutor(
+            max_workers=max(1, settings.tokenizer_threads), thread_name_prefix="astrai-tokenize"
+        )
+
+    async def run_blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` on the tokenizer pool, awaited from the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def close(self) -> None:
+        """Stop the tokenizer pool (idle threads; queued work is dropped)."""
+        self.executor.shutdown(wait=False, cancel_futures=True)
 
     def check_ready(self) -> None:
         retry = {"retry-after": str(self.settings.retry_after_s)}
@@ -245,7 +262,19 @@ class ServerState:
         }
 
 
+class SafeJSONResponse(JSONResponse):
+    """A JSONResponse that always encodes: a lone surrogate becomes '?' instead of a 500."""
+
+    def render(self, content: Any) -> bytes:
+        text = json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        return text.encode("utf-8", "replace")
+
+
 class _ClientGone(Exception):
+    pass
+
+
+class _TimedOut(Exception):
     pass
 
 
@@ -264,9 +293,21 @@ class ProtocolHandler:
         self.builder = builder
 
     # ------------------------------------------------------------------ entry point
+    async def prepare(self, body: Any) -> Prepared:
+        """Check the request's strings, then render and tokenize it off the event loop."""
+        settings = self.state.settings
+        check_unicode(body)
+        check_prompt_chars(body, self.builder.prompt_fields, settings.max_prompt_chars)
+        tokenizer = self.engine.tokenizer
+        return await self.state.run_blocking(self.builder.prepare, body, tokenizer, settings)
+
+    async def count_tokens(self, body: Any) -> int:
+        """Prompt tokens of `body`, exactly as `handle` would submit them (no generation)."""
+        return sum(len(p) for p in (await self.prepare(body)).prompts)
+
     async def handle(self, body: Any, request: Request | None = None) -> Response:
         self.state.check_ready()
-        prepared = self.builder.prepare(body, self.engine.tokenizer, self.state.settings)
+        prepared = await self.prepare(body)
         self._check_limits(prepared)
         ctx = RequestContext(id=self.builder.id_prefix + secrets.token_hex(12), prepared=prepared)
         self._submit(ctx)
@@ -278,20 +319,28 @@ class ProtocolHandler:
                 media_type="text/event-stream",
                 headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
             )
+        timeout = self.state.settings.request_timeout_s
+        if timeout is not None:
+            ctx.extra["deadline"] = time.monotonic() + timeout
         try:
             async for _ in self._events(ctx, request):
                 pass
         except _ClientGone:
             logger.info("request %s: client disconnected, cancelled", ctx.id)
             return Response(status_code=499)
+        except _TimedOut:
+            logger.warning("request %s: timed out after %ss, cancelled", ctx.id, timeout)
+            raise APIError(
+                504, f"request timed out after {timeout} s", kind="timeout", code="timeout"
+            ) from None
         finally:
-            self._release(ctx)
+            self._release(ctx)  # also cancels the engine tasks still running
         if ctx.error is not None:
             rejected = any(c.result.finish_reason == "rejected" for c in ctx.choices)
             if rejected:  # e.g. a paged KV pool that can never hold this prompt
                 raise APIError(400, ctx.error, param=prepared.prompt_param)
             raise APIError(500, ctx.error, kind="server")
-        return JSONResponse(self.builder.format_response(ctx))
+        return SafeJSONResponse(self.builder.format_response(ctx))
 
     # ------------------------------------------------------------------ admission
     def _check_limits(self, p: Prepared) -> None:
@@ -362,15 +411,23 @@ class ProtocolHandler:
         if request is None:  # streaming: Starlette cancels the response on disconnect
             return await ctx.queue.get()
         poll = self.state.settings.disconnect_poll_s
+        # The deadline is checked here rather than by cancelling the task: in Python 3.11
+        # `wait_for` can swallow a cancellation that races a completed get.
+        deadline = ctx.extra.get("deadline")
         while True:  # plain: poll, also while tokens keep arriving
             now = time.monotonic()
+            wait = poll
+            if deadline is not None:
+                if now >= deadline:
+                    raise _TimedOut
+                wait = min(poll, deadline - now)
             last = ctx.extra.setdefault("checked", now)
             if now - last >= poll:
                 ctx.extra["checked"] = now
                 if await request.is_disconnected():
                     raise _ClientGone
             try:
-                return await asyncio.wait_for(ctx.queue.get(), poll)
+                return await asyncio.wait_for(ctx.queue.get(), wait)
             except TimeoutError:
                 continue
 
@@ -440,7 +497,11 @@ class ProtocolHandler:
         if choice.tool_calls and choice.finish_reason in ("stop", "stop_sequence"):
             choice.finish_reason = "tool_calls"
 
-    async def _stream(self, ctx: RequestContext) -> AsyncIterator[str]:
+    async def _stream(self, ctx: RequestContext) -> AsyncIterator[bytes]:
+        async for text in self._stream_text(ctx):
+            yield text.encode("utf-8", "replace")  # never cut a stream on an unencodable str
+
+    async def _stream_text(self, ctx: RequestContext) -> AsyncIterator[str]:
         b = self.builder
         try:
             yield "".join(b.format_stream_start(ctx))

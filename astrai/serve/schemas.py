@@ -175,3 +175,17 @@ class MessagesRequest(_Body):
     stop_sequences: Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
+
+
+class CountTokensRequest(_Body):
+    """Anthropic `/v1/messages/count_tokens`: a Messages request without sampling."""
+
+    model: str = "astrai"
+    messages: Annotated[list[AnthropicMessage], Field(min_length=1)]
+    system: str | list[AnthropicText] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: AnthropicToolChoice | None = None
+
+    def as_messages_request(self) -> MessagesRequest:
+        """The Messages request whose prompt this counts."""
+        return MessagesRequest.model_validate(self.model_dump(exclude_unset=True))

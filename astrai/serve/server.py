@@ -28,6 +28,8 @@ class Server(uvicorn.Server):
             logger.info("shutting down: ending %d open request(s)", len(state.inflight))
             state.begin_shutdown()
         await super().shutdown(sockets=sockets)
+        if state is not None:
+            state.close()  # the tokenizer pool
 
 
 class ServerThread:

@@ -14,6 +14,12 @@ class ServeSettings:
     calls. `max_prompt_tokens` caps prompts below the engine's context (None: the
     context minus one token). `disconnect_poll_s`: how often a non-streaming request
     checks that its client is still there.
+
+    Limits (checked before a request costs anything): `max_body_bytes` (413 beyond it,
+    refused while the body streams in), `max_prompt_chars` (400 naming the field, checked
+    before tokenizing; None: no limit). Prompts are rendered and tokenized on a pool of
+    `tokenizer_threads` threads, off the event loop. `request_timeout_s` bounds a
+    non-streamed request (504 in the protocol's shape; its engine tasks are cancelled).
     """
 
     model_name: str = "astrai"
@@ -22,3 +28,7 @@ class ServeSettings:
     max_prompt_tokens: int | None = None
     retry_after_s: int = 1
     disconnect_poll_s: float = 0.5
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_prompt_chars: int | None = 1_000_000
+    tokenizer_threads: int = 2
+    request_timeout_s: float | None = 300.0
