@@ -10,9 +10,8 @@ import math
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import Logger
 from torch.utils.data import DataLoader
-from train_helpers import quiet_trainer
+from train_helpers import memory_logger, quiet_trainer
 
 from astrai.model import preset_model
 from astrai.train.module import LMModule, NonFiniteLossError, grad_stats, lm_loss
@@ -48,28 +47,6 @@ class Tiny(LMModule):
         return lm_loss(self.model(batch["input_ids"]), batch["labels"])[0], {}
 
 
-class Memory(Logger):
-    """Keeps every logged row in memory."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.rows: list[dict[str, float]] = []
-
-    @property
-    def name(self) -> str:
-        return "memory"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_hyperparams(self, *args, **kwargs) -> None:
-        pass
-
-    def log_metrics(self, metrics, step=None) -> None:
-        self.rows.append(dict(metrics))
-
-
 class Grads(Callback):
     """The plain-torch statistics of the gradients the optimizer step receives (callbacks run
     before the module's hook, both before clipping); `poison_at`: NaN and inf planted in one
@@ -97,7 +74,7 @@ def _fit(check_grad_finite: bool, poison_at: int | None = None) -> tuple[list, l
         scheduler=constant,
         check_grad_finite=check_grad_finite,
     )
-    logger, grads = Memory(), Grads(poison_at)
+    logger, grads = memory_logger(), Grads(poison_at)
     trainer = quiet_trainer(
         max_steps=3, logger=logger, callbacks=[grads], log_every_n_steps=1, gradient_clip_val=0.5
     )

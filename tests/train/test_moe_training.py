@@ -10,9 +10,8 @@ import functools
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import Logger
 from torch.utils.data import DataLoader
-from train_helpers import quiet_trainer
+from train_helpers import memory_logger, quiet_trainer
 
 from astrai.inference import InferenceEngine
 from astrai.model import preset_model
@@ -32,26 +31,6 @@ class Tiny(LMModule):
         loss = lm_loss(self.model(batch["input_ids"]), batch["labels"])[0]
         self.lm_losses.append(loss.item())
         return loss, {}
-
-
-class Memory(Logger):
-    def __init__(self) -> None:
-        super().__init__()
-        self.rows: list[dict[str, float]] = []
-
-    @property
-    def name(self) -> str:
-        return "memory"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_hyperparams(self, *args, **kwargs) -> None:
-        pass
-
-    def log_metrics(self, metrics, step=None) -> None:
-        self.rows.append(dict(metrics))
 
 
 class Totals(Callback):
@@ -75,7 +54,7 @@ def test_short_moe_run_adds_router_losses_and_logs_them() -> None:
     module = Tiny(model=model, optimizer=functools.partial(adamw, lr=1e-2), scheduler=constant)
     module.lm_losses = []
     router_before = module.model.layers[1].mlp.gate.weight.detach().clone()
-    logger, totals = Memory(), Totals()
+    logger, totals = memory_logger(), Totals()
     trainer = quiet_trainer(max_steps=3, logger=logger, callbacks=[totals], log_every_n_steps=1)
     trainer.fit(module, DataLoader(data, batch_size=2))
     assert len(totals.steps) == 3

@@ -93,3 +93,29 @@ def quiet_trainer(**overrides: Any) -> Any:
         "enable_model_summary": False,
     }
     return L.Trainer(**{**kwargs, **overrides})
+
+
+def memory_logger() -> Any:
+    """A Lightning logger that keeps every logged row in memory (its `rows`)."""
+    from lightning.pytorch.loggers import Logger
+
+    class MemoryLogger(Logger):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rows: list[dict[str, float]] = []
+
+        @property
+        def name(self) -> str:
+            return "memory"
+
+        @property
+        def version(self) -> int:
+            return 0
+
+        def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+            self.rows.append(dict(metrics))
+
+    return MemoryLogger()
