@@ -7,7 +7,8 @@ once (continuous batching) to one `InferenceEngine`, built from the `engine` gro
 (conf/engine/: `engine=contiguous`, `engine.max_batch_size=64`). The output holds exactly
 one line per input line, in order: the input's fields plus `completion`, `finish_reason`
 and token counts, or `error` naming what was wrong with that line. A bad line never stops
-the others. The output is written to a temporary file and renamed when complete.
+the others. The output is written to a temporary file and renamed when complete; when any
+line failed the command names them and exits with status 1 (the good lines are written).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +25,10 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from tqdm import tqdm
 
+from astrai.cli_keys import check_overrides, model_args
 from astrai.inference import GenerateResult, InferenceEngine
 from astrai.model import AutoModel
+from astrai.runtime import configure
 from astrai.tokenizer import AutoTokenizer
 
 logger = logging.getLogger(__name__)
@@ -56,8 +60,9 @@ def generate_file(
     sampling: dict[str, Any],
     *,
     progress: bool = True,
-) -> dict[str, int]:
-    """Generate for every line of `input_path` into `output_path`; returns counts."""
+) -> dict[str, Any]:
+    """Generate for every line of `input_path` into `output_path`; returns the counts and
+    `failed_lines` (the 1-based numbers of the lines whose row holds an `error`)."""
     input_path, output_path = Path(input_path), Path(output_path)
     if not input_path.is_file():
         raise FileNotFoundError(f"input file not found: {input_path}")
@@ -75,7 +80,8 @@ def generate_file(
         except (json.JSONDecodeError, ValueError, TypeError) as err:
             logger.warning("%s line %d: %s", input_path, number, err)
             entries.append((None, f"line {number}: {err}"))
-    counts = {"lines": len(lines), "ok": 0, "errors": 0, "completion_tokens": 0}
+    counts: dict[str, Any] = {"lines": len(lines), "ok": 0, "errors": 0, "completion_tokens": 0}
+    failed: list[int] = []
     tmp = output_path.with_name(f".{output_path.name}.tmp")
     output_path.parent.mkdir(parents=True, exist_ok=True)
     with tmp.open("w", encoding="utf-8") as out:
@@ -98,12 +104,16 @@ def generate_file(
                 except ValueError as err:  # rejected by the engine (e.g. prompt too long)
                     row = {"line": number, "error": f"line {number}: {err}"}
             counts["errors" if "error" in row else "ok"] += 1
+            if "error" in row:
+                failed.append(number)
             out.write(json.dumps(row, ensure_ascii=False) + "\n")
     os.replace(tmp, output_path)
+    counts["failed_lines"] = failed
     return counts
 
 
 def _run(cfg: DictConfig) -> None:
+    configure(cfg)  # log level, quiet third parties, torch threads
     model_dir = Path(cfg.model_path)
     if not model_dir.is_dir():
         raise SystemExit(f"model directory not found: {model_dir} (pass model_path=<dir>)")
@@ -123,9 +133,18 @@ def _run(cfg: DictConfig) -> None:
         f"generated {counts['ok']} of {counts['lines']} lines "
         f"({counts['errors']} errors, {counts['completion_tokens']} tokens) -> {cfg.output}"
     )
+    if counts["failed_lines"]:  # a batch job must not look like a success
+        failed = counts["failed_lines"]
+        numbers = ("lines " if len(failed) > 1 else "line ") + ", ".join(map(str, failed))
+        raise SystemExit(
+            f"{len(failed)} of {counts['lines']} input lines failed ({numbers} of "
+            f"{cfg.input}); their rows in {cfg.output} hold the error"
+        )
 
 
 def main() -> None:
+    sys.argv[1:] = model_args("generate", sys.argv[1:])  # model.path= -> "use model_path="
+    check_overrides("generate", CONF_DIR, "generate", sys.argv[1:])  # a typo: the key meant
     hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="generate")(_run)()
 
 

@@ -45,6 +45,7 @@ def test_generate_file_keeps_order_and_reports_bad_lines(model_dir, tmp_path):
         "ok": 3,
         "errors": 3,
         "completion_tokens": counts["completion_tokens"],
+        "failed_lines": [2, 4, 5],
     }
     assert rows[0]["id"] == 1 and rows[0]["completion"] == greedy
     assert rows[1]["error"].startswith("line 2:")
@@ -75,9 +76,48 @@ def test_cli(model_dir, tmp_path):
         text=True,
         timeout=300,
     )
-    assert run.returncode == 0, run.stderr[-2000:]
+    # a failed line fails the batch job; the good lines are still written, the bad ones named
+    assert run.returncode == 1, run.stderr[-2000:]
     assert "generated 3 of 6 lines" in run.stdout
-    assert len(dst.read_text().splitlines()) == 6
+    assert "lines 2, 4, 5" in run.stderr and "Traceback" not in run.stderr
+    rows = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert [i for i, row in enumerate(rows, 1) if "error" in row] == [2, 4, 5]
+    assert all("completion" in rows[i - 1] for i in (1, 3, 6))
+
+
+@pytest.mark.slow  # a subprocess loading a model
+def test_cli_all_good_lines_exit_zero(model_dir, tmp_path):
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(json.dumps({"prompt": "def add"}) + "\n" + json.dumps({"prompt": "hi"}) + "\n")
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "astrai.generate",
+            f"model_path={model_dir}",
+            f"input={src}",
+            f"output={dst}",
+            "max_tokens=2",
+            "progress=false",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "generated 2 of 2 lines (0 errors" in run.stdout
+
+
+@pytest.mark.slow  # a subprocess importing torch
+def test_model_directory_key_is_named(tmp_path):
+    run = subprocess.run(
+        [sys.executable, "-m", "astrai.generate", f"model.path={tmp_path}", "input=i", "output=o"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode != 0 and f"model_path={tmp_path}" in run.stderr
+    assert "not in struct" not in run.stderr
 
 
 def test_missing_input_is_named(model_dir, tmp_path):

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -84,13 +85,15 @@ def test_train_serve_and_ask_through_openai(tmp_path: Path) -> None:
     hf = transformers.AutoModelForCausalLM.from_pretrained(pretrained)
     assert hf.config.vocab_size == 512
 
-    # Fine-tune from that checkpoint (SFT), with its own tokenizer.
+    # Fine-tune from that checkpoint (SFT), with its own tokenizer: 150 steps, where the
+    # recipe has learnt the answer format (experiments/tiny_sft: format 1.0 from step 150).
     _run(
-        [sys.executable, "-m", "astrai.train", "experiment=tiny_sft", "debug=fast",
+        [sys.executable, "-m", "astrai.train", "experiment=tiny_sft",
          "model=pretrained", "model.path=outputs/tiny_pretrain/latest/export",
-         "tokenizer=from_model", "callbacks.eval=null"],
+         "tokenizer=from_model", "callbacks.eval=null", "trainer.max_steps=150",
+         "trainer.val_check_interval=150", "trainer.limit_val_batches=1"],
         clone,
-        600,
+        900,
     )  # fmt: skip
     export = (clone / "outputs" / "latest" / "export").resolve()
     assert export.parent.parent.name == "tiny_sft"
@@ -131,6 +134,17 @@ def test_train_serve_and_ask_through_openai(tmp_path: Path) -> None:
         )
         streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
         assert streamed == choice.message.content
+        # The README's question: the fine-tuned model answers in the recipe's format (the
+        # number itself needs the full recipe, experiments/tiny_sft).
+        answer = client.chat.completions.create(
+            model=model.id,
+            messages=[{"role": "user", "content": "What is 2 + 3?"}],
+            max_tokens=64,
+            temperature=0,
+        )
+        assert answer.model == model.id
+        text = answer.choices[0].message.content
+        assert re.search(r"The answer is -?\d+\.", text), text
     finally:
         server.terminate()
         try:

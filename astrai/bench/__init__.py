@@ -11,6 +11,7 @@ BENCHMARKS: dict[str, str] = {
     "eval": "astrai.bench.eval",
     "kernels": "astrai.bench.kernels",
     "serve": "astrai.bench.serve",
+    "train": "astrai.bench.train",
 }
 
 __all__ = ["BENCHMARKS"]

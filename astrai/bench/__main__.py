@@ -3,7 +3,9 @@
 Hydra composes ``conf/bench.yaml`` with ``bench=<name>`` (the benchmark's options and
 defaults, ``conf/bench/<name>.yaml``) and the ``key=value`` overrides in Hydra's syntax
 (``n=5``, ``skip_hf=true``, ``hf_batch_sizes=[1,all]``, ``model=qwen3-0.6b``,
-``engine=paged``). ``out=<path>`` also writes the report as JSON.
+``engine=paged``; ``model_path=<dir>`` is short for ``model=pretrained model.path=<dir>``,
+as in training). ``out=<path>`` also writes the report as JSON; ``log_level=debug`` shows
+third-party warnings too.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from astrai.bench import BENCHMARKS
+from astrai.cli_keys import model_args
+from astrai.runtime import setup_logging
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 USAGE = "usage: python -m astrai.bench <name> [key=value ...] [out=report.json]"
@@ -71,11 +75,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not argv or argv[0] in ("-h", "--help"):
         print(f"{USAGE}\nbenchmarks: {', '.join(sorted(BENCHMARKS))}")
         raise SystemExit(0 if argv else 2)
-    name, overrides = argv[0], argv[1:]
+    name, overrides = argv[0], model_args("bench", argv[1:])
     cfg = bench_config(name, overrides)
     out_path = cfg.pop("out")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     module = importlib.import_module(BENCHMARKS[name])
+    # after the import: a benchmark that imports Lightning gets its lines once too
+    setup_logging(cfg.pop("log_level"))  # threads: each benchmark's own `threads` option
     report = module.run(cfg)
     print(module.format_report(report))
     if out_path is not None:

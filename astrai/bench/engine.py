@@ -6,7 +6,10 @@ all arriving at t=0. `transformers` runs our HF export with left padding at seve
 sizes and the best is reported; its useful tokens are the ones each request asked for
 (padding rows that keep generating for the longest request in a batch do not count).
 A second workload shares 90% of every prompt and compares TTFT with and without the
-radix prefix cache. `repeats=N` measures every configuration N times and keeps each one's
+radix prefix cache. The report also has prefill and decode tokens/s and the radix cache's
+cost at 0% hits (`prefix_overhead=true`; methods: astrai/bench/engine_phases.py), and
+`matrix=NAME` runs a table of model shapes instead (astrai/bench/engine_matrix.py,
+conf/bench/engine_matrix.yaml). `repeats=N` measures every configuration N times and keeps each one's
 best run, which damps the noise of a shared machine without favouring either side.
 Options: ``conf/bench/engine.yaml``; the engine is the engine group's (``engine.*``).
 """
@@ -15,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import random
-import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -24,27 +26,16 @@ import torch
 from hydra.utils import instantiate
 from tqdm import tqdm
 
-from astrai.bench.common import as_list, bench_model, percentile, report_header
+from astrai.bench.common import bench_model, percentile, report_header
+from astrai.bench.engine_hf import run_hf_sizes
+from astrai.bench.engine_matrix import format_matrix, run_matrix
+from astrai.bench.engine_phases import best, phases, prefix_overhead, run_sync, workload
 from astrai.inference import InferenceEngine
-from astrai.model import Transformer, save_pretrained
+from astrai.model import Transformer
 from astrai.model.mla_config import kv_bytes_per_token
 from astrai.tokenizer import AutoTokenizer
 
 logger = logging.getLogger(__name__)
-
-
-def _workload(cfg: dict[str, Any], vocab: int) -> list[tuple[list[int], int]]:
-    rng = random.Random(cfg["seed"])
-    return [
-        (
-            [
-                rng.randrange(16, vocab)
-                for _ in range(rng.randint(cfg["prompt_min"], cfg["prompt_max"]))
-            ],
-            rng.randint(cfg["output_min"], cfg["output_max"]),
-        )
-        for _ in range(cfg["requests"])
-    ]
 
 
 def run_astrai(
@@ -76,59 +67,12 @@ def run_astrai(
     }
 
 
-def run_hf(
-    hf_model: Any, work: list[tuple[list[int], int]], batch_size: int, pad_id: int
-) -> dict[str, float]:
-    from transformers import LogitsProcessor, LogitsProcessorList
-
-    class FirstToken(LogitsProcessor):
-        def __init__(self) -> None:
-            self.first: float | None = None
-
-        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-            if self.first is None:
-                self.first = time.perf_counter()
-            return scores
-
-    start = time.perf_counter()
-    ttft, useful = [], 0
-    for i in tqdm(
-        range(0, len(work), batch_size), desc=f"transformers bs={batch_size}", leave=False
-    ):
-        chunk = work[i : i + batch_size]
-        width = max(len(p) for p, _ in chunk)
-        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for j, (p, _) in enumerate(chunk):
-            ids[j, width - len(p) :] = torch.tensor(p)
-            mask[j, width - len(p) :] = 1
-        marker = FirstToken()
-        new = max(n for _, n in chunk)
-        with torch.no_grad():
-            out = hf_model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                max_new_tokens=new,
-                min_new_tokens=new,
-                do_sample=False,
-                pad_token_id=pad_id,
-                logits_processor=LogitsProcessorList([marker]),
-            )
-        assert out.shape[1] == width + new
-        ttft += [marker.first - start] * len(chunk)
-        useful += sum(n for _, n in chunk)
-    wall = time.perf_counter() - start
-    return {
-        "tokens": useful,
-        "seconds": wall,
-        "tokens_per_s": useful / wall,
-        "ttft_p50": percentile(ttft, 0.5),
-        "ttft_p99": percentile(ttft, 0.99),
-    }
-
-
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Both systems on the workload of conf/bench/engine.yaml, then the shared-prefix runs."""
+    """Both systems on the workload of conf/bench/engine.yaml, prefill/decode speeds, the
+    prefix cache's cost at 0% hits, then the shared-prefix runs; with `matrix=NAME` the
+    shape matrix instead (astrai/bench/engine_matrix.py)."""
+    if cfg["matrix"] is not None:
+        return run_matrix(cfg)
     engine = instantiate(cfg["engine"])
     model, tokenizer, device = bench_model(cfg)
     model_cfg, dtype = model.config, getattr(torch, cfg["dtype"])
@@ -136,36 +80,41 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     per_token = kv_bytes_per_token(model_cfg, torch.empty(0, dtype=dtype).element_size())
     report["kv_bytes_per_token"] = per_token  # MLA: latent + rotary key; GQA: K and V per head
     report["kv_tokens_per_gib"] = 2**30 // per_token
-    work = _workload(cfg, model_cfg.vocab_size)
+    work = workload(cfg, model_cfg.vocab_size)
     graphs = None if device.type == "cuda" else False
     runs = [
         run_astrai(engine, model, tokenizer, work, decode_graphs=graphs)
         for _ in range(cfg["repeats"])
     ]
-    report["astrai"] = max(runs, key=lambda r: r["tokens_per_s"])
+    report["astrai"] = best(runs)
     if device.type == "cuda":  # the same engine with decode CUDA graphs off
         runs = [
             run_astrai(engine, model, tokenizer, work, decode_graphs=False)
             for _ in range(cfg["repeats"])
         ]
-        report["astrai_eager_decode"] = max(runs, key=lambda r: r["tokens_per_s"])
+        report["astrai_eager_decode"] = best(runs)
     logger.info("astrai: %s", report["astrai"])
 
     if not cfg["skip_hf"]:
-        import transformers
+        report["transformers"] = run_hf_sizes(cfg, model, work, device)
+        best_hf = max(report["transformers"].values(), key=lambda r: r["tokens_per_s"])
+        report["speedup_vs_transformers"] = (
+            report["astrai"]["tokens_per_s"] / best_hf["tokens_per_s"]
+        )
 
-        with tempfile.TemporaryDirectory() as tmp:
-            save_pretrained(model, tmp, hf_format=True)
-            hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype)
-            hf = hf.to(device).eval()
-        sizes = [len(work) if s == "all" else int(s) for s in as_list(cfg["hf_batch_sizes"])]
-        report["transformers"] = {}
-        for bs in sizes:
-            runs = [run_hf(hf, work, bs, pad_id=0) for _ in range(cfg["repeats"])]
-            report["transformers"][f"bs={bs}"] = max(runs, key=lambda r: r["tokens_per_s"])
-            logger.info("transformers bs=%d: %s", bs, report["transformers"][f"bs={bs}"])
-        best = max(report["transformers"].values(), key=lambda r: r["tokens_per_s"])
-        report["speedup_vs_transformers"] = report["astrai"]["tokens_per_s"] / best["tokens_per_s"]
+    # Prefill and decode speeds, and the radix cache's cost at 0% hits (engine_phases.py).
+    sync = best(
+        [
+            run_sync(engine, model, tokenizer, work, decode_graphs=graphs)
+            for _ in range(cfg["repeats"])
+        ]
+    )
+    report["sync"] = sync
+    report["phases"] = phases(sync)
+    if cfg["prefix_overhead"]:
+        report["prefix_overhead"] = prefix_overhead(
+            engine, model, tokenizer, work, cfg["repeats"], decode_graphs=graphs
+        )
 
     # Shared-prefix workload: 90% of each prompt is common.
     rng = random.Random(cfg["seed"] + 1)
@@ -198,6 +147,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def format_report(report: dict[str, Any]) -> str:
+    if "rows" in report:  # matrix=NAME
+        return format_matrix(report)
     lines = [
         f"model {report['model']} ({report['parameters'] / 1e6:.1f}M params) on "
         f"{report['device']}, {report['threads']} threads"
@@ -224,6 +175,23 @@ def format_report(report: dict[str, Any]) -> str:
     if "speedup_vs_transformers" in report:
         lines.append(
             f"ratio astrai / best transformers: {report['speedup_vs_transformers']:.2f}x (target >= 2.0x)"
+        )
+    ph = report["phases"]
+    decode = ph["decode_tokens_per_s"]
+    prefill = ph["prefill_tokens_per_s"]
+    lines.append(
+        f"sync loop {report['sync']['tokens_per_s']:8.1f} tok/s; prefill "
+        + ("-" if prefill is None else f"{prefill:.1f}")
+        + " prompt tok/s, decode "
+        + ("-" if decode is None else f"{decode:.1f}")
+        + " tok/s (steps of the sync run)"
+    )
+    if "prefix_overhead" in report:
+        o = report["prefix_overhead"]
+        lines.append(
+            f"radix prefix cache at {o['radix_hit_rate']:.0%} hits: "
+            f"{o['radix']['tokens_per_s']:.1f} tok/s vs no-op cache {o['no_cache']['tokens_per_s']:.1f}"
+            f" -> overhead {o['overhead'] * 100:+.1f}% (target < 2%)"
         )
     p = report["prefix"]
     lines.append(

@@ -8,7 +8,12 @@ side submits the same prompt ids straight to the engine; the HTTP side streams
 `/v1/chat/completions` from a client in a separate process (so the client's SSE parsing
 does not compete with the server for the GIL). Reported: tokens/s of both, their ratio
 (target >= 0.9) and TTFT p50/p99 (HTTP TTFT: request sent to first content chunk, seen by
-the client; and request parsed to first token, seen by the server). Options:
+the client). With `structured=true` the HTTP workload runs once more with
+`response_format: json_schema` (a schema no answer completes within its `max_tokens`, so
+the token counts stay equal), and the offline side once more with the same constraint
+(`SamplingParams.structured`): the structured-output overhead, as the ratios of the HTTP
+figures (target >= 0.8) and of the offline ones (also per CPU second of this process,
+which other processes on a shared machine disturb less than wall time). Options:
 ``conf/bench/serve.yaml``; the engine is the engine group's (``engine.*``).
 """
 
@@ -25,6 +30,23 @@ from typing import Any
 from astrai.bench.common import bench_model, model_name, percentile, report_header
 
 logger = logging.getLogger(__name__)
+
+# One string of at least 4096 characters: no answer of the workload can close it, so a
+# constrained request runs to its max_tokens like a plain one (equal token counts), while
+# every step still computes its grammar mask.
+STRUCTURED_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "answer",
+        "strict": True,
+        "schema": {
+            "type": "object",
+            "properties": {"answer": {"type": "string", "minLength": 4096}},
+            "required": ["answer"],
+            "additionalProperties": False,
+        },
+    },
+}
 
 
 async def _stream_all(url: str, bodies: list[dict[str, Any]]) -> dict[str, Any]:
@@ -79,6 +101,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     # Imported here: the spawned client process imports this module and needs none of them.
     from hydra.utils import instantiate
 
+    from astrai.inference.structured import StructuredOutput
     from astrai.serve import ServerThread, ServeSettings, create_app
 
     model, tokenizer, device = bench_model(cfg)
@@ -110,15 +133,16 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         },
     }
 
-    def offline() -> dict[str, Any]:
-        start = time.perf_counter()
+    def offline(structured: Any = None) -> dict[str, Any]:
+        grammar = engine.runner.grammar_rows
+        start, cpu, masks = time.perf_counter(), time.process_time(), grammar.seconds
         results = [
-            engine.submit(p, max_tokens=n, temperature=0.0, logit_bias=bias)
+            engine.submit(p, max_tokens=n, temperature=0.0, logit_bias=bias, structured=structured)
             for p, n in zip(ids, outputs)
         ]
         for r in results:
             r.wait_completion()
-        wall = time.perf_counter() - start
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu
         ttft = [r.task.first_token_at - start for r in results]
         tokens = sum(len(r.token_ids) for r in results)
         return {
@@ -127,6 +151,11 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             "tokens_per_s": tokens / wall,
             "ttft_p50": percentile(ttft, 0.5),
             "ttft_p99": percentile(ttft, 0.99),
+            # this process's CPU time (llguidance's mask threads included): less sensitive
+            # than wall time to other processes on a shared machine
+            "tokens_per_cpu_s": tokens / cpu,
+            # share of the wall time spent computing and applying grammar masks
+            "grammar_share": (grammar.seconds - masks) / wall,
         }
 
     bodies = [
@@ -148,21 +177,38 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             multiprocessing.get_context("spawn").Pool(1) as pool,
         ):
             pool.apply(_client, (server.url, bodies[:2]))  # warm up the client and the server
-            offline_runs, http_runs = [], []
+            structured = [dict(b, response_format=STRUCTURED_FORMAT) for b in bodies]
+            schema = StructuredOutput.json_schema(STRUCTURED_FORMAT["json_schema"]["schema"])
+            if cfg.get("structured"):  # compile the schema and the mask kernel first
+                pool.apply(_client, (server.url, structured[:2]))
+            offline_runs, http_runs, structured_runs, offline_structured = [], [], [], []
             for i in range(cfg["repeats"]):
                 offline_runs.append(offline())
                 logger.info("offline run %d: %s", i, offline_runs[-1])
-                app.state.astrai.ttfts.clear()
+                # (server-side latencies: /metrics, astrai.serve.metrics)
                 http_runs.append(pool.apply(_client, (server.url, bodies)))
-                server_side = app.state.astrai.stats()
-                http_runs[-1]["server_ttft_p50"] = server_side["ttft_p50"]
-                http_runs[-1]["server_ttft_p99"] = server_side["ttft_p99"]
                 logger.info("http run %d: %s", i, http_runs[-1])
+                if cfg.get("structured"):
+                    structured_runs.append(pool.apply(_client, (server.url, structured)))
+                    logger.info("structured run %d: %s", i, structured_runs[-1])
+                    offline_structured.append(offline(schema))
+                    logger.info("offline structured run %d: %s", i, offline_structured[-1])
     finally:
         engine.shutdown()
     report["offline"] = max(offline_runs, key=lambda r: r["tokens_per_s"])
     report["http"] = max(http_runs, key=lambda r: r["tokens_per_s"])
     report["ratio"] = report["http"]["tokens_per_s"] / report["offline"]["tokens_per_s"]
+    if structured_runs:
+        best = max(structured_runs, key=lambda r: r["tokens_per_s"])
+        report["http_structured"] = best
+        report["structured_ratio"] = best["tokens_per_s"] / report["http"]["tokens_per_s"]
+        best = max(offline_structured, key=lambda r: r["tokens_per_s"])
+        report["offline_structured"] = best
+        plain = report["offline"]
+        report["offline_structured_ratio"] = best["tokens_per_s"] / plain["tokens_per_s"]
+        report["offline_structured_cpu_ratio"] = (
+            best["tokens_per_cpu_s"] / plain["tokens_per_cpu_s"]
+        )
     return report
 
 
@@ -173,18 +219,31 @@ def format_report(report: dict[str, Any]) -> str:
         f"{report['device']}, {report['threads']} threads; {w['requests']} requests, "
         f"{w['prompt_tokens']} prompt / {w['output_tokens']} output tokens, all at t=0"
     ]
-    for name in ("offline", "http"):
+    for name in ("offline", "http", "offline_structured", "http_structured"):
+        if name not in report:
+            continue
         r = report[name]
         lines.append(
-            f"{name:8} {r['tokens_per_s']:8.1f} tok/s  TTFT p50 {r['ttft_p50']:.2f}s "
+            f"{name:18} {r['tokens_per_s']:8.1f} tok/s  TTFT p50 {r['ttft_p50']:.2f}s "
             f"p99 {r['ttft_p99']:.2f}s  ({r['tokens']} tokens in {r['seconds']:.1f}s)"
         )
     h = report["http"]
-    lines.append(
-        f"         HTTP TTFT measured in the server (request parsed -> first token): "
-        f"p50 {h['server_ttft_p50']:.2f}s p99 {h['server_ttft_p99']:.2f}s"
-    )
-    if report["http"].get("errors"):
-        lines.append(f"HTTP errors: {report['http']['errors']} ({report['http']['first_error']})")
+    if h.get("server_ttft_p50") is not None:
+        lines.append(
+            f"         HTTP TTFT measured in the server (request queued -> first token): "
+            f"p50 {h['server_ttft_p50']:.2f}s p99 {h['server_ttft_p99']:.2f}s"
+        )
+    for name in ("http", "http_structured"):
+        if report.get(name, {}).get("errors"):
+            lines.append(f"{name} errors: {report[name]['errors']} ({report[name]['first_error']})")
     lines.append(f"ratio http / offline: {report['ratio']:.3f} (target >= 0.9)")
+    if "structured_ratio" in report:
+        lines.append(
+            f"ratio http json_schema / http: {report['structured_ratio']:.3f} (target >= 0.8)"
+        )
+        lines.append(
+            f"ratio offline json_schema / offline: {report['offline_structured_ratio']:.3f} "
+            f"(tokens per CPU second: {report['offline_structured_cpu_ratio']:.3f}); grammar "
+            f"masks took {100 * report['offline_structured']['grammar_share']:.1f}% of its wall"
+        )
     return "\n".join(lines)

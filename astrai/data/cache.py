@@ -88,5 +88,5 @@ def prepared_source(
     ident["tok"] = fingerprint
     folder = Path(data_dir) / "prepared" / f"{kind}-{digest(ident)}"
     options.setdefault("name", name)
-    options.setdefault("progress", False)
+    options.setdefault("progress", True)  # a bar on a terminal (astrai.data.prepare)
     return PreparedSource(kind, source, folder, options)

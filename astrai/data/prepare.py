@@ -186,7 +186,7 @@ def prepare(
         shard_size=shard_size,
         batch_size=batch_size,
         replace=state == "replace",
-        progress=progress,
+        progress=progress and sys.stderr.isatty(),  # a bar on a terminal, not in log files
         source=str(input),
     )
     result.add_totals(run.totals, written=run.written, reused=run.reused_shards)

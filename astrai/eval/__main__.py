@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -81,6 +82,9 @@ def run(cfg: Mapping[str, Any]) -> list[SuiteResult]:
     except (DataError, ValueError) as err:
         raise SystemExit(str(err)) from None
 
+    from astrai.runtime import set_threads
+
+    set_threads(cfg.get("threads"))  # after the cheap checks: it imports torch
     import torch
 
     from astrai.model import AutoModel
@@ -108,13 +112,21 @@ def run(cfg: Mapping[str, Any]) -> list[SuiteResult]:
 def _cli(cfg: Any) -> None:
     from omegaconf import OmegaConf
 
+    from astrai.runtime import setup_logging
+
     options = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(options, dict)
+    setup_logging(options.get("log_level"))  # quiet third parties; debug shows everything
     run(options)
 
 
 def main() -> None:
     import hydra
+
+    from astrai.cli_keys import check_overrides, model_args
+
+    sys.argv[1:] = model_args("eval", sys.argv[1:])  # model.path= -> "use model_path="
+    check_overrides("eval", CONF_DIR, "eval", sys.argv[1:])  # a typo: the key meant
 
     hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="eval")(_cli)()
 

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from astrai.extension import BackendUnavailable, selected_backend
 from astrai.inference.cache import PagePool
+from astrai.inference.grammar import grammar_compiler
 from astrai.inference.graph import DecodeGraphRunner
 from astrai.inference.logprobs import MAX_LOGPROBS, ScoreResult
 from astrai.inference.result import GenerateResult
@@ -30,6 +31,7 @@ from astrai.inference.runner import ModelRunner
 from astrai.inference.sampling import SamplingParams
 from astrai.inference.scheduler import InferenceScheduler
 from astrai.inference.scoring import check_score_requests, score_phases, score_result
+from astrai.inference.structured import StructuredOutput, per_prompt
 from astrai.inference.task import Task
 from astrai.model import Transformer
 from astrai.model.mla_config import kv_geometry
@@ -131,6 +133,7 @@ class InferenceEngine:
             max_batch_size=max_batch_size,
             decode_graphs=decode_graphs,
             logprob_chunk=logprob_chunk,
+            grammar=grammar_compiler(tokenizer),
         )
         self._closed = False
         self._stop = threading.Event()
@@ -264,6 +267,12 @@ class InferenceEngine:
         self.shutdown()
 
     def get_stats(self) -> dict[str, Any]:
+        """Counters since start (total_tasks, total_prompt_tokens, cached_prompt_tokens,
+        total_tokens generated, steps, preemptions, finished_requests by reason), current
+        load (active_tasks running, waiting_queue, kv_usage), the prefix cache's hit rate,
+        and the engine-measured latencies: `ttft_seconds` / `itl_seconds` histograms (queued
+        -> first token, gaps between tokens) with recent p50 / p99. The server's `/metrics`
+        exposes these same numbers (astrai/serve/metrics.py)."""
         return {**self.scheduler.stats(), "ready": self.ready}
 
     # ------------------------------------------------------------------ submission
@@ -279,6 +288,8 @@ class InferenceEngine:
         that can never run raises `RequestRejected` (a `ValueError`) saying why.
         """
         params.validate(vocab_size=self.vocab_size)
+        if params.structured is not None:  # compiled (and cached) now: a bad one is a 400
+            grammar_compiler(self.tokenizer).compile(params.structured)
         problem = self.scheduler.problem(prompt_ids, params)
         if problem is not None:
             raise RequestRejected(problem)
@@ -411,6 +422,7 @@ class InferenceEngine:
         return_logprobs: bool = False,
         return_details: bool = False,
         logprobs_mode: str = "raw",
+        structured: StructuredOutput | Sequence[StructuredOutput | None] | None = None,
     ) -> list[Any]:
         """Generate for every prompt on the calling thread; results in input order.
 
@@ -422,7 +434,8 @@ class InferenceEngine:
         sampling settings raise ValueError. The background loop is paused for the call.
         `logprobs_mode` (`raw`, `scaled`, `processed`: see `astrai.inference.sampling`)
         picks the distribution the log-probs are of; RL wants `scaled` (its trainer's
-        forward divides the logits by the sampling temperature too).
+        forward divides the logits by the sampling temperature too). `structured`: one output
+        constraint for every prompt, or one per prompt (`astrai.inference.structured`).
         """
         params = SamplingParams(
             temperature=temperature,
@@ -434,9 +447,12 @@ class InferenceEngine:
             logprobs_mode=logprobs_mode,
         )
         backend = selected_backend()
+        constraints = per_prompt(structured, len(prompt_ids_list))
         checked: list[tuple[Task, str | None]] = []
         for i, ids in enumerate(prompt_ids_list):  # every check before anything runs
             p = params if seed is None else dataclasses.replace(params, seed=seed + i)
+            if constraints[i] is not None:
+                p = dataclasses.replace(p, structured=constraints[i])
             task = Task(prompt_ids=list(ids), params=p, backend=backend)
             try:
                 self.check_request(task.prompt_ids, p)

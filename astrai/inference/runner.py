@@ -19,6 +19,8 @@ import torch
 
 from astrai.extension import attn_backend
 from astrai.inference.cache import PagePool
+from astrai.inference.constrain import GrammarRows
+from astrai.inference.grammar import GrammarCompiler
 from astrai.inference.graph import (
     CUDAGraphRunner,
     DecodeGraphRunner,
@@ -43,7 +45,8 @@ class StepOutput(NamedTuple):
     `token_ids` / `logprobs`: one per `plan.samplers`; `prompt_logprobs`: the prompt tokens
     scored by this forward; `top_logprobs`: per sampler, None when no sampler asks;
     `faults`: `{sampler index: error}` for requests whose own sampling failed (their token is
-    a placeholder: `postprocess` aborts them instead).
+    a placeholder: `postprocess` aborts them instead); `stopped`: samplers whose structured
+    output is complete (`constrain.GrammarRows`), to finish with reason `stop`.
     """
 
     token_ids: list[int]
@@ -51,6 +54,7 @@ class StepOutput(NamedTuple):
     prompt_logprobs: list[PromptScores] | None = None
     top_logprobs: list[TopLogprobs] | None = None
     faults: dict[int, str] | None = None
+    stopped: set[int] | None = None
 
 
 class ModelRunner:
@@ -59,6 +63,7 @@ class ModelRunner:
     `decode_graphs`: None = CUDA graphs for decode on a CUDA model, True = CUDA graphs
     (a CUDA model is required), `"stand-in"` = the CPU stand-in (tests), False = eager.
     `logprob_chunk`: at most this many prompt positions go through `lm_head` at once.
+    `grammar`: compiles the structured-output constraints of requests (None: none allowed).
     """
 
     def __init__(
@@ -69,6 +74,7 @@ class ModelRunner:
         max_batch_size: int,
         decode_graphs: bool | str | None = None,
         logprob_chunk: int = 512,
+        grammar: GrammarCompiler | None = None,
     ) -> None:
         if (
             isinstance(logprob_chunk, bool)
@@ -91,6 +97,7 @@ class ModelRunner:
             weakref.WeakKeyDictionary()
         )
         self._sampling = SamplingBatchCache()
+        self.grammar_rows = GrammarRows(grammar)
 
     def _build_graphs(self, mode: bool | str | None, batch: int) -> None:
         """CUDA graphs for decode by default on CUDA; `"stand-in"` for CPU tests; False: eager."""
@@ -143,10 +150,15 @@ class ModelRunner:
             logits, graphed, prompt = self._forward(plan, previous)
             if not plan.samplers:
                 return StepOutput([], [], prompt)
+            masked = self.grammar_rows.mask(logits, plan.samplers)
             out = sample_isolated(logits, plan.samplers, self._sampling, self._generator)
+        out.faults.update(masked)
+        stopped = self.grammar_rows.advance(plan.samplers, out.token_ids, out.faults)
         if graphed and not out.faults:
             self._last_sampled = out.device_tokens
-        return StepOutput(out.token_ids, out.logprobs, prompt, out.top_logprobs, out.faults)
+        return StepOutput(
+            out.token_ids, out.logprobs, prompt, out.top_logprobs, out.faults, stopped
+        )
 
     def _forward(
         self, plan: StepPlan, previous: torch.Tensor | None

@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -36,9 +35,11 @@ from typing import NamedTuple
 
 import torch
 
+from astrai.inference.checks import check_number
 from astrai.inference.logprobs import MAX_LOGPROBS as MAX_LOGPROBS
 from astrai.inference.logprobs import check_int_fields
 from astrai.inference.processors import LogitsProcessor, check_logits_processors
+from astrai.inference.structured import StructuredOutput, check_structured
 
 logger = logging.getLogger(__name__)
 
@@ -51,14 +52,6 @@ RowValues = float | Sequence[float] | torch.Tensor
 
 
 # ---------------------------------------------------------------------- parameters
-def _check_number(name: str, value: object, low: float, high: float, *, low_open: bool = False):
-    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    if value > high or value < low or (low_open and value == low):
-        bracket = "(" if low_open else "["
-        raise ValueError(f"{name} must be in {bracket}{low:g}, {high:g}], got {value!r}")
-
-
 @dataclass(frozen=True)
 class SamplingParams:
     """One request's generation settings (OpenAI semantics), travelling as one object.
@@ -69,7 +62,8 @@ class SamplingParams:
     tokenizer's stop tokens) unless `ignore_eos`. `logprobs_mode` picks the distribution of
     the returned log-probs (`raw`, `scaled`, `processed`: module docstring). `logprobs`,
     `prompt_logprobs` (None: off; allows `max_tokens=0`), `prompt_logprobs_start`: see
-    `astrai.inference.logprobs`; `logits_processors`: `processors.py`. Frozen (batches reuse).
+    `astrai.inference.logprobs`; `logits_processors`: `processors.py`; `structured`: the
+    output's constraint (`structured.py`). Frozen (batches reuse).
     """
 
     temperature: float = 1.0
@@ -88,6 +82,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     prompt_logprobs_start: int = 1
     logits_processors: Sequence[LogitsProcessor] = ()
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         stops = self.stop_ids
@@ -104,13 +99,13 @@ class SamplingParams:
 
         With `vocab_size`, logit_bias token ids are also checked against the vocabulary.
         """
-        _check_number("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
-        _check_number("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        check_number("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+        check_number("top_p", self.top_p, 0.0, 1.0, low_open=True)
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(f"top_k must be an int >= -1 (0 or -1: off), got {self.top_k!r}")
-        _check_number("min_p", self.min_p, 0.0, 1.0)
-        _check_number("presence_penalty", self.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
-        _check_number("frequency_penalty", self.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
+        check_number("min_p", self.min_p, 0.0, 1.0)
+        check_number("presence_penalty", self.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
+        check_number("frequency_penalty", self.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, Mapping):
                 raise ValueError(
@@ -123,9 +118,10 @@ class SamplingParams:
                     raise ValueError(
                         f"logit_bias token id {token} is outside the vocabulary (size {vocab_size})"
                     )
-                _check_number(f"logit_bias[{token}]", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+                check_number(f"logit_bias[{token}]", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
         check_int_fields(self)
         check_logits_processors(self.logits_processors)
+        check_structured(self.structured)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.stop_ids is not None and not (

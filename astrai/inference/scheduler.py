@@ -33,6 +33,7 @@ from typing import Any
 
 from astrai.inference.cache import PagePool
 from astrai.inference.logprobs import PromptScores, TopLogprobs
+from astrai.inference.metrics import EngineMetrics
 from astrai.inference.processors import describe
 from astrai.inference.sampling import SamplingParams
 from astrai.inference.task import Task, TaskState
@@ -103,6 +104,7 @@ class InferenceScheduler:
         self.total_cached_tokens = 0
         self.num_steps = 0
         self.preemptions = 0
+        self.metrics = EngineMetrics()  # TTFT, inter-token latency, finish reasons
 
     # ------------------------------------------------------------------ queues
     @property
@@ -143,6 +145,7 @@ class InferenceScheduler:
     def submit(self, task: Task) -> Task:
         """Queue a checked task (`InferenceEngine.check_request`); rejected if the loop has
         crashed meanwhile, since nothing would ever run it."""
+        self.metrics.on_submit(task, time.perf_counter())
         with self._lock:
             self.total_tasks += 1
             failure = self.failure
@@ -190,6 +193,7 @@ class InferenceScheduler:
             "preemptions": self.preemptions,
             "policy_version": self.policy_version,
             **self.pool.stats(),
+            **self.metrics.stats(),
         }
 
     # ------------------------------------------------------------------ weights
@@ -265,11 +269,13 @@ class InferenceScheduler:
         prompt_logprobs: list[PromptScores] | None = None,
         top_logprobs: list[TopLogprobs] | None = None,
         faults: dict[int, str] | None = None,
+        stopped: set[int] | None = None,
     ) -> None:
         """Account the forward of `plan`, record its prompt log-probs, append each sampler's
         token (and top alternatives); apply stop rules. Score-only tasks (`max_tokens=0`)
         end once their prompt is computed. A sampler in `faults` (its own sampling failed)
-        or whose `on_token` callback raises ends `aborted` with the cause; the rest go on."""
+        or whose `on_token` callback raises ends `aborted` with the cause; the rest go on.
+        A sampler in `stopped` (its structured output is complete) ends `stop`."""
         for t, n in zip(plan.tasks, plan.q_lens):
             t.computed += n
         for scores in prompt_logprobs or ():
@@ -281,7 +287,7 @@ class InferenceScheduler:
         self.num_steps += 1
         now = time.perf_counter()
         tops = top_logprobs or [()] * len(plan.samplers)
-        faults = faults or {}
+        faults, stopped = faults or {}, stopped or set()
         for i, (t, tok, lp, top) in enumerate(zip(plan.samplers, tokens, logprobs, tops)):
             if i in faults:
                 logger.warning("request %d aborted: %s", t.id, faults[i])
@@ -294,6 +300,7 @@ class InferenceScheduler:
             self.total_tokens += 1
             if t.first_token_at is None:
                 t.first_token_at = now
+            self.metrics.on_token(t, now)
             if t.on_token is not None:
                 try:
                     t.on_token(t, tok, lp)
@@ -302,7 +309,8 @@ class InferenceScheduler:
                     self._finish(t, "aborted", f"on_token callback failed: {describe(err)}")
                     continue
             p = t.params
-            if not p.ignore_eos and tok in (self.stop_ids if p.stop_ids is None else p.stop_ids):
+            stops = self.stop_ids if p.stop_ids is None else p.stop_ids
+            if i in stopped or (not p.ignore_eos and tok in stops):
                 self._finish(t, "stop")
             elif len(t.output_ids) >= p.max_tokens or t.total_len >= self.max_seq_len:
                 self._finish(t, "length")
@@ -453,6 +461,7 @@ class InferenceScheduler:
         task.state = TaskState.FINISHED
         task.finish_reason = reason
         task.error = error
+        self.metrics.on_finish(task)
         if task.on_finish is not None:
             try:
                 task.on_finish(task)

@@ -8,6 +8,8 @@ mismatch would index out of range mid-run.
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +22,16 @@ from astrai.model.transformer import Transformer
 if TYPE_CHECKING:
     from astrai.tokenizer import AutoTokenizer
 
-__all__ = ["VocabMismatchError", "check_vocab", "preset_model", "pretrained_model"]
+__all__ = [
+    "VocabMismatchError",
+    "check_compile_toolchain",
+    "check_vocab",
+    "preset_model",
+    "pretrained_model",
+]
+
+#: C++ compilers torch.compile's CPU backend (Inductor) can build its kernels with.
+CXX_COMPILERS = ("g++", "c++", "clang++")
 
 
 class VocabMismatchError(ValueError):
@@ -39,23 +50,47 @@ def check_vocab(vocab_size: int, tokenizer: AutoTokenizer, *, source: str = "mod
         )
 
 
+def check_compile_toolchain() -> None:
+    """`model.compile=true` needs a C++ compiler when no GPU is present (Inductor builds its
+    CPU kernels with one): without it, fail now, naming the option, rather than at the first
+    training step with a compiler traceback."""
+    if torch.cuda.is_available() or os.environ.get("CXX"):
+        return
+    if not any(shutil.which(cxx) for cxx in CXX_COMPILERS):
+        raise RuntimeError(
+            "model.compile=true: torch.compile on CPU needs a C++ compiler "
+            f"({', '.join(CXX_COMPILERS)} or $CXX) and none is on PATH; install one "
+            "(apt-get install g++) or set model.compile=false"
+        )
+
+
+def _compile_flag(model: Transformer, compile: bool) -> Transformer:
+    if compile:
+        check_compile_toolchain()
+    model.compile_training = bool(compile)
+    return model
+
+
 def preset_model(
     name: str,
     *,
     device: str | torch.device | None = None,
     tokenizer: AutoTokenizer | None = None,
+    compile: bool = False,
     **overrides: Any,
 ) -> Transformer:
     """A fresh `Transformer` from the preset `name` (`astrai.model.PRESETS`) with field
     `overrides` (`conf/model/astrai-5m.yaml`: `+model.num_hidden_layers=6`). The tokenizer,
-    when given, must fit the vocabulary; `device="meta"` allocates nothing."""
+    when given, must fit the vocabulary; `device="meta"` allocates nothing. `compile`
+    (`model.compile=true`) marks the model for a torch.compile'd training forward
+    (`LMModule.configure_model`)."""
     config = preset(name, **overrides)
     if tokenizer is not None:
         check_vocab(config.vocab_size, tokenizer, source=f"model preset {name!r}")
     if device is None:
-        return Transformer(config)
+        return _compile_flag(Transformer(config), compile)
     with torch.device(device):
-        return Transformer(config)
+        return _compile_flag(Transformer(config), compile)
 
 
 def pretrained_model(
@@ -63,15 +98,16 @@ def pretrained_model(
     *,
     device: str | torch.device | None = None,
     tokenizer: AutoTokenizer | None = None,
+    compile: bool = False,
 ) -> Transformer:
     """The model of a directory (astrai export or HF Llama/Qwen2/Qwen3/Mistral), in fp32 and
     train mode (`conf/model/pretrained.yaml`). With `device="meta"` only `config.json` is
-    read: the shapes without the weights."""
+    read: the shapes without the weights. `compile` as in `preset_model`."""
     config = read_config(path)
     if tokenizer is not None:
         check_vocab(config.vocab_size, tokenizer, source=f"model directory {path}")
     if device is not None and torch.device(device).type == "meta":
         with torch.device("meta"):
-            return Transformer(config)
+            return _compile_flag(Transformer(config), compile)
     model = load_pretrained(path, device=device or "cpu", dtype=torch.float32)
-    return model.train()
+    return _compile_flag(model.train(), compile)

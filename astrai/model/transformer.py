@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -90,6 +93,10 @@ class Transformer(nn.Module):
         self.rotary = RotaryEmbedding(config)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.gradient_checkpointing = False
+        # `model.compile=true` (the factories' `compile=`): LMModule calls `compile_for_training`;
+        # the inference engine (packed forwards) always runs the model eagerly
+        self.compile_training = False
+        self.compiled_call: Callable[..., Any] | None = None
         self.tie_weights()
         if self.embed_tokens.weight.device.type != "meta":
             self.init_weights()
@@ -123,6 +130,17 @@ class Transformer(nn.Module):
         """(load-balancing loss, router z-loss) of the latest training forward, each the mean
         over MoE layers; None for a dense model or before any training forward."""
         return router_losses(self)
+
+    def compile_for_training(self, **kwargs: Any) -> None:
+        """torch.compile this model's calls made with gradients enabled (training steps);
+        calls without (validation, reference log-probs) stay eager: Inductor's CPU lowering
+        of no-grad graphs fails on this model (torch 2.13), and such calls are rare."""
+        self.compiled_call = torch.compile(self._call_impl, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.compiled_call is not None and torch.is_grad_enabled():
+            return self.compiled_call(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
 
     def num_parameters(self, trainable_only: bool = False) -> int:
         """Unique parameters (a tied head counts once); works on the meta device."""
@@ -158,7 +176,8 @@ class Transformer(nn.Module):
                 )
             positions = position_ids
         mask = document_mask(position_ids, attention_mask)
-        cos, sin = self.rotary(positions)
+        # default positions end at s - 1: no device sync (and no torch.compile graph break)
+        cos, sin = self.rotary(positions, s - 1 if position_ids is None else None)
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():

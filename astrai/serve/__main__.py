@@ -9,8 +9,10 @@ a missing model directory fails at once, before them.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,6 +49,24 @@ def build_engine(cfg: dict[str, Any]) -> InferenceEngine:
     return instantiate(cfg["engine"])(model, tokenizer)
 
 
+def check_port(host: str, port: int) -> None:
+    """Bind `host:port` once, as uvicorn will (SO_REUSEADDR), so that a busy port fails in
+    a second, naming `port`, instead of after the model has loaded."""
+    if not port:  # 0: the OS picks a free one
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as err:
+            why = "is in use (another server?)" if err.errno == errno.EADDRINUSE else str(err)
+            raise SystemExit(
+                f"port={port}: cannot listen on {host}:{port}: {why}; "
+                "pass another port=<n> (or stop the process holding it)"
+            ) from None
+
+
 def serve(cfg: dict[str, Any]) -> None:
     """Build the engine, run uvicorn until SIGINT/SIGTERM, then end streams and stop."""
     path = Path(str(cfg["model_path"])).expanduser()
@@ -55,11 +75,14 @@ def serve(cfg: dict[str, Any]) -> None:
             f"model directory {str(path)!r} does not exist: run `make train` first "
             "or pass model_path=<dir>"
         )
+    check_port(str(cfg["host"]), int(cfg["port"]))
     import uvicorn
 
+    from astrai.runtime import set_threads
     from astrai.serve import Server, ServeSettings, create_app
 
     logging.getLogger().setLevel(str(cfg.get("log_level", "info")).upper())
+    set_threads(cfg.get("threads"))
     engine = build_engine(cfg)
     settings = ServeSettings(
         model_name=cfg.get("model_name") or Path(str(cfg["model_path"])).resolve().name,
@@ -97,13 +120,21 @@ def serve(cfg: dict[str, Any]) -> None:
 def _cli(cfg: Any) -> None:
     from omegaconf import OmegaConf
 
+    from astrai.runtime import setup_logging
+
     options = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(options, dict)
+    setup_logging(options.get("log_level"))  # quiet third parties; debug shows everything
     serve({k: v for k, v in options.items() if k != "hydra"})
 
 
 def main() -> None:
     import hydra
+
+    from astrai.cli_keys import check_overrides, model_args
+
+    sys.argv[1:] = model_args("serve", sys.argv[1:])  # model.path= -> "use model_path="
+    check_overrides("serve", CONF_DIR, "serve", sys.argv[1:])  # prot= -> "did you mean port?"
 
     hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="serve")(_cli)()
 

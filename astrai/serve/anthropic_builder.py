@@ -16,6 +16,7 @@ from astrai.serve.schemas import (
     MessagesRequest,
 )
 from astrai.serve.settings import ServeSettings
+from astrai.serve.structured import tool_call_constraint
 from astrai.tokenizer import AutoTokenizer
 
 _STOP = {
@@ -92,22 +93,28 @@ class AnthropicResponseBuilder(ResponseBuilder):
                 raise APIError(
                     400, f"tool_choice names an unknown tool {choice.name!r}", param="tool_choice"
                 )
+        if choice is not None and choice.type == "any" and not body.tools:
+            raise APIError(400, "tool_choice: any needs tools", param="tool_choice")
         top_p = 1.0 if body.top_p is None else body.top_p
         temperature = 1.0 if body.temperature is None else body.temperature
         if top_p == 0:
             temperature, top_p = 0.0, 1.0
+        sampling: dict[str, Any] = {
+            "temperature": temperature,
+            "top_p": top_p,
+            "top_k": 50 if body.top_k is None else body.top_k,
+        }
+        if tools and choice is not None and choice.type in ("any", "tool"):  # forced call
+            functions = [t["function"] for t in tools]
+            sampling["structured"] = tool_call_constraint(functions, settings, tokenizer)
         return Prepared(
             prompts=[render_prompt(tokenizer, messages, tools)],
             max_tokens=body.max_tokens,
-            sampling={
-                "temperature": temperature,
-                "top_p": top_p,
-                "top_k": 50 if body.top_k is None else body.top_k,
-            },
+            sampling=sampling,
             stops=[s for s in body.stop_sequences or [] if s],
             parse_tools=tools is not None,
             stream=bool(body.stream),
-            model=body.model,
+            model=settings.model_name,  # the id /v1/models lists, whatever was asked
         )
 
     def error_body(self, err: APIError) -> dict[str, Any]:

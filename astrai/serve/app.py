@@ -11,11 +11,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from astrai.serve.access import AccessLogMiddleware
 from astrai.serve.anthropic_builder import AnthropicResponseBuilder
 from astrai.serve.completions_builder import CompletionsResponseBuilder
 from astrai.serve.errors import APIError, error_body, kind_for_status
 from astrai.serve.handler import ProtocolHandler, SafeJSONResponse, ServerState
 from astrai.serve.limits import BodyLimitMiddleware
+from astrai.serve.metrics import HTTPMetrics
 from astrai.serve.openai_builder import OpenAIResponseBuilder
 from astrai.serve.openapi import install_openapi
 from astrai.serve.parsing import tool_call_format
@@ -64,6 +66,11 @@ def create_app(engine: InferenceEngine, settings: ServeSettings | None = None) -
     app = FastAPI(title="astrai", version="1", docs_url=None, redoc_url=None)
     app.state.astrai = state
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    # Outermost (added last): request ids, the access log and request metrics see every
+    # response, the body limit's 413s included.
+    metrics = HTTPMetrics(engine)
+    app.state.metrics = metrics
+    app.add_middleware(AccessLogMiddleware, metrics=metrics)
     install_openapi(app)
     openai = ProtocolHandler(state, OpenAIResponseBuilder())
     anthropic = ProtocolHandler(state, AnthropicResponseBuilder())
@@ -107,7 +114,11 @@ def create_app(engine: InferenceEngine, settings: ServeSettings | None = None) -
     @app.exception_handler(Exception)
     async def _crash(request: Request, exc: Exception) -> SafeJSONResponse:
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return _error_response(request, APIError(500, "internal server error", kind="server"))
+        # This handler runs outside the access-log middleware: it adds the request id.
+        rid = getattr(request.state, "request_id", None)
+        headers = {"x-request-id": rid} if rid else None
+        err = APIError(500, "internal server error", kind="server", headers=headers)
+        return _error_response(request, err)
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -155,6 +166,13 @@ def create_app(engine: InferenceEngine, settings: ServeSettings | None = None) -
         body = {"status": "ok" if ok else "unavailable", "model_loaded": engine.ready}
         headers = {} if ok else {"retry-after": str(settings.retry_after_s)}
         return SafeJSONResponse(body, status_code=200 if ok else 503, headers=headers)
+
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus_metrics() -> Response:
+        # Open like /health (as in vLLM): scrapers rarely hold API keys; it shows counts
+        # and latencies, never request content.
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
 
     @app.get("/stats", dependencies=auth)
     async def stats() -> dict:

@@ -107,7 +107,7 @@ class CompletionsResponseBuilder(OpenAIStyleBuilder):
             stops=[s for s in stops if s],
             stream=bool(body.stream),
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
-            model=body.model,
+            model=settings.model_name,  # the id /v1/models lists, whatever was asked
             prompt_param="prompt",
             options={
                 "echo": texts if echo else None,

@@ -3,7 +3,7 @@
 The handler owns everything that must be identical for OpenAI and Anthropic: admission
 (readiness, queue), submission of the `n` engine tasks, merging their text streams on the
 event loop, stop strings and tool-call parsing (`OutputParser`), cancellation when a stop
-string matches or the client goes away, usage and the request log line. A
+string matches or the client goes away, and usage (its log line: `astrai.serve.access`). A
 `ResponseBuilder` only turns the resulting events into its protocol's JSON and SSE, so
 adding a protocol is one builder file.
 """
@@ -17,7 +17,6 @@ import logging
 import secrets
 import time
 from abc import ABC, abstractmethod
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -211,7 +210,6 @@ class ServerState:
         self.requests_failed = 0
         self.tokens_out = 0
         self.started = time.time()
-        self.ttfts: deque[float] = deque(maxlen=1000)  # seconds, of the latest requests
         # Prompt rendering and tokenizing run here, so a large prompt never blocks the
         # event loop (other streams, /health); `tokenizers` releases the GIL while encoding.
         self.executor = ThreadPoolExecutor(
@@ -246,14 +244,8 @@ class ServerState:
                     self.engine.cancel(c.result)
 
     def stats(self) -> dict[str, Any]:
-        ttft = sorted(self.ttfts)
-
-        def pct(q: float) -> float | None:
-            return ttft[min(len(ttft) - 1, round(q * (len(ttft) - 1)))] if ttft else None
-
+        """HTTP-side counts (latencies: the engine's `get_stats()`, and `/metrics`)."""
         return {
-            "ttft_p50": pct(0.5),
-            "ttft_p99": pct(0.99),
             "requests_total": self.requests_total,
             "requests_failed": self.requests_failed,
             "requests_in_flight": len(self.inflight),
@@ -310,6 +302,8 @@ class ProtocolHandler:
         prepared = await self.prepare(body)
         self._check_limits(prepared)
         ctx = RequestContext(id=self.builder.id_prefix + secrets.token_hex(12), prepared=prepared)
+        if request is not None:  # for the access log line (astrai.serve.access)
+            request.state.astrai_request = ctx
         self._submit(ctx)
         self.state.inflight.add(ctx)
         self.state.requests_total += 1
@@ -531,23 +525,8 @@ class ProtocolHandler:
         done = ctx.all_finished
         if ctx.error is not None or not done:
             self.state.requests_failed += 1
-        out = ctx.completion_tokens
-        self.state.tokens_out += out
-        firsts = [c.result.task.first_token_at for c in ctx.choices]
-        firsts = [t for t in firsts if t is not None]
-        ttft = f"{min(firsts) - ctx.t0:.3f}s" if firsts else "-"
-        if firsts:
-            self.state.ttfts.append(min(firsts) - ctx.t0)
-        reasons = ",".join(c.finish_reason or "disconnected" for c in ctx.choices)
-        logger.info(
-            "%s tokens_in=%d tokens_out=%d ttft=%s duration=%.3fs finish=%s",
-            ctx.id,
-            ctx.prompt_tokens,
-            out,
-            ttft,
-            time.perf_counter() - ctx.t0,
-            reasons,
-        )
+        self.state.tokens_out += ctx.completion_tokens
+        # The request's log line is the access log's (astrai.serve.access), at its end.
 
 
 def sse(data: Any, event: str | None = None) -> str:

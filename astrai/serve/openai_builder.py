@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from astrai.serve.errors import APIError, openai_error_body
@@ -10,6 +11,7 @@ from astrai.serve.logprobs import chat_entries, token_text
 from astrai.serve.parsing import Event, TextDelta
 from astrai.serve.schemas import ChatCompletionRequest, ChatMessage, NamedToolChoice
 from astrai.serve.settings import ServeSettings
+from astrai.serve.structured import response_format_constraint, tool_call_constraint
 from astrai.tokenizer import AutoTokenizer
 
 _FINISH = {
@@ -128,8 +130,16 @@ class OpenAIResponseBuilder(OpenAIStyleBuilder):
                 raise APIError(
                     400, f"tool_choice names an unknown function {name!r}", param="tool_choice"
                 )
+        if choice == "required" and not body.tools:
+            raise APIError(400, "tool_choice: required needs tools", param="tool_choice")
         prompt_ids = render_prompt(tokenizer, [_message(m) for m in body.messages], tools)
         sampling: dict[str, Any] = {} if top is None else {"logprobs": top}
+        structured = response_format_constraint(body.response_format, tokenizer)
+        if tools and (choice == "required" or isinstance(choice, NamedToolChoice)):
+            functions = [t["function"] for t in tools]
+            structured = tool_call_constraint(functions, settings, tokenizer)
+        if structured is not None:  # compiled already: a bad schema was a 400 naming it
+            sampling["structured"] = structured
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         temperature = 1.0 if body.temperature is None else body.temperature
         top_p = 1.0 if body.top_p is None else body.top_p
@@ -154,7 +164,7 @@ class OpenAIResponseBuilder(OpenAIStyleBuilder):
             parse_tools=tools is not None,
             stream=bool(body.stream),
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
-            model=body.model,
+            model=settings.model_name,  # the id /v1/models lists, whatever was asked
             options={"tokens": token_text(tokenizer) if top is not None else None},
         )
 
@@ -182,11 +192,12 @@ class OpenAIResponseBuilder(OpenAIStyleBuilder):
         task = choice.result.task
         span = choice.take_tokens(upto)
         tops = task.top_logprobs
+        # Tokens a structured output's mask forbids (log-prob -inf) are no alternatives.
         entries = chat_entries(
             tokens,
             task.output_ids[span.start : span.stop],
             task.logprobs[span.start : span.stop],
-            [tops[k] if k < len(tops) else () for k in span],
+            [[(t, v) for t, v in tops[k] if v != -math.inf] if k < len(tops) else () for k in span],
         )
         return {"content": entries, "refusal": None}
 

@@ -67,6 +67,23 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    """`response_format.json_schema`: the schema the answer must match (`strict` or not,
+    the output is constrained to it)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class ChatCompletionRequest(_Body):
     model: str = "astrai"
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
@@ -87,6 +104,7 @@ class ChatCompletionRequest(_Body):
     user: str | None = None
     tools: list[OpenAITool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = "auto"
+    response_format: ResponseFormat | None = None
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 

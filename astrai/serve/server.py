@@ -36,8 +36,15 @@ class ServerThread:
     """`Server` on 127.0.0.1 in a background thread (tests, benchmarks); port 0 = any free."""
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, **kwargs: Any):
+        # uvicorn's own access log stays off: astrai.serve.access logs each request once.
         config = uvicorn.Config(
-            app, host=host, port=port, log_level="warning", lifespan="off", **kwargs
+            app,
+            host=host,
+            port=port,
+            log_level="warning",
+            lifespan="off",
+            access_log=False,
+            **kwargs,
         )
         self.server = Server(config)
         self.thread = threading.Thread(target=self.server.run, name="astrai-http", daemon=True)

@@ -5,11 +5,16 @@ With no arguments this runs the tiny_pretrain experiment. See docs/training.md.
 
 from __future__ import annotations
 
+import sys
+
 import hydra
 from omegaconf import DictConfig
 
+from astrai.cli_keys import check_overrides, model_args
+from astrai.runtime import configure
 from astrai.train.runner import (
     CONF_DIR,
+    NoTrainingBatchesError,
     new_launch,
     register_resolvers,
     train,
@@ -20,9 +25,15 @@ register_resolvers()
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    return train(cfg)
+    configure(cfg, lightning=True)  # log level, quiet third parties, torch threads
+    try:  # (the config checks ran before: astrai.train.preflight, a Hydra callback)
+        return train(cfg)
+    except NoTrainingBatchesError as err:  # our message, not a traceback, and a failed status
+        raise SystemExit(f"astrai.train: {err}") from None
 
 
 if __name__ == "__main__":
     new_launch()
+    sys.argv[1:] = model_args("train", sys.argv[1:])  # model_path=<dir>, as in serve
+    check_overrides("train", str(CONF_DIR), "train", sys.argv[1:])  # lr= -> optim.lr?
     main()

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from astrai.train.figures import pyplot, save_figure
-from astrai.train.logs import read_metrics
+from astrai.train.logs import read_metrics, run_name
 
 
 def compare(
@@ -28,7 +28,7 @@ def compare(
     """Plot `metrics` of every run in `runs`; return `{label: {metric: final value}}`."""
     if not runs or not metrics:
         raise ValueError("compare: give at least one run and one metric")
-    labels = list(labels) if labels else [Path(r).resolve().name for r in runs]
+    labels = list(labels) if labels else [run_name(r) for r in runs]
     if len(labels) != len(runs):
         raise ValueError(f"compare: {len(labels)} labels for {len(runs)} runs")
     logged = [read_metrics(r) for r in runs]

@@ -47,7 +47,8 @@ class EvalCallback(Callback):
             max_batch_size=..., max_seq_len=...)``: the ``engine`` group (conf/engine/) as
             a Hydra partial; None: :class:`~astrai.inference.InferenceEngine` itself.
         samples_file: JSONL of samples, relative to the trainer's ``default_root_dir``.
-        progress: show the suites' progress bars.
+        progress: show the suites' progress bars (on a terminal only): an evaluation pass
+            can take minutes.
     """
 
     def __init__(
@@ -62,7 +63,7 @@ class EvalCallback(Callback):
         max_seq_len: int | None = None,
         samples_file: str = "eval_samples.jsonl",
         engine: Callable[..., InferenceEngine] | None = None,
-        progress: bool = False,
+        progress: bool = True,
     ) -> None:
         super().__init__()
         self.suites = {str(k): v for k, v in dict(suites or {}).items() if v is not None}
@@ -121,6 +122,7 @@ class EvalCallback(Callback):
         self.last_step = step
         if not trainer.is_global_zero or not self._usable(trainer, pl_module):
             return {}
+        log.info("evaluating %s at step %d", ", ".join(self.suites), step)  # can take minutes
         engine = self.get_engine(pl_module)
         if step > engine.policy_version:
             engine.update_weights(version=step)

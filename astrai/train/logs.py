@@ -6,7 +6,24 @@ import csv
 from collections import defaultdict
 from pathlib import Path
 
-__all__ = ["read_metrics", "summary"]
+__all__ = ["read_metrics", "run_name", "summary"]
+
+
+def run_name(run: str | Path) -> str:
+    """What a run's figures are titled: its experiment (`name` in `.hydra/config.yaml`) and
+    its folder, resolved through links, so `outputs/latest` is named by the run it points at
+    (`tiny_sft 2026-11-30_17-45-32`), not `latest`."""
+    real = Path(run).resolve()
+    saved = real / ".hydra" / "config.yaml"
+    name = None
+    if saved.is_file():
+        from omegaconf import OmegaConf
+
+        try:
+            name = OmegaConf.load(saved).get("name")
+        except Exception:  # a hand-edited or cut-short config: the folder still names it
+            name = None
+    return f"{name} {real.name}" if name and str(name) != real.name else real.name
 
 
 def read_metrics(run: str | Path) -> dict[str, list[tuple[int, float]]]:

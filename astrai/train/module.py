@@ -168,6 +168,13 @@ def lm_loss(
     return loss, n
 
 
+def _abs_max(t: Tensor) -> Tensor:
+    """The largest absolute element of `t` in fp32 (0 when empty), without an `abs()` copy."""
+    if t.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=t.device)
+    return torch.stack(torch.aminmax(t)).abs().max().float()
+
+
 def grad_stats(grads: list[Tensor]) -> dict[str, float]:
     """`grad_norm` (total L2 norm), `grad_max` (largest absolute element) and `grad_nonfinite`
     (number of NaN/inf elements) of a list of gradients.
@@ -182,9 +189,12 @@ def grad_stats(grads: list[Tensor]) -> dict[str, float]:
     first = grads[0].device
     l2: list[Tensor] = []
     linf: list[Tensor] = []
-    for group in by_device.values():
+    for device, group in by_device.items():
         l2 += [n.to(first) for n in torch._foreach_norm(group, 2.0, dtype=torch.float32)]
-        linf += [n.to(first) for n in torch._foreach_norm(group, math.inf, dtype=torch.float32)]
+        if device.type == "cpu":  # the foreach inf-norm is ~30x slower than min/max on CPU
+            linf += [_abs_max(g).to(first) for g in group]
+        else:
+            linf += [n.to(first) for n in torch._foreach_norm(group, math.inf, dtype=torch.float32)]
     stats = torch.stack([torch.linalg.vector_norm(torch.stack(l2)), torch.stack(linf).max()])
     norm, largest = stats.tolist()
     nonfinite = 0
@@ -317,6 +327,7 @@ class LMModule(L.LightningModule, ABC):
         # and the states validation started with (restored when it ends)
         self._resume_rng: list[dict[str, Any]] | None = None
         self._rng_outside_validation: dict[str, Any] | None = None
+        self.model_compiled = False  # set by configure_model (model.compile=true)
 
     # ------------------------------------------------------------------ to implement
     @abstractmethod
@@ -454,6 +465,16 @@ class LMModule(L.LightningModule, ABC):
         if self._rng_outside_validation is not None:
             _set_rng_states(self._rng_outside_validation)
             self._rng_outside_validation = None
+
+    def configure_model(self) -> None:
+        """`model.compile=true`: compile the policy's training forward with torch.compile
+        (`Transformer.compile_for_training`: parameter names, checkpoints and exports are
+        unchanged). Here, once the module is built, so a frozen reference copied in
+        `__init__` stays eager."""
+        if self.model.compile_training and not self.model_compiled:
+            self.model.compile_for_training()
+            self.model_compiled = True
+            log.info("model.compile: the training forward is compiled by torch.compile")
 
     def configure_optimizers(self) -> Any:
         total = None

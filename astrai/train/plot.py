@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from astrai.train.figures import pyplot, save_figure
-from astrai.train.logs import read_metrics, summary
+from astrai.train.logs import read_metrics, run_name, summary
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ def plot(
     ax.grid(alpha=0.3)
     for ax, (keys, style, ylabel) in zip(axes[0][1:], panels):
         _panel(ax, m, keys, style, ylabel)
-    fig.suptitle(title or Path(run).name)
+    fig.suptitle(title or run_name(run))  # outputs/latest: the run it points at
     fig.tight_layout()
     return save_figure(fig, out)
 
@@ -108,8 +108,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     extra = [k for k in args.metrics.split(",") if k]
-    out = plot(args.run, args.out or Path(args.run) / "curves.png", args.title, extra)
-    print(json.dumps({"plot": str(out), "final": summary(args.run)}, indent=2))
+    title = args.title or run_name(args.run)
+    out = plot(args.run, args.out or Path(args.run) / "curves.png", title, extra)
+    print(json.dumps({"plot": str(out), "title": title, "final": summary(args.run)}, indent=2))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """What `python -m astrai.train` does with its Hydra config, step by step.
 
-1. Check every input path (data, model, tokenizer) so a typo fails before any model is built.
+1. Check every input path (data, model, tokenizer) so a typo fails before any model is built
+   (`python -m astrai.train` has already run all of `astrai.train.preflight`'s checks).
 2. Tokenizer: an existing directory, or trained once from `tokenizer.train` and cached under
    `${paths.data_dir}/tokenizers/<hash>`.
 3. Data: the datamodule is connected to the tokenizer and `${paths.data_dir}`
@@ -8,9 +9,10 @@
    spec with a `prepare:` block once into `${paths.data_dir}/prepared/<hash>`.
 4. Instantiate strategy (LightningModule), callbacks, loggers and Trainer from
    their `_target_`s, resolve `ckpt_path` (`last` = this run's or the newest of this
-   experiment), and `trainer.fit`. The export callback writes the `save_pretrained` directory.
-   A run stopped by SIGTERM or SIGINT (`InterruptCheckpoint`) exits with 128 + the signal's
-   number once its checkpoint is written.
+   experiment, an error when there is none; `auto` = the same, or a fresh start), and
+   `trainer.fit`; a fit without a single training batch is an error. The export callback
+   writes the `save_pretrained` directory. A run stopped by SIGTERM or SIGINT
+   (`InterruptCheckpoint`) exits with 128 + the signal's number once its checkpoint is written.
 
 Hydra composes; Lightning runs. Nothing here re-implements either. Lightning (and
 `astrai.train.callbacks`, which imports it) is imported inside `train()` and the logger
@@ -53,6 +55,19 @@ class ConfigPathError(FileNotFoundError):
 
 class IncompleteCheckpointError(ValueError):
     """`ckpt_path` names a file that is cut short or not a checkpoint at all."""
+
+
+class NothingToResumeError(ConfigPathError):
+    """`ckpt_path=last` found no checkpoint (`ckpt_path=auto` starts fresh instead)."""
+
+
+class NoTrainingBatchesError(RuntimeError):
+    """Lightning ended `fit` without a single training batch: too little data for one batch
+    per device. Raised so that the run fails instead of ending with no steps and no export."""
+
+
+#: `ckpt_path` values that search for the checkpoint to resume (see `resolve_ckpt_path`)
+RESUME_VALUES = ("last", "auto")
 
 
 # ---------------------------------------------------------------------- resolvers
@@ -121,22 +136,37 @@ def _check_record_source(source: Any, where: str) -> None:
         raise ConfigPathError(f"{where}: {cause}") from None
 
 
-def check_inputs(cfg: DictConfig) -> None:
-    """Every configured input must exist: a clear error naming the field, before any work."""
+def input_problems(cfg: DictConfig) -> list[str]:
+    """Every configured input that is missing (data, model, tokenizer), one line each naming
+    the field: all of them at once, so that one run shows every typo."""
+    problems: list[str] = []
+
+    def check(fn: Any, *args: Any) -> None:
+        try:
+            fn(*args)
+        except ConfigPathError as err:
+            problems.append(str(err))
+
     data = cfg.get("data")
     for split in SPLITS:
         spec = data.get(split) if data is not None else None
-        if spec is None:
-            continue
-        where = f"data.{split}.source"
-        source = _get(spec, "source", where)
-        if source is None:
-            raise ConfigPathError(f"{where}: required, but null")
-        if OmegaConf.is_dict(source) and "_target_" in source:
-            _check_record_source(source, where)
-            continue
-        if not _is_builtin(source) and not Path(str(source)).exists():
-            raise ConfigPathError(f"{where}: {source} does not exist")
+        if spec is not None:
+            check(_check_source, spec, f"data.{split}.source")
+    check(_check_model_and_tokenizer, cfg)
+    return problems
+
+
+def _check_source(spec: DictConfig, where: str) -> None:
+    source = _get(spec, "source", where)
+    if source is None:
+        raise ConfigPathError(f"{where}: required, but null")
+    if OmegaConf.is_dict(source) and "_target_" in source:
+        _check_record_source(source, where)
+    elif not _is_builtin(source) and not Path(str(source)).exists():
+        raise ConfigPathError(f"{where}: {source} does not exist")
+
+
+def _check_model_and_tokenizer(cfg: DictConfig) -> None:
     model = cfg.get("model") or {}
     if "path" in list(model):  # (`in` on a DictConfig is False for a ??? value)
         path = _get(cfg, "model.path", "model.path")
@@ -152,6 +182,13 @@ def check_inputs(cfg: DictConfig) -> None:
     corpus = OmegaConf.select(cfg, "tokenizer.train.corpus")
     if corpus is not None and not _is_builtin(corpus) and not Path(str(corpus)).exists():
         raise ConfigPathError(f"tokenizer.train.corpus: {corpus} does not exist")
+
+
+def check_inputs(cfg: DictConfig) -> None:
+    """Every configured input must exist: one error naming each missing field, before any work."""
+    problems = input_problems(cfg)
+    if problems:
+        raise ConfigPathError("\n".join(problems))
 
 
 # ---------------------------------------------------------------------- 2. tokenizer
@@ -230,12 +267,13 @@ def resolve_ckpt_path(ckpt_path: Any, output_dir: Path, log_dir: Path, name: str
     `last`: this run folder's newest checkpoint (`last.ckpt`, or `interrupted.ckpt` when a
     signal stopped the run after it), else the newest checkpoint of experiment `name` under
     `log_dir`; incomplete files (cut short while written) are skipped with a warning naming
-    them. With none, a fresh start and a warning. Any other value is a checkpoint path, which
-    must exist and be complete.
+    them. With none, None: `train` refuses that for `last` (`NothingToResumeError`) and
+    starts fresh for `auto`. Any other value is a checkpoint path, which must exist and be
+    complete.
     """
     if ckpt_path in (None, "", False):
         return None
-    if str(ckpt_path) != "last":
+    if str(ckpt_path) not in RESUME_VALUES:
         path = Path(str(ckpt_path))
         if not path.exists():
             raise ConfigPathError(f"ckpt_path: {path} does not exist")
@@ -251,12 +289,20 @@ def resolve_ckpt_path(ckpt_path: Any, output_dir: Path, log_dir: Path, name: str
     if found is None:
         found = newest_complete(list((log_dir / name).glob("**/checkpoints/*.ckpt")))
     if found is None:
-        log.warning(
-            "ckpt_path=last: no complete checkpoint under %s; starting from scratch", log_dir
-        )
+        if str(ckpt_path) == "auto":
+            log.info("ckpt_path=auto: no checkpoint under %s; starting from scratch", log_dir)
         return None
-    log.info("ckpt_path=last: resuming from %s", found)
+    log.info("ckpt_path=%s: resuming from %s", ckpt_path, found)
     return found
+
+
+def nothing_to_resume(output_dir: Path, log_dir: Path, name: str) -> str:
+    """The error for `ckpt_path=last` when there is no checkpoint, naming the fix."""
+    return (
+        f"ckpt_path=last: no checkpoint to resume (none in {output_dir / 'checkpoints'} nor "
+        f"under {log_dir / name}); start fresh without ckpt_path, or pass ckpt_path=auto "
+        "(resume when there is a checkpoint, else start fresh)"
+    )
 
 
 def _has_wandb_key() -> bool:
@@ -343,6 +389,9 @@ def train(cfg: DictConfig) -> float | None:
     check_inputs(cfg)
     paths = cfg.paths
     output_dir, log_dir = Path(paths.output_dir), Path(paths.log_dir)
+    ckpt = resolve_ckpt_path(cfg.get("ckpt_path"), output_dir, log_dir, str(cfg.name))
+    if ckpt is None and str(cfg.get("ckpt_path")) == "last":
+        raise NothingToResumeError(nothing_to_resume(output_dir, log_dir, str(cfg.name)))
     output_dir.mkdir(parents=True, exist_ok=True)
     L.seed_everything(int(cfg.seed), workers=True)
 
@@ -354,7 +403,6 @@ def train(cfg: DictConfig) -> float | None:
 
     module = instantiate_strategy(cfg, tokenizer_dir)
 
-    ckpt = resolve_ckpt_path(cfg.get("ckpt_path"), output_dir, log_dir, str(cfg.name))
     callbacks = _instantiate_dict(cfg.get("callbacks"), "callbacks")
     logger_cfg = OmegaConf.to_container(cfg.get("logger") or {}, resolve=True)
     if logger_cfg.get("wandb"):
@@ -376,6 +424,12 @@ def train(cfg: DictConfig) -> float | None:
             log.warning("stopped by %s; no interruption checkpoint written", stopped_by.name)
         raise SystemExit(128 + int(stopped_by)) from None
 
+    if trainer.num_training_batches == 0:
+        raise NoTrainingBatchesError(
+            f"data.train: no training batches (fewer samples than data.batch_size="
+            f"{cfg.data.batch_size} per device, with data.drop_last); lower data.batch_size "
+            "or give more data (nothing was trained or exported)"
+        )
     metric = cfg.get("optimized_metric")
     value = trainer.callback_metrics.get(metric) if metric else None
     return float(value) if value is not None else None

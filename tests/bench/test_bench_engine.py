@@ -28,6 +28,7 @@ def test_engine_benchmark_cli_writes_a_report(tmp_path):
             "hf_batch_sizes=[1,all]",
             "prefix_requests=3",
             "prefix_len=64",
+            "engine.page_size=4",  # pages the 4-12 token prompts fill, for the radix tree
             f"out={out}",
         ]
     )
@@ -36,6 +37,15 @@ def test_engine_benchmark_cli_writes_a_report(tmp_path):
     # Both systems produced exactly the requested (useful) tokens.
     assert {r["tokens"] for r in saved["transformers"].values()} == {saved["astrai"]["tokens"]}
     assert saved["prefix"]["ttft_ratio"] > 0
+    # Prefill and decode speeds, and the radix cache's cost at 0% hits (engine_phases.py).
+    phases, tokens = saved["phases"], saved["astrai"]["tokens"]
+    assert saved["sync"]["tokens"] == tokens and phases["decode_tokens"] == tokens - 3
+    assert phases["prefill_tokens"] == saved["sync"]["prompt_tokens"] > 0
+    assert phases["prefill_tokens_per_s"] > 0 and phases["decode_tokens_per_s"] > 0
+    over = saved["prefix_overhead"]
+    assert over["radix"]["tokens"] == over["no_cache"]["tokens"] == tokens
+    assert over["radix_hit_rate"] == 0.0 and over["radix"]["prefix_indexed_tokens"] > 0
+    assert over["no_cache"]["prefix_indexed_tokens"] is None
 
 
 def test_unknown_option_is_refused():

@@ -330,6 +330,7 @@ def test_tiny_grpo_fast_via_entry_point(tmp_path, data_dir):
             "strategy.num_generations=4",
             "strategy.max_new_tokens=8",
             "strategy.kl_coef=0.04",  # a reference model and train/kl whatever the recipe says
+            "strategy.init_from=null",  # no tiny_sft_start export here: an explicit fresh start
             "callbacks.eval.suites.arithmetic.num_prompts=4",
             "callbacks.eval.suites.arithmetic.max_tokens=8",
             "callbacks.progress_bar=null",

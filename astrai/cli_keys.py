@@ -1,0 +1,126 @@
+"""One name for a model directory on every command line: `model_path=<dir>`.
+
+`serve`, `generate` and `eval` read `model_path` from their configs. `train` and `bench`
+compose their model from the `model` config group (a preset such as `model=tiny`, or
+`model=pretrained model.path=<dir>`); for them `model_path=<dir>` is short for that pair
+(and, in training, for `tokenizer=from_model` unless a tokenizer is chosen), so the same
+key works everywhere. A key that names a model directory the way another tool or another
+command does (`model=<dir>` on serve, `model_dir=`) is refused before Hydra composes,
+with the key to use, instead of Hydra's "Key 'model' is not in struct"; any other key the
+config lacks gets the keys it may mean (`check_overrides`: `lr` -> `optim.lr`).
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["MODEL_DIR_KEY", "check_overrides", "model_args"]
+
+MODEL_DIR_KEY = "model_path"
+
+#: keys other tools use for a model directory (always refused, with the key to use)
+_FOREIGN = ("model_dir", "model_name_or_path", "pretrained_model_name_or_path")
+#: commands whose config has `model_path` (and no `model` group)
+_HAS_MODEL_PATH = ("serve", "generate", "eval")
+#: commands that compose `model` from the config group (conf/model/)
+_HAS_MODEL_GROUP = ("train", "bench")
+
+
+def _key(arg: str) -> str | None:
+    if arg.startswith("-") or "=" not in arg:  # flags (-m, --cfg job) and their values
+        return None
+    return arg.split("=", 1)[0].lstrip("+~")
+
+
+def model_args(command: str, args: Sequence[str]) -> list[str]:
+    """`args` (Hydra overrides) with `model_path=<dir>` spelled as `command` reads it; a
+    key that is wrong for `command` is a `SystemExit` naming the right one."""
+    if command not in _HAS_MODEL_PATH + _HAS_MODEL_GROUP:
+        raise ValueError(f"unknown command {command!r}")
+    keys = [_key(a) for a in args]
+    out: list[str] = []
+    for arg, key in zip(args, keys):
+        value = arg.split("=", 1)[1] if key else ""
+        if key in _FOREIGN:
+            raise SystemExit(
+                f"{command}: unknown key {key!r}: the model directory is "
+                f"{MODEL_DIR_KEY}={value or '<dir>'}"
+            )
+        if command in _HAS_MODEL_PATH and key in ("model", "model.path"):
+            raise SystemExit(
+                f"{command}: {key}= is the training config group; the model directory is "
+                f"{MODEL_DIR_KEY}={value or '<dir>'}"
+            )
+        if command in _HAS_MODEL_GROUP and key == MODEL_DIR_KEY:
+            if "model" in keys:
+                raise SystemExit(
+                    f"{command}: give either {MODEL_DIR_KEY}=<dir> or model=<preset>, not both"
+                )
+            out += ["model=pretrained", f"model.path={value}"]
+            if command == "train" and "tokenizer" not in keys:
+                out.append("tokenizer=from_model")  # the tokenizer stored with the model
+            continue
+        out.append(arg)
+    return out
+
+
+def _flat_keys(node: Any, prefix: str = "") -> list[str]:
+    if not isinstance(node, dict):
+        return []
+    keys = []
+    for key, value in node.items():
+        full = f"{prefix}{key}"
+        keys.append(full)
+        keys += _flat_keys(value, f"{full}.")
+    return keys
+
+
+def _closest(key: str, known: list[str]) -> list[str]:
+    leaf = key.rsplit(".", 1)[-1]
+    same_leaf = [k for k in known if k.rsplit(".", 1)[-1] == leaf and k != key]
+    level = [k for k in known if k.count(".") == key.count(".")]  # optim.lrr: not `optim`
+    return list(dict.fromkeys(same_leaf + difflib.get_close_matches(key, level, n=3)))[:3]
+
+
+def check_overrides(command: str, config_dir: str, config_name: str, args: Sequence[str]) -> None:
+    """Compose `config_name` with `args` once (a fraction of a second) and turn Hydra's
+    "Key 'lr' is not in struct ... use +lr=" into one message naming every unknown key and
+    the keys meant (`lr` -> `optim.lr`), with no traceback. Command lines with flags
+    (`-m`, `--cfg`, `--config-name`) are left to Hydra, as is every other error."""
+    if any(not _key(a) for a in args):
+        return
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import ConfigCompositionException
+    from omegaconf import OmegaConf
+
+    rest, unknown = list(args), []
+    with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
+        for _ in range(len(args) + 1):
+            try:
+                cfg = compose(config_name, overrides=rest, return_hydra_config=True)
+                break
+            except ConfigCompositionException as err:
+                full_key = getattr(err.__cause__, "full_key", None)
+                if "not in struct" not in str(err.__cause__) or not full_key:
+                    return  # Hydra's own message says it
+                bad = [a for a in rest if _key(a) == full_key]
+                if not bad:
+                    return
+                unknown.append(full_key)
+                rest = [a for a in rest if a not in bad]
+        else:
+            return
+    if not unknown:
+        return
+    known = [k for k in _flat_keys(OmegaConf.to_container(cfg)) if not k.startswith("hydra")]
+    lines = []
+    for key in unknown:
+        near = _closest(key, known)
+        hint = f"; did you mean {' or '.join(near)}?" if near else ""
+        lines.append(f"  {key}: not a key of {command}{hint}")
+    raise SystemExit(
+        f"{command}: unknown key{'s' if len(unknown) > 1 else ''} (a key the config lacks is "
+        f"added with +key=value):\n" + "\n".join(lines)
+    )

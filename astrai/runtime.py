@@ -1,0 +1,157 @@
+"""What every command (`train`, `serve`, `generate`, `eval`, `bench`) sets up first.
+
+One home for three process-wide choices that a library must not make at import:
+
+- **Log level and quiet output** (`setup_logging`): each line once (Lightning gives its
+  `lightning` logger a stderr handler *and* lets records reach the root logger that Hydra
+  configures, so every Lightning line printed twice), no logger advertisement, W&B's banner
+  off, and third-party warnings that a user of ours cannot act on filtered by message and
+  module (`QUIET_WARNINGS`). `log_level=debug` keeps everything.
+- **Torch thread counts** (`choose_threads`, `set_threads`): torch starts one intra-op
+  thread per core whatever else runs; on a busy machine the threads of several processes
+  then fight for the same cores and a run collapses instead of slowing down in proportion
+  (on 2 cores under load 7-11, a matmul loop ran 20x slower with 2 threads than with 1;
+  docs/training.md). The default takes the cores this process may use and the cores the
+  load average leaves free.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import sys
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = [
+    "QUIET_WARNINGS",
+    "available_cores",
+    "choose_threads",
+    "configure",
+    "set_threads",
+    "setup_logging",
+]
+
+log = logging.getLogger("astrai")
+
+#: (message regex, module regex) of warnings nobody running our commands can act on.
+QUIET_WARNINGS: tuple[tuple[str, str], ...] = (
+    # InterruptCheckpoint is an OnExceptionCheckpoint, so Lightning reads ckpt_path=None as
+    # "last" and warns; `ckpt_path` is resolved by astrai.train.runner before fit.
+    (r".*ckpt_path=None\)` was called without a model", r"lightning\."),
+    (r".*ckpt_path=\"last\"\) is set, but there is no last checkpoint", r"lightning\."),
+    # Lightning's own code against a newer torch
+    (r".*isinstance\(treespec, LeafSpec\)` is deprecated", r"lightning\."),
+    # pydantic / protobuf deprecations inside W&B
+    (r".*", r"wandb\."),
+)
+
+#: Lightning INFO lines that advertise a product rather than report on the run.
+_ADVERTS = ("litlogger", "💡 Tip:")
+
+
+class _DropAdverts(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(text in message for text in _ADVERTS)
+
+
+def _level(name: Any) -> int:
+    value = logging.getLevelName(str(name or "info").upper())
+    if not isinstance(value, int):
+        raise SystemExit(f"log_level={name!r}: use debug, info, warning or error")
+    return value
+
+
+def setup_logging(log_level: str | None = "info", *, lightning: bool = False) -> int:
+    """Set the root log level and, unless it is `debug`, quiet the third parties.
+
+    `lightning=True` imports Lightning (commands that train; done anyway when it is imported
+    already) and removes the stderr handler it adds to its `lightning` logger when the root
+    logger already has one: its lines then print once, through the root's handlers (Hydra's:
+    terminal and the run's log file). Returns the level.
+    """
+    level = _level(log_level)
+    root = logging.getLogger()
+    if root.level == logging.DEBUG:  # `hydra.verbose=true` asked for everything already
+        level = logging.DEBUG
+    root.setLevel(level)
+    verbose = level <= logging.DEBUG
+    if not verbose:
+        for message, module in QUIET_WARNINGS:
+            warnings.filterwarnings("ignore", message=message, module=module)
+        os.environ.setdefault("WANDB_QUIET", "true")  # no banner; errors still print
+    if lightning or "lightning" in sys.modules:
+        import lightning as _lightning  # noqa: F401  (its import adds the handler)
+
+        if logging.getLogger().handlers:
+            for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+                logger = logging.getLogger(name)
+                for handler in list(logger.handlers):
+                    if type(handler) is logging.StreamHandler:
+                        logger.removeHandler(handler)
+                logger.propagate = True
+        rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+        if not verbose and not any(isinstance(f, _DropAdverts) for f in rank_zero.filters):
+            rank_zero.addFilter(_DropAdverts())  # (once: a sweep calls this per job)
+    return level
+
+
+# ------------------------------------------------------------------------------- threads
+def available_cores() -> int:
+    """Cores this process may run on (its CPU affinity, e.g. a container's or taskset's)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def _load() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def choose_threads(cores: int, load: float | None, requested: int | None = None) -> int:
+    """Torch intra-op threads: `requested` when given (> 0), else the cores that the load
+    average (runnable processes, this one not yet among them) leaves free, at least 1.
+
+    A quiet 2-core machine gets 2; under load 1.2 (one busy process) 1; under load 8 still
+    1, so that our process takes its share of the cores instead of fighting for all of them.
+    """
+    if requested is not None and int(requested) > 0:
+        return int(requested)
+    cores = max(1, int(cores))
+    if load is None or load != load:  # unknown (or NaN): all the cores
+        return cores
+    return max(1, min(cores, math.ceil(cores - max(0.0, float(load)) - 1e-9)))
+
+
+def set_threads(requested: int | None = None) -> int:
+    """Apply the thread policy to torch (intra-op as `choose_threads`, inter-op 1) and log
+    the choice once. `requested` (the `threads=` key) wins, then `OMP_NUM_THREADS`, which
+    torch already honours and which is left alone."""
+    import torch
+
+    cores, load = available_cores(), _load()
+    if (requested is None or int(requested) <= 0) and os.environ.get("OMP_NUM_THREADS"):
+        n, why = torch.get_num_threads(), "OMP_NUM_THREADS"
+    else:
+        n = choose_threads(cores, load, requested)
+        why = "threads=" if requested else f"{cores} cores, load {load or 0.0:.1f}"
+        torch.set_num_threads(n)
+    # raises once parallel work has started (a second call in one process): keep what is set
+    with contextlib.suppress(RuntimeError):
+        torch.set_num_interop_threads(1)
+    log.info("torch threads: %d (%s); threads=N sets another count", n, why)
+    return n
+
+
+def configure(cfg: Mapping[str, Any], *, lightning: bool = False) -> None:
+    """What an entry point calls with its composed config: `log_level` and `threads`."""
+    setup_logging(cfg.get("log_level", "info"), lightning=lightning)
+    set_threads(cfg.get("threads"))

@@ -1,0 +1,71 @@
+"""The protocols' structured-output fields as engine constraints (`StructuredOutput`).
+
+OpenAI `response_format` (`json_object`, `json_schema`) constrains the answer's text;
+`tool_choice: "required"` (Anthropic `{"type": "any"}`) or a named function (Anthropic
+`{"type": "tool"}`) constrains it to one call, in the server's tool-call format, of one of
+the allowed tools with arguments valid under that tool's parameters schema. A forced tool
+call takes precedence over `response_format`. Constraints are compiled here, in the
+prepare step (a worker thread), so a bad schema is a 400 naming its field before anything
+is queued, and the engine finds the grammar compiled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from astrai.inference.grammar import grammar_compiler
+from astrai.inference.structured import StructuredOutput
+from astrai.serve.errors import APIError
+from astrai.serve.parsing import tool_call_format
+from astrai.serve.schemas import ResponseFormat
+from astrai.serve.settings import ServeSettings
+from astrai.tokenizer import AutoTokenizer
+
+
+def response_format_constraint(
+    fmt: ResponseFormat | None, tokenizer: AutoTokenizer
+) -> StructuredOutput | None:
+    """OpenAI `response_format` -> a constraint (None for `text` or no format)."""
+    if fmt is None or fmt.type == "text":
+        return None
+    field = "response_format"
+    if fmt.type == "json_object":
+        return _compiled(lambda: StructuredOutput.json_object(field=field), tokenizer, field)
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise APIError(
+            400,
+            "response_format.json_schema.schema: required when type is json_schema",
+            param="response_format",
+        )
+    schema = fmt.json_schema.schema_
+    return _compiled(lambda: StructuredOutput.json_schema(schema, field=field), tokenizer, field)
+
+
+def tool_call_constraint(
+    tools: Sequence[dict[str, Any]], settings: ServeSettings, tokenizer: AutoTokenizer
+) -> StructuredOutput:
+    """One call of one of `tools` (`{"name", "parameters"}`) in the server's tool-call
+    format; a 400 naming `tools` if a parameters schema does not compile."""
+    fmt = tool_call_format(settings.tool_call_format)
+    if fmt is None:
+        raise APIError(
+            400,
+            "tool_choice: cannot force a tool call, the server parses none "
+            "(tool_call_format is none)",
+            param="tool_choice",
+        )
+    return _compiled(
+        lambda: StructuredOutput.tool_call(tools, start=fmt.start, end=fmt.end, field="tools"),
+        tokenizer,
+        "tools",
+    )
+
+
+def _compiled(make: Any, tokenizer: AutoTokenizer, field: str) -> StructuredOutput:
+    try:
+        spec = make()
+        grammar_compiler(tokenizer).compile(spec)
+    except ValueError as err:
+        raise APIError(400, str(err), param=field) from err
+    return spec

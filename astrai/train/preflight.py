@@ -1,0 +1,322 @@
+"""Checks before a training run: every problem a composed config shows, found in seconds
+without preparing data, training a tokenizer or building a model, and reported together.
+
+`python -m astrai.train` runs them from a Hydra callback (`PreflightCallback`, registered in
+conf/hydra/default.yaml) at `on_run_start`, before Hydra creates the run folder: a failed
+check prints one message (no traceback), exits non-zero and leaves nothing on disk. A sweep
+(`-m`) checks its base config once before the first job (the swept values are checked by each
+job's `runner.train`; the GPU check is skipped when a cluster launcher such as SLURM runs the
+jobs elsewhere). Tests and notebooks call `problems`.
+
+Checks (one line per problem, naming the key and the fix):
+- inputs: data sources, model.path, tokenizer.path (`runner.input_problems`);
+- hardware: a GPU trainer (accelerator gpu/cuda, FSDP) on a machine without CUDA, or more
+  devices than it has (`hardware=cpu_smoke` runs the *_1b recipes on a CPU at test size);
+- start: `strategy.init_from`, the export DPO and GRPO start from, must exist;
+- resume: `ckpt_path=last` needs a checkpoint (`ckpt_path=auto`: resume if there is one);
+- vocabulary: the tokenizer's size must fit the model's vocab_size;
+- data: enough training samples for one batch per device, where the config or the files tell
+  it cheaply (built-in arithmetic `n`, JSONL line counts, corpus byte sizes as a token bound).
+  What only preparation can tell is checked by `runner.train` after `fit`
+  (`NoTrainingBatchesError`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+from astrai.train import runner
+
+__all__ = ["PreflightCallback", "format_problems", "problems"]
+
+GPU_ACCELERATORS = ("gpu", "cuda")
+#: the earlier stage whose export a strategy typically starts from (for the model.path hint)
+START_STAGES = {"SFTModule": "pretrain_1b", "DPOModule": "sft_1b", "GRPOModule": "sft_1b"}
+LOCAL_LAUNCHERS = ("BasicLauncher", "JoblibLauncher")  # sweeps that run on this machine
+TEXT_SUFFIXES = (".jsonl", ".txt", ".md", ".py")  # raw corpora whose bytes bound the tokens
+CPU_SMOKE_HINT = (
+    "on a machine without GPUs, add hardware=cpu_smoke to run this recipe at test size "
+    "(python -m astrai.train experiment={experiment} hardware=cpu_smoke), or trainer=cpu for "
+    "the tiny_* experiments"
+)
+
+
+class PreflightCallback(Callback):
+    """Hydra callback: run every check before the run folder exists; exit with all problems."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _exit_on_problems(config, Path(str(OmegaConf.select(config, "hydra.run.dir"))))
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        # a cluster launcher (SLURM) submits from a login node: its GPUs are not the jobs'
+        launcher = str(OmegaConf.select(config, "hydra.launcher._target_", default=""))
+        local = any(name in launcher for name in LOCAL_LAUNCHERS)
+        _exit_on_problems(config, None, hardware=local)
+
+
+def _exit_on_problems(cfg: DictConfig, run_dir: Path | None, *, hardware: bool = True) -> None:
+    found = problems(cfg, run_dir=run_dir, hardware=hardware)
+    if found:  # the entry point's message: no traceback, status 1 (Python's for SystemExit(str))
+        raise SystemExit(format_problems(found))
+
+
+def format_problems(found: list[str]) -> str:
+    """One message with every problem, one per line."""
+    n = len(found)
+    head = f"astrai.train: {n} problem{'s' if n > 1 else ''} in the config; nothing was run:"
+    return "\n".join([head, *(f"  - {p}" for p in found)])
+
+
+def problems(cfg: DictConfig, *, run_dir: Path | None = None, hardware: bool = True) -> list[str]:
+    """Every problem of a composed training config (empty: good to go). `run_dir` is the run
+    folder `ckpt_path=last` looks in first (Hydra's `hydra.run.dir`); `hardware=False` skips
+    the check of this machine's GPUs (the run happens elsewhere)."""
+    inputs = [_with_start_hint(cfg, p) for p in runner.input_problems(cfg)]
+    start = _start_problems(cfg)
+    if start:  # on-policy data samples from the same missing policy: said once is enough
+        init = str(cfg.strategy.init_from)
+        inputs = [p for p in inputs if init not in p]
+    found = [*inputs, *start, *(_hardware_problems(cfg) if hardware else [])]
+    found += _compile_problems(cfg) if hardware else []
+    found += _resume_problems(cfg, run_dir)
+    if not any(p.startswith(("model", "tokenizer")) for p in inputs):
+        found += _vocab_problems(cfg)
+    if not any(p.startswith("data.train") for p in inputs):
+        found += _data_problems(cfg)
+    return found
+
+
+# ---------------------------------------------------------------------- hardware
+def _experiment(cfg: DictConfig) -> str:
+    name = OmegaConf.select(cfg, "hydra.runtime.choices.experiment", default=None)
+    return str(name or "NAME")
+
+
+def _world_size(trainer: Any) -> int:
+    devices, nodes = trainer.get("devices", 1), trainer.get("num_nodes", 1)
+    devices = len(devices) if isinstance(devices, (list, tuple)) else devices
+    if not isinstance(devices, int) or devices < 1:  # "auto", -1: decided by Lightning
+        devices = 1
+    return devices * (nodes if isinstance(nodes, int) and nodes > 0 else 1)
+
+
+def _hardware_problems(cfg: DictConfig) -> list[str]:
+    trainer = cfg.get("trainer") or {}
+    accelerator = str(trainer.get("accelerator", "auto")).lower()
+    strategy = trainer.get("strategy")
+    target = str(strategy.get("_target_", "")) if OmegaConf.is_dict(strategy) else str(strategy)
+    fsdp = "fsdp" in target.lower()
+    if accelerator not in GPU_ACCELERATORS and not fsdp:
+        return []
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    wanted = f"trainer.accelerator={accelerator}" + (", trainer.strategy=FSDP" if fsdp else "")
+    if gpus == 0:
+        hint = CPU_SMOKE_HINT.format(experiment=_experiment(cfg))
+        return [f"{wanted}: needs CUDA GPUs and this machine has none; {hint}"]
+    devices = trainer.get("devices")
+    if isinstance(devices, int) and devices > gpus:
+        return [
+            f"trainer.devices={devices}: this machine has {gpus} GPU(s); pass "
+            f"trainer.devices={gpus} (the global batch then shrinks: raise "
+            "trainer.accumulate_grad_batches to keep it)"
+        ]
+    return []
+
+
+def _compile_problems(cfg: DictConfig) -> list[str]:
+    if not OmegaConf.select(cfg, "model.compile", default=False):
+        return []
+    from astrai.model.factory import check_compile_toolchain
+
+    try:
+        check_compile_toolchain()
+    except RuntimeError as err:
+        return [str(err)]
+    return []
+
+
+# ---------------------------------------------------------------------- start and resume
+def _producer(path: Path) -> str | None:
+    """The experiment whose run writes `path` (`<log_dir>/<name>/latest/export`), if any."""
+    parts = path.parts
+    if len(parts) >= 3 and parts[-2] == "latest" and parts[-1] == "export":
+        name = parts[-3]
+        if (runner.CONF_DIR / "experiment" / f"{name}.yaml").is_file():
+            return name
+    return None
+
+
+def _with_start_hint(cfg: DictConfig, problem: str) -> str:
+    """`model.path` unset: say which earlier stage writes the model the strategy starts from."""
+    if not problem.startswith("model.path: required"):
+        return problem
+    target = str(OmegaConf.select(cfg, "strategy._target_", default=""))
+    stage = next((s for kind, s in START_STAGES.items() if target.endswith(kind)), None)
+    if stage is None:
+        return problem
+    return (
+        f"model.path: required, but not set: the model this run starts from, e.g. the export "
+        f"of `python -m astrai.train experiment={stage} ...` (outputs/{stage}/latest/export) or "
+        "a Hugging Face checkpoint directory; pass model.path=<dir>"
+    )
+
+
+def _start_problems(cfg: DictConfig) -> list[str]:
+    init = OmegaConf.select(cfg, "strategy.init_from", default=None)
+    if not init or Path(str(init)).is_dir():
+        return []
+    path = Path(str(init))
+    name = _producer(path)
+    first = (
+        f"run `python -m astrai.train experiment={name}` first (it writes {path})"
+        if name
+        else "pass strategy.init_from=<an earlier run's export directory>"
+    )
+    return [
+        f"strategy.init_from: {path} does not exist (the export this run starts from); "
+        f"{first}, or strategy.init_from=null to start from a fresh initialisation"
+    ]
+
+
+def _resume_problems(cfg: DictConfig, run_dir: Path | None) -> list[str]:
+    value = cfg.get("ckpt_path")
+    if value in (None, "", False) or str(value) == "auto":
+        return []
+    log_dir, name = Path(str(cfg.paths.log_dir)), str(cfg.name)
+    here = run_dir if run_dir is not None else log_dir / name / "<run>"
+    try:
+        found = runner.resolve_ckpt_path(value, here, log_dir, name)
+    except (runner.ConfigPathError, runner.IncompleteCheckpointError) as err:
+        return [str(err)]
+    if found is None:
+        return [runner.nothing_to_resume(here, log_dir, name)]
+    return []
+
+
+# ---------------------------------------------------------------------- vocabulary
+def _model_vocab(cfg: DictConfig) -> tuple[int, str] | None:
+    """The model's vocab_size from its config alone (no weights, no module), or None."""
+    model = cfg.get("model") or {}
+    target = str(model.get("_target_", ""))
+    fields = {k: v for k, v in OmegaConf.to_container(model, resolve=True).items()}
+    fields = {k: v for k, v in fields.items() if not k.startswith("_")}
+    if target == "astrai.model.preset_model":
+        from astrai.model import preset_model
+        from astrai.model.config import preset
+
+        # the factory's own options (device, compile, ...) are not model config fields
+        params = inspect.signature(preset_model).parameters.values()
+        own = {p.name for p in params if p.kind is p.KEYWORD_ONLY}
+        name = fields.pop("name")
+        fields = {k: v for k, v in fields.items() if k not in own}
+        return preset(name, **fields).vocab_size, f"model preset {name!r}"
+    if target == "astrai.model.pretrained_model" and fields.get("path"):
+        from astrai.model.hub import read_config
+
+        return read_config(fields["path"]).vocab_size, f"model directory {fields['path']}"
+    return None
+
+
+def _vocab_problems(cfg: DictConfig) -> list[str]:
+    try:
+        found = _model_vocab(cfg)
+    except Exception as err:  # a bad model config (unknown preset, field) is a problem too
+        return [f"model: {err}"]
+    if found is None:
+        return []
+    vocab, source = found
+    tok = cfg.get("tokenizer") or {}
+    path = tok.get("path")
+    if path:
+        from astrai.tokenizer import AutoTokenizer
+
+        n, key = len(AutoTokenizer.from_pretrained(str(path))), "tokenizer.path"
+    elif OmegaConf.select(cfg, "tokenizer.train.vocab_size") is not None:
+        n, key = int(cfg.tokenizer.train.vocab_size), "tokenizer.train.vocab_size"
+    else:
+        return []
+    if n <= vocab:
+        return []
+    return [
+        f"{key}: the tokenizer has {n} tokens but {source} has vocab_size={vocab}; use "
+        f"tokenizer.train.vocab_size<={vocab} or a model with vocab_size >= {n} "
+        f"(+model.vocab_size={n})"
+    ]
+
+
+# ---------------------------------------------------------------------- data
+def _lines_at_least(files: Iterable[Path], need: int) -> int:
+    """Non-empty lines in `files`, counted up to `need` (a big file is not read to its end)."""
+    n = 0
+    for f in files:
+        with open(f, "rb") as fh:
+            for line in fh:
+                n += bool(line.strip())
+                if n >= need:
+                    return n
+    return n
+
+
+def _files(source: Path) -> list[Path]:
+    return sorted(p for p in source.rglob("*") if p.is_file()) if source.is_dir() else [source]
+
+
+def _sample_bound(spec: DictConfig, need: int) -> int | None:
+    """An upper bound on the training samples of `spec` (`need` or more: enough), or None
+    when only preparing the data would tell."""
+    source = spec.get("source")
+    prepare = spec.get("prepare")
+    if not isinstance(source, str) or prepare is None:
+        return None  # record sources, already prepared storage
+    pretrain = "Pretrain" in str(spec.get("_target_", ""))
+    window = spec.get("window_size") if pretrain else None
+    if source.startswith("builtin:"):
+        n = OmegaConf.select(prepare, "builtin.n", default=None)
+        if pretrain or not source.startswith("builtin:arithmetic") or n is None:
+            return None
+        return int(n)  # one record per problem; packing and truncation only merge or drop
+    files = _files(Path(source))
+    if not pretrain:  # one record per JSONL line at most
+        return _lines_at_least(files, need) if all(f.suffix == ".jsonl" for f in files) else None
+    stride = spec.get("stride") or window
+    text = all(f.suffix in TEXT_SUFFIXES for f in files)
+    if not text or not isinstance(window, int) or not isinstance(stride, int) or stride < 1:
+        return None
+    # byte-level BPE: a token covers one byte or more, + 2 special tokens per document (a line
+    # or a file); lines are counted for a small corpus only (a big one has enough anyway)
+    size = sum(f.stat().st_size for f in files)
+    docs = (_lines_at_least(files, size) if size < 2**24 else size) + len(files)
+    tokens = size + 2 * docs
+    return (tokens - window - 1) // stride + 1 if tokens > window else 0
+
+
+def _data_problems(cfg: DictConfig) -> list[str]:
+    data = cfg.get("data") or {}
+    spec = data.get("train")
+    if spec is None:
+        return []
+    batch = int(data.get("batch_size", 1))
+    world = _world_size(cfg.get("trainer") or {})
+    need = batch * world if data.get("drop_last", False) else world
+    try:
+        have = _sample_bound(spec, need)
+    except OSError:
+        return []
+    if have is None or have >= need:
+        return []
+    per = (
+        f"data.batch_size={batch} x {world} device(s)" if world > 1 else f"data.batch_size={batch}"
+    )
+    return [
+        f"data.train: at most {have} training samples, fewer than one batch ({per}, "
+        f"data.drop_last={data.get('drop_last')}): no training step would run; lower "
+        "data.batch_size or give more data"
+    ]
