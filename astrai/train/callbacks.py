@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,8 @@ class ExportCallback(Callback):
     def export(self, trainer: L.Trainer, pl_module: L.LightningModule, path: Path) -> None:
         model = _full_model(trainer, pl_module)  # collective under FSDP: every rank calls
         if trainer.is_global_zero and model is not None:
+            start = time.perf_counter()  # a 1B export takes a while: say where it goes first
+            log.info("exporting the model to %s (step %d)", path, trainer.global_step)
             if model is True:
                 pl_module.save_pretrained(path, hf_format=self.hf_format)
             else:
@@ -108,7 +111,7 @@ class ExportCallback(Callback):
             (path / "training_state.json").write_text(
                 json.dumps({"global_step": trainer.global_step, "epoch": trainer.current_epoch})
             )
-            log.info("exported model to %s (step %d)", path, trainer.global_step)
+            log.info("exported in %.1f s", time.perf_counter() - start)
         trainer.strategy.barrier("astrai-export")
 
     def on_train_batch_end(

@@ -29,6 +29,7 @@ import os
 import secrets
 import shutil
 import signal
+import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -236,6 +237,7 @@ def prepare_tokenizer(tok_cfg: Mapping[str, Any], data_dir: str | Path) -> Path:
         if (out / "tokenizer.json").is_file():  # another process finished it meanwhile
             return out
         log.info("training a %d-token BPE tokenizer on %s -> %s", vocab_size, corpus, out)
+        spec.setdefault("show_progress", sys.stderr.isatty())  # the tokenizers library's bar
         tok = AutoTokenizer.train(_corpus_texts(corpus, max_bytes), vocab_size, **spec)
         tmp = out.with_name(out.name + f".tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
