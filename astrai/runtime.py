@@ -11,8 +11,8 @@ One home for three process-wide choices that a library must not make at import:
   thread per core whatever else runs; on a busy machine the threads of several processes
   then fight for the same cores and a run collapses instead of slowing down in proportion
   (on 2 cores under load 7-11, a matmul loop ran 20x slower with 2 threads than with 1;
-  docs/training.md). The default takes the cores this process may use and the cores the
-  load average leaves free.
+  docs/training.md). The default takes the cores this process may use and leaves out
+  those that other work keeps busy right now (`busy_cores`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import logging
 import math
 import os
 import sys
+import time
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -29,6 +30,7 @@ from typing import Any
 __all__ = [
     "QUIET_WARNINGS",
     "available_cores",
+    "busy_cores",
     "choose_threads",
     "configure",
     "set_threads",
@@ -109,7 +111,35 @@ def available_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def _load() -> float | None:
+def _cpu_times(cores: set[int]) -> tuple[float, float]:
+    """(busy, total) jiffies of `cores`, summed, from /proc/stat."""
+    busy = total = 0.0
+    with open("/proc/stat") as f:
+        for line in f:
+            name, *fields = line.split()
+            if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cores:
+                continue
+            ticks = [float(x) for x in fields]
+            idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0.0)  # idle + iowait
+            total += sum(ticks[:8])  # guest time is already in user time
+            busy += sum(ticks[:8]) - idle
+    return busy, total
+
+
+def busy_cores(window: float = 0.25) -> float | None:
+    """How many of this process's cores other work keeps busy now: sampled over `window`
+    seconds from /proc/stat while this process sleeps. The load average would answer for the
+    last minute instead: right after a run ends it still reports that run and starves the
+    next one of cores it could use. Falls back to the 1-minute load average off Linux."""
+    try:
+        cores = os.sched_getaffinity(0)
+        busy0, total0 = _cpu_times(cores)
+        time.sleep(window)
+        busy1, total1 = _cpu_times(cores)
+        if total1 > total0:
+            return len(cores) * (busy1 - busy0) / (total1 - total0)
+    except (AttributeError, OSError, ValueError):
+        pass
     try:
         return os.getloadavg()[0]
     except (AttributeError, OSError):
@@ -117,10 +147,10 @@ def _load() -> float | None:
 
 
 def choose_threads(cores: int, load: float | None, requested: int | None = None) -> int:
-    """Torch intra-op threads: `requested` when given (> 0), else the cores that the load
-    average (runnable processes, this one not yet among them) leaves free, at least 1.
+    """Torch intra-op threads: `requested` when given (> 0), else the cores that `load` (the
+    cores other work keeps busy, `busy_cores`) leaves free, at least 1.
 
-    A quiet 2-core machine gets 2; under load 1.2 (one busy process) 1; under load 8 still
+    A quiet 2-core machine gets 2; with one busy process (load 1.2) 1; under load 8 still
     1, so that our process takes its share of the cores instead of fighting for all of them.
     """
     if requested is not None and int(requested) > 0:
@@ -137,12 +167,13 @@ def set_threads(requested: int | None = None) -> int:
     torch already honours and which is left alone."""
     import torch
 
-    cores, load = available_cores(), _load()
-    if (requested is None or int(requested) <= 0) and os.environ.get("OMP_NUM_THREADS"):
+    policy = requested is None or int(requested) <= 0
+    if policy and os.environ.get("OMP_NUM_THREADS"):
         n, why = torch.get_num_threads(), "OMP_NUM_THREADS"
     else:
-        n = choose_threads(cores, load, requested)
-        why = "threads=" if requested else f"{cores} cores, load {load or 0.0:.1f}"
+        cores, busy = available_cores(), busy_cores() if policy else None
+        n = choose_threads(cores, busy, requested)
+        why = f"{cores} cores, {busy or 0.0:.1f} busy" if policy else "threads="
         torch.set_num_threads(n)
     # raises once parallel work has started (a second call in one process): keep what is set
     with contextlib.suppress(RuntimeError):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from astrai.cli_keys import model_args
-from astrai.runtime import choose_threads
+from astrai.runtime import busy_cores, choose_threads
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,6 +45,19 @@ def test_an_explicit_count_wins():
     assert choose_threads(2, 8.0, requested=0) == 1  # 0 / null: the policy
 
 
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads /proc/stat (Linux)")
+def test_busy_cores_sees_a_process_that_just_started():
+    """A competitor started a moment ago already counts (a 1-minute load average would not
+    see it yet), and the figure stays within the cores this process may use."""
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        busy = busy_cores(window=0.5)
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert busy is not None and 0.7 <= busy <= len(os.sched_getaffinity(0)) + 0.05
+
+
 def _threads_in_fresh_process(requested, env):
     code = (
         "import logging, torch; logging.basicConfig(level=logging.INFO);"
@@ -68,7 +81,7 @@ def test_set_threads_applies_and_logs_the_choice():
     assert intra == 1 and "torch threads: 1 (OMP_NUM_THREADS)" in log
     (intra, _), log = _threads_in_fresh_process(None, {})
     cores = len(os.sched_getaffinity(0))
-    assert 1 <= intra <= cores and f"{cores} cores, load" in log
+    assert 1 <= intra <= cores and f"{cores} cores, " in log and " busy)" in log
 
 
 # ------------------------------------------------------------------------- one vocabulary
