@@ -138,7 +138,7 @@ def test_train_serve_and_ask_through_openai(tmp_path: Path) -> None:
         # number itself needs the full recipe, experiments/tiny_sft).
         answer = client.chat.completions.create(
             model=model.id,
-            messages=[{"role": "user", "content": "What is 2 + 3?"}],
+            messages=[{"role": "user", "content": "What is 45 + 38?"}],
             max_tokens=64,
             temperature=0,
         )

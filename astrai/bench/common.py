@@ -27,6 +27,17 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, round(q * (len(values) - 1)))]
 
 
+def throughput(tokens: int, seconds: float, ttft: list[float]) -> dict[str, float]:
+    """The figures every generation workload reports: tokens, wall time, tokens/s, TTFT."""
+    return {
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "ttft_p50": percentile(ttft, 0.5),
+        "ttft_p99": percentile(ttft, 0.99),
+    }
+
+
 def bench_tokenizer(vocab: int) -> AutoTokenizer:
     """A byte-level BPE trained on a little stdlib text; benchmarks use its special ids."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])

@@ -26,7 +26,7 @@ import torch
 from hydra.utils import instantiate
 from tqdm import tqdm
 
-from astrai.bench.common import bench_model, percentile, report_header
+from astrai.bench.common import bench_model, percentile, report_header, throughput
 from astrai.bench.engine_hf import run_hf_sizes
 from astrai.bench.engine_matrix import format_matrix, run_matrix
 from astrai.bench.engine_phases import best, phases, prefix_overhead, run_sync, workload
@@ -58,11 +58,7 @@ def run_astrai(
         tokens = sum(len(r.token_ids) for r in results)
         stats = eng.get_stats()
     return {
-        "tokens": tokens,
-        "seconds": wall,
-        "tokens_per_s": tokens / wall,
-        "ttft_p50": percentile(ttft, 0.5),
-        "ttft_p99": percentile(ttft, 0.99),
+        **throughput(tokens, wall, ttft),
         "cached_prompt_tokens": stats["cached_prompt_tokens"],
     }
 

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from astrai.bench.common import percentile
+from astrai.bench.common import throughput
 from astrai.inference import InferenceEngine
 from astrai.model import Transformer
 from astrai.tokenizer import AutoTokenizer
@@ -148,13 +148,7 @@ def run_async(
         after = eng.get_stats()
     tokens = _delta(before, after, "total_tokens")
     ttft = [f for f in firsts if f is not None] or [wall]
-    return {
-        "tokens": tokens,
-        "seconds": wall,
-        "tokens_per_s": tokens / wall,
-        "ttft_p50": percentile(ttft, 0.5),
-        "ttft_p99": percentile(ttft, 0.99),
-    }
+    return throughput(tokens, wall, ttft)
 
 
 def phases(sync: dict[str, Any]) -> dict[str, Any]:

@@ -27,7 +27,7 @@ import random
 import time
 from typing import Any
 
-from astrai.bench.common import bench_model, model_name, percentile, report_header
+from astrai.bench.common import bench_model, model_name, percentile, report_header, throughput
 
 logger = logging.getLogger(__name__)
 
@@ -146,11 +146,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         ttft = [r.task.first_token_at - start for r in results]
         tokens = sum(len(r.token_ids) for r in results)
         return {
-            "tokens": tokens,
-            "seconds": wall,
-            "tokens_per_s": tokens / wall,
-            "ttft_p50": percentile(ttft, 0.5),
-            "ttft_p99": percentile(ttft, 0.99),
+            **throughput(tokens, wall, ttft),
             # this process's CPU time (llguidance's mask threads included): less sensitive
             # than wall time to other processes on a shared machine
             "tokens_per_cpu_s": tokens / cpu,
