@@ -25,6 +25,7 @@ from astrai.extension import BackendUnavailable, selected_backend
 from astrai.inference.cache import PagePool
 from astrai.inference.grammar import grammar_compiler
 from astrai.inference.graph import DecodeGraphRunner
+from astrai.inference.handoff import Handoff
 from astrai.inference.logprobs import MAX_LOGPROBS, ScoreResult
 from astrai.inference.result import GenerateResult
 from astrai.inference.runner import ModelRunner
@@ -119,6 +120,7 @@ class InferenceEngine:
             memory_fraction=memory_fraction,
             enable_radix=prefix_cache,
         )
+        self.handoff = Handoff()
         self.scheduler = InferenceScheduler(
             self.pool,
             vocab_size=cfg.vocab_size,
@@ -209,18 +211,23 @@ class InferenceEngine:
         only, and the loop goes on.
         """
         scheduler, runner = self.scheduler, self.runner
-        for plan in scheduler.schedule():
-            try:
-                out = runner.run(plan)
-            except BackendUnavailable as err:
-                scheduler.abort(plan, str(err))
-                continue
-            except Exception as err:
-                logger.exception("model forward failed; aborting its %d requests", len(plan.tasks))
-                scheduler.abort(plan, f"model forward failed: {type(err).__name__}: {err}")
-                continue
-            scheduler.postprocess(plan, *out)
-        scheduler.cleanup()
+        self.handoff.begin_step()  # streamed text leaves once per step (astrai.inference.handoff)
+        try:
+            for plan in scheduler.schedule():
+                try:
+                    out = runner.run(plan)
+                except BackendUnavailable as err:
+                    scheduler.abort(plan, str(err))
+                    continue
+                except Exception as err:
+                    n = len(plan.tasks)
+                    logger.exception("model forward failed; aborting its %d requests", n)
+                    scheduler.abort(plan, f"model forward failed: {type(err).__name__}: {err}")
+                    continue
+                scheduler.postprocess(plan, *out)
+            scheduler.cleanup()
+        finally:
+            self.handoff.end_step()
 
     def _loop(self) -> None:
         logger.debug("engine loop started")
@@ -396,8 +403,8 @@ class InferenceEngine:
         queue: asyncio.Queue[str | None] = asyncio.Queue()
         result = self.submit(prompt, **kwargs)
         result.subscribe(
-            lambda text: loop.call_soon_threadsafe(queue.put_nowait, text),
-            lambda _: loop.call_soon_threadsafe(queue.put_nowait, None),
+            lambda text: self.handoff.post(loop, queue.put_nowait, text),
+            lambda _: self.handoff.post(loop, queue.put_nowait, None),
         )
         try:
             while (text := await queue.get()) is not None:

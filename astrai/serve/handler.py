@@ -11,7 +11,6 @@ adding a protocol is one builder file.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import secrets
@@ -270,12 +269,6 @@ class _TimedOut(Exception):
     pass
 
 
-def _pusher(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, item: Any) -> None:
-    """Runs on the scheduler thread: hand `item` to the event loop, never raise there."""
-    with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening any more
-        loop.call_soon_threadsafe(queue.put_nowait, item)
-
-
 class ProtocolHandler:
     """Runs one request against the engine for any `ResponseBuilder`."""
 
@@ -364,6 +357,7 @@ class ProtocolHandler:
     def _submit(self, ctx: RequestContext) -> None:
         p = ctx.prepared
         loop = asyncio.get_running_loop()
+        post, put = self.engine.handoff.post, ctx.queue.put_nowait  # one wake-up per step
         fmt = self.state.tool_format if p.parse_tools else None
         for i in range(len(p.prompts) * p.n):
             sampling = dict(p.sampling)
@@ -389,8 +383,8 @@ class ProtocolHandler:
             # output length then is the number of tokens this text completes.
             out = result.task.output_ids
             result.subscribe(
-                lambda t, i=i, out=out: _pusher(loop, ctx.queue, (i, t, len(out))),
-                lambda _, i=i, out=out: _pusher(loop, ctx.queue, (i, None, len(out))),
+                lambda t, i=i, out=out: post(loop, put, (i, t, len(out))),
+                lambda _, i=i, out=out: post(loop, put, (i, None, len(out))),
             )
 
     def _cancel_all(self, ctx: RequestContext) -> None:
