@@ -76,26 +76,22 @@ class EngineMetrics:
         self.ttft = BucketCounts(TTFT_BUCKETS)
         self.itl = BucketCounts(ITL_BUCKETS)
         self.finished: dict[str, int] = {}
-        self._times: dict[int, tuple[float, float | None]] = {}  # task id: (queued, last token)
         self._lock = threading.Lock()
 
     def on_submit(self, task: Task, now: float) -> None:
-        self._times[task.id] = (now, None)
+        task.queued_at = now
 
     def on_token(self, task: Task, now: float) -> None:
         """A token of `task` was sampled at `now` (perf_counter seconds)."""
-        times = self._times.get(task.id)
-        if times is None:  # queued before the metrics existed: nothing to measure from
+        if task.queued_at is None:  # queued before the metrics existed: nothing to measure from
             return
-        queued, last = times
-        if last is None:
-            self.ttft.observe(now - queued)
+        if task.last_token_at is None:
+            self.ttft.observe(now - task.queued_at)
         else:
-            self.itl.observe(now - last)
-        self._times[task.id] = (queued, now)
+            self.itl.observe(now - task.last_token_at)
+        task.last_token_at = now
 
     def on_finish(self, task: Task) -> None:
-        self._times.pop(task.id, None)
         reason = task.finish_reason or "unknown"
         with self._lock:
             self.finished[reason] = self.finished.get(reason, 0) + 1

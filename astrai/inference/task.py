@@ -50,7 +50,9 @@ class Task:
     finish_reason: str | None = None
     error: str | None = None
     cancel_requested: bool = False
+    queued_at: float | None = None  # perf_counter times, for TTFT and inter-token latency
     first_token_at: float | None = None
+    last_token_at: float | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     top_logprobs: list[TopLogprobs] = field(default_factory=list)
     recompute: int = 0
