@@ -7,7 +7,8 @@ sizes and the best is reported; its useful tokens are the ones each request aske
 (padding rows that keep generating for the longest request in a batch do not count).
 A second workload shares 90% of every prompt and compares TTFT with and without the
 radix prefix cache. The report also has prefill and decode tokens/s and the radix cache's
-cost at 0% hits (`prefix_overhead=true`; methods: astrai/bench/engine_phases.py), and
+cost at 0% hits (`prefix_overhead=true`; methods: astrai/bench/engine_phases.py), the
+per-step decode time at `step_batches` (astrai/bench/engine_steps.py), and
 `matrix=NAME` runs a table of model shapes instead (astrai/bench/engine_matrix.py,
 conf/bench/engine_matrix.yaml). `repeats=N` measures every configuration N times and keeps each one's
 best run, which damps the noise of a shared machine without favouring either side.
@@ -30,6 +31,7 @@ from astrai.bench.common import bench_model, percentile, report_header, throughp
 from astrai.bench.engine_hf import run_hf_sizes
 from astrai.bench.engine_matrix import format_matrix, run_matrix
 from astrai.bench.engine_phases import best, phases, prefix_overhead, run_sync, workload
+from astrai.bench.engine_steps import format_steps, run_steps
 from astrai.inference import InferenceEngine
 from astrai.model import Transformer
 from astrai.model.mla_config import kv_bytes_per_token
@@ -111,6 +113,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         report["prefix_overhead"] = prefix_overhead(
             engine, model, tokenizer, work, cfg["repeats"], decode_graphs=graphs
         )
+    # Per-step decode time at `step_batches` (engine_steps.py; None: skipped).
+    report["steps"] = run_steps(cfg, engine, model, tokenizer, decode_graphs=graphs)
 
     # Shared-prefix workload: 90% of each prompt is common.
     rng = random.Random(cfg["seed"] + 1)
@@ -193,4 +197,5 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append(
         f"shared prefix TTFT p50: no cache {p['no_cache']['ttft_p50'] * 1e3:.1f} ms, radix {p['radix']['ttft_p50'] * 1e3:.1f} ms -> {p['ttft_ratio']:.2f}x lower (target >= 3x)"
     )
+    lines += format_steps([(report["model"], report.get("steps"))])
     return "\n".join(lines)

@@ -5,7 +5,8 @@ picks some): a preset plus ModelConfig overrides with random weights, and a requ
 Each row runs the benchmark's mixed workload (``prompt_*``/``output_*`` options) through
 astrai's `generate_async` (the server's path) and the synchronous scheduler loop
 (``run_batch``'s), `transformers` at every ``hf_batch_sizes`` on the same weights (the best
-counts), and reports prefill/decode tokens/s and, with ``prefix_overhead=true``, the radix
+counts), and reports prefill/decode tokens/s, the per-step decode time at ``step_batches``
+(a second table; `astrai.bench.engine_steps`) and, with ``prefix_overhead=true``, the radix
 cache's cost at 0% hits (methods: `astrai.bench.engine_phases`). Rows with at least
 `TARGET_REQUESTS` requests are the targets of issue #18 (async >= `TARGET` x transformers);
 no row may fall below `FLOOR` x. The table marks the rows that miss.
@@ -32,6 +33,7 @@ from astrai.bench.engine_phases import (
     run_sync,
     workload,
 )
+from astrai.bench.engine_steps import format_steps, run_steps
 from astrai.model import ConfigError, preset
 
 logger = logging.getLogger(__name__)
@@ -116,6 +118,7 @@ def run_row(cfg: dict[str, Any], row: dict[str, Any], engine: EngineFactory) -> 
             engine, model, tokenizer, work, repeats, decode_graphs=graphs
         )
     out["async_vs_sync"] = out["async"]["tokens_per_s"] / out["sync"]["tokens_per_s"]
+    out["steps"] = run_steps(cfg, engine, model, tokenizer, decode_graphs=graphs)
     if not cfg["skip_hf"]:
         out["transformers"] = run_hf_sizes(cfg, model, work, device)
         name, hf = max(out["transformers"].items(), key=lambda kv: kv[1]["tokens_per_s"])
@@ -184,4 +187,5 @@ def format_matrix(report: dict[str, Any]) -> str:
         )
     lines.append("")
     lines.append(f"rows that miss: {', '.join(report['misses']) or 'none'}")
+    lines += format_steps([(r["id"], r.get("steps")) for r in report["rows"]], label="row")
     return "\n".join(lines)

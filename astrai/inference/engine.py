@@ -370,26 +370,30 @@ class InferenceEngine:
 
     def _interleave(self, results: list[GenerateResult]) -> Generator[tuple[int, str], None, None]:
         cond = threading.Condition()
-        events: list[tuple[int, str | None]] = []
+        woken: dict[int, None] = dict.fromkeys(range(len(results)))  # catch up on all first
 
-        def push(i: int, text: str | None) -> None:
+        def wake(i: int) -> None:  # on the loop thread: no text is decoded there
             with cond:
-                events.append((i, text))
+                woken[i] = None
                 cond.notify()
 
         for i, r in enumerate(results):
-            r.subscribe(lambda text, i=i: push(i, text), lambda _, i=i: push(i, None))
-        remaining = len(results)
+            r.listen(lambda i=i: wake(i))
+        starts, remaining = [0] * len(results), len(results)
         try:
             while remaining:
                 with cond:
-                    cond.wait_for(lambda: events)
-                    batch, events[:] = list(events), []
-                for i, text in batch:
-                    if text is None:
-                        remaining -= 1
-                    else:
+                    cond.wait_for(lambda: woken)
+                    batch = list(woken)
+                    woken.clear()
+                for i in batch:
+                    if starts[i] < 0:
+                        continue  # ended already
+                    pieces, starts[i], done = results[i].take(starts[i])
+                    for text, _ in pieces:
                         yield i, text
+                    if done:
+                        starts[i], remaining = -1, remaining - 1
         finally:
             for r in results:
                 if not r.done:
@@ -398,17 +402,25 @@ class InferenceEngine:
     async def generate_async(
         self, prompt: str | Sequence[int], **kwargs: Any
     ) -> AsyncGenerator[str, None]:
-        """Async text deltas; the event loop is never blocked and no thread is held per stream."""
+        """Async text deltas; the event loop is never blocked and no thread is held per stream.
+
+        The engine's thread only wakes the event loop (once per step, `Handoff`); the text is
+        decoded here, and a consumer that falls behind gets several tokens' text at once."""
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[str | None] = asyncio.Queue()
+        ready = asyncio.Event()
         result = self.submit(prompt, **kwargs)
-        result.subscribe(
-            lambda text: self.handoff.post(loop, queue.put_nowait, text),
-            lambda _: self.handoff.post(loop, queue.put_nowait, None),
-        )
+        result.listen(lambda: self.handoff.post(loop, ready.set))
+        start = 0
         try:
-            while (text := await queue.get()) is not None:
-                yield text
+            while True:
+                ready.clear()
+                pieces, start, done = result.take(start)
+                if pieces:
+                    yield "".join(text for text, _ in pieces)
+                if done:
+                    break
+                if not pieces:
+                    await ready.wait()
         finally:
             if not result.done:
                 self.cancel(result)

@@ -1,4 +1,13 @@
-"""`GenerateResult`: one request's text as it is produced, for blocking, iterating or subscribing."""
+"""`GenerateResult`: one request's text as it is produced, for blocking, iterating or subscribing.
+
+The engine's loop thread only records tokens (the task's `output_ids`) and wakes whoever
+follows the request; the text is detokenized by the reader, on the reader's thread, when it
+asks (`take`, `text`, iteration). On a 2-core machine the loop thread's Python time is the
+scheduler's critical path, so incremental detokenization there (two tokenizer calls and
+a lock per token) used to cost every request a few percent of throughput; on the reader's
+side it runs while the loop thread is inside the model's kernels, and a reader that falls
+behind decodes several tokens in one go.
+"""
 
 from __future__ import annotations
 
@@ -9,70 +18,112 @@ from astrai.inference.logprobs import TokenLogprob, TopLogprobs
 from astrai.inference.task import Task
 from astrai.tokenizer import AutoTokenizer
 
+# One piece of text and the number of output tokens that exist once it is complete.
+Piece = tuple[str, int]
+
 
 class GenerateResult:
-    """Progress of one request, filled in by the engine's loop thread.
+    """Progress of one request, fed by the engine's loop thread.
 
     Non-streaming callers block on `wait_completion`; streaming callers iterate, `wait` for
-    new text, or `subscribe` callbacks (the HTTP server, async streams). The loop thread
-    feeds it through `on_token` / `on_finish` (set as the task's callbacks).
+    new tokens, `listen` + `take` (the HTTP server and async streams: the loop thread only
+    wakes them, they decode), or `subscribe` callbacks with the text. The loop thread feeds
+    it through `on_token` / `on_finish` (set as the task's callbacks).
     """
 
     def __init__(self, task: Task, tokenizer: AutoTokenizer) -> None:
         self.task = task
         self._decoder = tokenizer.stream_decoder(skip_special_tokens=True)
-        self._pieces: list[str] = []
-        self._read = 0
+        self._decode_lock = threading.Lock()
+        self._pieces: list[Piece] = []
+        self._decoded = 0  # output tokens fed to the decoder
+        self._flushed = False
         self._cond = threading.Condition()
-        self._event = threading.Event()
+        self._waiters = 0  # threads blocked on `_cond`: the loop thread notifies only then
+        self._seen = 0  # tokens (plus one at the end) that `wait` has reported
         self._done = False
-        self._text_subscribers: list[Callable[[str], None]] = []
-        self._done_subscribers: list[Callable[[GenerateResult], None]] = []
+        self._listeners: list[Callable[[], None]] = []
+        self._subscribers: list[_Subscriber] = []
+        self._sub_lock = threading.Lock()
 
     # -- loop side
     def on_token(self, task: Task, token: int, logprob: float) -> None:
-        self._push(self._decoder.step(token))
+        self._progress()
 
     def on_finish(self, task: Task) -> None:
-        self._push(self._decoder.flush())
-        # Subscribers run under the lock, so one subscribing concurrently sees each piece
-        # exactly once: in its snapshot or as a call.
         with self._cond:
             self._done = True
-            self._cond.notify_all()
-            for cb in self._done_subscribers:
-                cb(self)
-        self._event.set()
+        self._progress()
 
-    def _push(self, text: str) -> None:
-        if not text:
+    def _progress(self) -> None:
+        if self._waiters:
+            with self._cond:
+                self._cond.notify_all()
+        for wake in self._listeners:
+            wake()
+        if self._subscribers:
+            self._feed_subscribers()
+
+    # -- text, decoded on the reader's thread
+    def take(self, start: int = 0) -> tuple[list[Piece], int, bool]:
+        """Text pieces from piece `start` on, the next `start`, and whether the request is done
+        (its whole text then included). New tokens are decoded here, on the calling thread;
+        each piece comes with the number of output tokens that exist once it is complete."""
+        done = self._done  # read before the tokens: once done, every token is in
+        self._decode(done)
+        pieces = self._pieces
+        return pieces[start:], len(pieces), done
+
+    def _decode(self, final: bool) -> None:
+        ids = self.task.output_ids
+        if self._decoded == len(ids) and (self._flushed or not final):
             return
-        with self._cond:
-            self._pieces.append(text)
-            self._cond.notify_all()
-            for cb in self._text_subscribers:
-                cb(text)
-        self._event.set()
+        with self._decode_lock:
+            n, step, pieces = len(ids), self._decoder.step, self._pieces
+            for i in range(self._decoded, n):
+                text = step(ids[i])
+                if text:
+                    pieces.append((text, i + 1))
+            self._decoded = n
+            if final and not self._flushed:
+                self._flushed = True
+                text = self._decoder.flush()
+                if text:
+                    pieces.append((text, n))
 
-    # -- caller side
+    def listen(self, wake: Callable[[], None]) -> None:
+        """Call `wake()` on the loop thread after every new token and at the end; read them
+        with `take`. `wake` must be cheap and must not block (e.g. post to an event loop);
+        one that raises aborts this request only. Call before the first token, or `take`
+        once after the call to catch up."""
+        self._listeners.append(wake)
+
     def subscribe(
         self, on_text: Callable[[str], None], on_done: Callable[[GenerateResult], None]
     ) -> None:
         """Call `on_text` with every piece of text, in order, and `on_done` at the end.
 
         Text produced before the call is delivered at once (and the end, if it came), each
-        piece exactly once. Callbacks run on the loop thread (or here, for earlier text)
-        while the result's lock is held: keep them short and never block in them.
+        piece exactly once. Later callbacks run on the loop thread (which then decodes this
+        request's text: `listen` + `take` leave that to the reader): keep them short and
+        never block in them.
         """
-        with self._cond:
-            for text in self._pieces:
-                on_text(text)
-            if self._done:
-                on_done(self)
-                return
-            self._text_subscribers.append(on_text)
-            self._done_subscribers.append(on_done)
+        sub = _Subscriber(on_text, on_done)
+        with self._sub_lock:
+            self._subscribers.append(sub)
+        self._feed_subscribers()
 
+    def _feed_subscribers(self) -> None:
+        with self._sub_lock:  # one feeder at a time: each piece reaches each subscriber once
+            for sub in self._subscribers:
+                pieces, sub.start, done = self.take(sub.start)
+                for text, _ in pieces:
+                    sub.on_text(text)
+                if done and not sub.ended:
+                    sub.ended = True
+                    sub.on_done(self)
+
+    # -- caller side
     @property
     def id(self) -> int:
         return self.task.id
@@ -83,7 +134,8 @@ class GenerateResult:
 
     @property
     def text(self) -> str:
-        return "".join(self._pieces)
+        pieces, _, _ = self.take()
+        return "".join(text for text, _ in pieces)
 
     @property
     def token_ids(self) -> list[int]:
@@ -112,17 +164,27 @@ class GenerateResult:
         lps = self.task.prompt_logprobs
         return None if lps is None else list(lps)
 
+    def _count(self) -> int:
+        return len(self.task.output_ids) + self._done
+
+    def _block(self, ready: Callable[[], bool], timeout: float | None) -> bool:
+        with self._cond:
+            self._waiters += 1
+            try:
+                return self._cond.wait_for(ready, timeout)
+            finally:
+                self._waiters -= 1
+
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until new text or the end arrives; True if something did."""
-        got = self._event.wait(timeout)
-        self._event.clear()
+        """Block until new tokens or the end arrive (since the last `wait`); True if some did."""
+        got = self._block(lambda: self._count() > self._seen, timeout)
+        self._seen = self._count()
         return got
 
     def wait_completion(self, timeout: float | None = None) -> str:
         """The whole text; raises ValueError if the request was rejected or aborted."""
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._done, timeout):
-                raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
+        if not self._block(lambda: self._done, timeout):
+            raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
         self.raise_if_failed()
         return self.text
 
@@ -132,13 +194,25 @@ class GenerateResult:
             raise ValueError(f"request {self.id} {self.task.finish_reason}: {self.task.error}")
 
     def __iter__(self) -> Iterator[str]:
+        start, seen = 0, 0
         while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._read < len(self._pieces) or self._done)
-                pieces = self._pieces[self._read :]
-                self._read = len(self._pieces)
-                done = self._done
-            yield from pieces
-            if done and self._read == len(self._pieces):
+            self._block(lambda seen=seen: self._count() > seen, None)
+            seen = self._count()
+            pieces, start, done = self.take(start)
+            for text, _ in pieces:
+                yield text
+            if done:
                 self.raise_if_failed()
                 return
+
+
+class _Subscriber:
+    """One `subscribe` call: its callbacks and how far it has been fed."""
+
+    __slots__ = ("ended", "on_done", "on_text", "start")
+
+    def __init__(
+        self, on_text: Callable[[str], None], on_done: Callable[[GenerateResult], None]
+    ) -> None:
+        self.on_text, self.on_done = on_text, on_done
+        self.start, self.ended = 0, False

@@ -16,7 +16,7 @@ import logging
 import secrets
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -87,6 +87,8 @@ class Choice:
     marks: list[tuple[int, int]] = field(default_factory=list)
     token_end: int | None = None
     tokens_sent: int = 0
+    taken: int = 0  # text pieces of `result` read so far (`GenerateResult.take`)
+    ended: bool = False  # its end has been read
     _mark: int = 0  # marks before this one are covered by the text emitted so far
     _covered: int = 0
 
@@ -379,13 +381,10 @@ class ProtocolHandler:
                 raise APIError(status, result.task.error or "request rejected", param=param)
             parser = OutputParser(p.stops, fmt, self.builder.tool_id_prefix)
             ctx.choices.append(Choice(i, result, parser, prompt_index=prompt))
-            # The callbacks run on the loop thread right after a token is appended, so the
-            # output length then is the number of tokens this text completes.
-            out = result.task.output_ids
-            result.subscribe(
-                lambda t, i=i, out=out: post(loop, put, (i, t, len(out))),
-                lambda _, i=i, out=out: post(loop, put, (i, None, len(out))),
-            )
+            # The engine's thread only wakes this loop (once per step); the text is decoded
+            # here, by `_events`, off the scheduler's critical path.
+            result.listen(lambda i=i: post(loop, put, i))
+            put(i)  # whatever came before `listen`
 
     def _cancel_all(self, ctx: RequestContext) -> None:
         for c in ctx.choices:
@@ -393,9 +392,7 @@ class ProtocolHandler:
                 self.engine.cancel(c.result)
 
     # ------------------------------------------------------------------ the event stream
-    async def _next(
-        self, ctx: RequestContext, request: Request | None
-    ) -> tuple[int, str | None, int]:
+    async def _next(self, ctx: RequestContext, request: Request | None) -> int:
         if request is None:  # streaming: Starlette cancels the response on disconnect
             return await ctx.queue.get()
         poll = self.state.settings.disconnect_poll_s
@@ -429,11 +426,11 @@ class ProtocolHandler:
         """
         pending = len(ctx.choices)
         while pending:
-            items = [await self._next(ctx, request)]
+            woken = [await self._next(ctx, request)]
             while not ctx.queue.empty():
-                items.append(ctx.queue.get_nowait())
+                woken.append(ctx.queue.get_nowait())
             out: list[tuple[Choice, Event | None]] = []
-            for i, text, tokens in items:
+            for i, text, tokens in self._take(ctx, dict.fromkeys(woken)):
                 choice = ctx.choices[i]
                 if choice.finished:
                     continue
@@ -455,6 +452,21 @@ class ProtocolHandler:
                 self._emit(out, choice, events)
             if out:
                 yield out
+
+    @staticmethod
+    def _take(ctx: RequestContext, woken: Iterable[int]) -> list[tuple[int, str | None, int]]:
+        """The new text of the woken choices, decoded here: `(index, text, tokens)`, each
+        piece with the output tokens that exist once it is complete, and `(index, None,
+        tokens)` at a choice's end."""
+        items: list[tuple[int, str | None, int]] = []
+        for i in woken:
+            choice = ctx.choices[i]
+            pieces, choice.taken, done = choice.result.take(choice.taken)
+            items += [(i, text, tokens) for text, tokens in pieces]
+            if done and not choice.ended:
+                choice.ended = True
+                items.append((i, None, len(choice.result.task.output_ids)))
+        return items
 
     @staticmethod
     def _emit(out: list[tuple[Choice, Event | None]], choice: Choice, events: list[Event]) -> None:

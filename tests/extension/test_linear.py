@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch.profiler import profile
 
 from astrai.extension import linear, onednn_linear_enabled
+from astrai.extension.linear import ONEDNN_MIN_MACS
 from astrai.model.layers import Linear
 
 
@@ -17,24 +18,36 @@ def _ops(fn) -> set[str]:
     return {e.key for e in prof.key_averages()}
 
 
-@pytest.mark.parametrize("shape", [(7, 48), (2, 5, 48), (1, 48), (0, 48)])
+@pytest.mark.parametrize("shape", [(7, 48), (2, 5, 48), (1, 48), (0, 48), (200, 48), (3, 100, 48)])
 @pytest.mark.parametrize("bias", [True, False])
 def test_matches_f_linear_in_inference(shape, bias):
+    """Small products (F.linear) and large ones (oneDNN: 200 x 48 x 192 > 2**20) alike."""
     gen = torch.Generator().manual_seed(len(shape))
-    x, w = torch.randn(shape, generator=gen), torch.randn(96, 48, generator=gen)
-    b = torch.randn(96, generator=gen) if bias else None
+    x, w = torch.randn(shape, generator=gen), torch.randn(192, 48, generator=gen)
+    b = torch.randn(192, generator=gen) if bias else None
     with torch.inference_mode():
         out = linear(x, w, b)
-    assert out.shape == (*shape[:-1], 96)
+    assert out.shape == (*shape[:-1], 192)
     torch.testing.assert_close(out, F.linear(x, w, b), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.skipif(not onednn_linear_enabled(), reason="this torch build has no oneDNN linear")
-def test_inference_takes_onednn_and_training_keeps_aten():
-    x, w = torch.randn(4, 32), torch.randn(16, 32, requires_grad=True)
+def test_large_inference_products_take_onednn_and_training_keeps_aten():
+    x, w = torch.randn(64, 256), torch.randn(128, 256, requires_grad=True)
+    assert ONEDNN_MIN_MACS < 64 * 256 * 128
     with torch.no_grad():
         assert "mkldnn::_linear_pointwise" in _ops(lambda: linear(x, w))
     ops = _ops(lambda: linear(x, w))
+    assert "mkldnn::_linear_pointwise" not in ops and "aten::linear" in ops
+
+
+@pytest.mark.skipif(not onednn_linear_enabled(), reason="this torch build has no oneDNN linear")
+def test_tiny_inference_products_stay_on_aten():
+    """oneDNN's fixed per-call cost loses to F.linear on one decoding row of a small layer."""
+    x, w = torch.randn(1, 256), torch.randn(704, 256)
+    assert ONEDNN_MIN_MACS >= 256 * 704
+    with torch.no_grad():
+        ops = _ops(lambda: linear(x, w))
     assert "mkldnn::_linear_pointwise" not in ops and "aten::linear" in ops
 
 

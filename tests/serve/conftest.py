@@ -12,6 +12,7 @@ KV mode, no prefix cache, so a prefill always starts at position 0).
 from __future__ import annotations
 
 import sysconfig
+import time
 from pathlib import Path
 
 import anthropic
@@ -26,8 +27,11 @@ from astrai.tokenizer import AutoTokenizer
 
 class ScriptedTransformer(Transformer):
     script: list[int] | None = None
+    step_delay: float = 0.0  # seconds each forward sleeps: a race a test wants the engine to lose
 
     def forward_packed(self, input_ids, positions, kv_cache, logits_indices=None, **kwargs):
+        if self.step_delay:
+            time.sleep(self.step_delay)
         logits = super().forward_packed(input_ids, positions, kv_cache, logits_indices, **kwargs)
         script = self.script
         if script is None or logits_indices is None:
@@ -99,6 +103,18 @@ def script(engine, tokenizer):
 
     yield set_script
     engine.model.script = None
+
+
+@pytest.fixture
+def slow_steps(engine):
+    """`slow_steps(s)`: every forward sleeps `s` seconds (reset after the test), so that a
+    long answer outlasts a client's timeout however fast the engine is."""
+
+    def set_delay(seconds: float) -> None:
+        engine.model.step_delay = seconds
+
+    yield set_delay
+    engine.model.step_delay = 0.0
 
 
 @pytest.fixture(scope="session")

@@ -80,8 +80,9 @@ def test_stream_disconnect_frees_kv(base_url, engine, script):
     assert after["steps"] - steps < 30  # freed within a few decode steps (0-1 measured)
 
 
-def test_non_stream_disconnect_frees_kv(base_url, engine, script):
+def test_non_stream_disconnect_frees_kv(base_url, engine, script, slow_steps):
     script(LONG)
+    slow_steps(0.005)  # 600 steps take >= 3 s: the client leaves after 0.3 s
     before = engine.get_stats()["total_tokens"]
     body = {"messages": MSGS, "max_tokens": 600}
     with pytest.raises(httpx.ReadTimeout):

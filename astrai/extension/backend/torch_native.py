@@ -178,23 +178,28 @@ def row_segments(
     the active rows in pool order: O(n^2) for n rows, once per step.
     """
     items = sorted(zip(rows, lens))
+    pos = [row for row, _ in items]
+    length = [n for _, n in items]
     n = len(items)
     best = [0] * (n + 1)
     cut = [0] * (n + 1)
     for j in range(n):
-        row_j = items[j][0]
-        longest, best_cost, best_i = 0, None, 0
+        end = pos[j] + 1
+        longest, best_cost, best_i = 0, -1, j
         for i in range(j, -1, -1):
-            longest = max(longest, items[i][1])
-            cost = best[i] + (row_j - items[i][0] + 1) * longest + call_cost
-            if best_cost is None or cost < best_cost:
+            if length[i] > longest:
+                longest = length[i]
+            span = (end - pos[i]) * longest + call_cost
+            if best_cost >= 0 and span >= best_cost:
+                break  # a range reaching further left is wider and as long: never cheaper
+            cost = best[i] + span
+            if best_cost < 0 or cost < best_cost:
                 best_cost, best_i = cost, i
         best[j + 1], cut[j + 1] = best_cost, best_i
     ranges, j = [], n
     while j > 0:
         i = cut[j]
-        lo, hi = items[i][0], items[j - 1][0] + 1
-        ranges.append((lo, hi, max(length for _, length in items[i:j])))
+        ranges.append((pos[i], pos[j - 1] + 1, max(length[i:j])))
         j = i
     return ranges[::-1]
 
