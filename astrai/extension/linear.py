@@ -8,16 +8,21 @@ gradients are off (serving, rollouts, evaluation) and only for fp32 tensors on t
 training, GPUs and half precision keep `F.linear`. Results differ from `F.linear` only by
 summation order (about 1e-6 relative in fp32).
 
-oneDNN has a fixed cost of about 9 us per call, which dominates tiny products: one decoding
-request through a 256 x 704 projection takes 9.5 us with `F.linear` and 18.6 us with
-oneDNN, while at 16 rows oneDNN is already ahead (48 vs 66 us). Products of at most
-`ONEDNN_MIN_MACS` multiply-adds (rows x in x out) therefore stay on `F.linear`; the
-threshold is where the two meet on the benchmark machine (`experiments/bench/engine.md`).
+oneDNN has a fixed cost of about 9 us per call, which dominates tiny products whose weights
+sit in the CPU's cache: one decoding row through a cached 256 x 704 projection takes 9.4 us
+with `F.linear` and 18.1 us with oneDNN. With weights streamed from memory (a model larger
+than the last-level cache) oneDNN is as fast or faster at every size (55 vs 44 us for the
+same product), so `small_on_aten` is set per layer by the caller that knows the model
+(`astrai.model.layers.mark_cache_resident`): products of at most `ONEDNN_MIN_MACS`
+multiply-adds (rows x in x out) of a cache-resident model stay on `F.linear`
+(`experiments/bench/engine.md`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -29,8 +34,20 @@ _ONEDNN = (
 )
 
 
-# rows x in_features x out_features below which F.linear is faster than oneDNN (see above)
+# rows x in_features x out_features up to which F.linear beats oneDNN on cached weights
 ONEDNN_MIN_MACS = 1 << 20
+_CACHE_FALLBACK = 8 << 20  # bytes assumed when the OS does not say
+
+
+def last_level_cache_bytes(root: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
+    """Size of the CPU's largest cache (Linux sysfs under `root`; 8 MiB when unknown)."""
+    best = 0
+    for size in root.glob("index*/size"):
+        with contextlib.suppress(OSError, ValueError):
+            text = size.read_text().strip().upper()
+            unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+            best = max(best, int(text.rstrip("KMG")) * unit)
+    return best or _CACHE_FALLBACK
 
 
 def onednn_linear_enabled() -> bool:
@@ -38,8 +55,15 @@ def onednn_linear_enabled() -> bool:
     return _ONEDNN
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`; oneDNN for fp32 on the CPU with gradients off."""
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    small_on_aten: bool = False,
+) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`; oneDNN for fp32 on the CPU with gradients off, except
+    for products of at most `ONEDNN_MIN_MACS` when `small_on_aten` (cache-resident weights)."""
     if (
         _ONEDNN
         and not torch.is_grad_enabled()
@@ -48,7 +72,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         and weight.dtype == torch.float32
         and weight.device.type == "cpu"
         and x.dim() >= 2
-        and x.numel() * weight.shape[0] > ONEDNN_MIN_MACS
+        and not (small_on_aten and x.numel() * weight.shape[0] <= ONEDNN_MIN_MACS)
     ):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)

@@ -8,8 +8,9 @@ import torch.nn.functional as F
 from torch.profiler import profile
 
 from astrai.extension import linear, onednn_linear_enabled
-from astrai.extension.linear import ONEDNN_MIN_MACS
-from astrai.model.layers import Linear
+from astrai.extension.linear import ONEDNN_MIN_MACS, last_level_cache_bytes
+from astrai.model import layers, preset_model
+from astrai.model.layers import Linear, mark_cache_resident
 
 
 def _ops(fn) -> set[str]:
@@ -42,13 +43,36 @@ def test_large_inference_products_take_onednn_and_training_keeps_aten():
 
 
 @pytest.mark.skipif(not onednn_linear_enabled(), reason="this torch build has no oneDNN linear")
-def test_tiny_inference_products_stay_on_aten():
-    """oneDNN's fixed per-call cost loses to F.linear on one decoding row of a small layer."""
+def test_tiny_products_of_cache_resident_weights_stay_on_aten():
+    """oneDNN's fixed per-call cost loses to F.linear on one decoding row of a small cached
+    layer; streamed from memory it does not, so only `small_on_aten` routes them."""
     x, w = torch.randn(1, 256), torch.randn(704, 256)
     assert ONEDNN_MIN_MACS >= 256 * 704
     with torch.no_grad():
-        ops = _ops(lambda: linear(x, w))
-    assert "mkldnn::_linear_pointwise" not in ops and "aten::linear" in ops
+        cached = _ops(lambda: linear(x, w, small_on_aten=True))
+        streamed = _ops(lambda: linear(x, w))
+        big = _ops(lambda: linear(torch.randn(64, 256), w, small_on_aten=True))
+    assert "mkldnn::_linear_pointwise" not in cached and "aten::linear" in cached
+    assert "mkldnn::_linear_pointwise" in streamed
+    assert "mkldnn::_linear_pointwise" in big  # 64 x 256 x 704 > ONEDNN_MIN_MACS
+
+
+def test_last_level_cache_size_from_sysfs(tmp_path):
+    for name, size in (("index0", "48K"), ("index2", "1024K"), ("index3", "32768K")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "size").write_text(size + "\n")
+    assert last_level_cache_bytes(tmp_path) == 32 << 20
+    assert last_level_cache_bytes(tmp_path / "missing") == 8 << 20  # unknown: a default
+
+
+def test_models_are_marked_cache_resident_by_size(monkeypatch):
+    model = preset_model("tiny", device="cpu")
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    monkeypatch.setattr(layers, "last_level_cache_bytes", lambda: 2 * nbytes)
+    assert mark_cache_resident(model) and all(m.cache_resident for m in linears)
+    monkeypatch.setattr(layers, "last_level_cache_bytes", lambda: 2 * nbytes - 2)
+    assert not mark_cache_resident(model) and not any(m.cache_resident for m in linears)
 
 
 def test_gradients_flow_as_with_f_linear():
