@@ -60,3 +60,28 @@ def _build_model_dir(
 def build_model_dir() -> Callable[..., Path]:
     """Factory of tiny model directories for tests that load one from disk."""
     return _build_model_dir
+
+
+@pytest.fixture
+def decoding_threads(tokenizer, monkeypatch) -> set[str]:
+    """Names of the threads on which any request's text is decoded: the directory's
+    `tokenizer` fixture hands out recording stream decoders for the test."""
+    import threading
+
+    seen: set[str] = set()
+    make = tokenizer.stream_decoder
+
+    class Recording:
+        def __init__(self, **kw: Any) -> None:
+            self.inner = make(**kw)
+
+        def step(self, token_id: int) -> str:
+            seen.add(threading.current_thread().name)
+            return self.inner.step(token_id)
+
+        def flush(self) -> str:
+            seen.add(threading.current_thread().name)
+            return self.inner.flush()
+
+    monkeypatch.setattr(tokenizer, "stream_decoder", lambda **kw: Recording(**kw))
+    return seen

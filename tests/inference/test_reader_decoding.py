@@ -9,36 +9,12 @@ from __future__ import annotations
 import asyncio
 import threading
 
-import pytest
-
 from astrai.inference import InferenceEngine
 from astrai.inference.result import GenerateResult
 from astrai.inference.task import Task
 
 KW = dict(max_tokens=10, temperature=0.0, ignore_eos=True)
 PROMPTS = ["import os", "class A:", "def f(x):", "x = 1"]
-
-
-@pytest.fixture
-def decoding_threads(tokenizer, monkeypatch):
-    """The names of the threads on which any request's text was decoded."""
-    seen: set[str] = set()
-    make = tokenizer.stream_decoder
-
-    class Recording:
-        def __init__(self, **kw):
-            self.inner = make(**kw)
-
-        def step(self, token_id):
-            seen.add(threading.current_thread().name)
-            return self.inner.step(token_id)
-
-        def flush(self):
-            seen.add(threading.current_thread().name)
-            return self.inner.flush()
-
-    monkeypatch.setattr(tokenizer, "stream_decoder", lambda **kw: Recording(**kw))
-    return seen
 
 
 def _expected(tokenizer, results):
