@@ -77,6 +77,9 @@ class InferenceEngine:
     `memory_fraction` of free memory) with radix prefix sharing when `page_size > 1`
     (`prefix_cache=False` turns it off, `True` forces it on). `logprob_chunk` bounds the
     prompt positions whose full-vocabulary logits exist at once (prompt log-probs, `score`).
+    `stream_interval` (seconds): streamed text may wait that long to be delivered with the
+    next steps' (first tokens and ends never wait), so the readers' per-wake-up work does
+    not compete with steps far shorter than it (`astrai.inference.handoff`); 0: every step.
     """
 
     def __init__(
@@ -95,6 +98,7 @@ class InferenceEngine:
         max_queue: int | None = None,
         decode_graphs: bool | str | None = None,
         logprob_chunk: int = 512,
+        stream_interval: float = 0.005,
         start: bool = True,
     ) -> None:
         # No .eval() here: GRPO shares the live policy module, whose mode Lightning owns. The
@@ -120,7 +124,7 @@ class InferenceEngine:
             memory_fraction=memory_fraction,
             enable_radix=prefix_cache,
         )
-        self.handoff = Handoff()
+        self.handoff = Handoff(stream_interval)
         self.scheduler = InferenceScheduler(
             self.pool,
             vocab_size=cfg.vocab_size,
@@ -201,6 +205,7 @@ class InferenceEngine:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+        self.handoff.flush()
 
     def step(self) -> None:
         """One step: plan, run each plan, post-process, then free what finished.
@@ -212,6 +217,7 @@ class InferenceEngine:
         """
         scheduler, runner = self.scheduler, self.runner
         self.handoff.begin_step()  # streamed text leaves once per step (astrai.inference.handoff)
+        milestones = scheduler.milestones
         try:
             for plan in scheduler.schedule():
                 try:
@@ -226,14 +232,15 @@ class InferenceEngine:
                     continue
                 scheduler.postprocess(plan, *out)
             scheduler.cleanup()
-        finally:
-            self.handoff.end_step()
+        finally:  # first tokens and ends go at once; other text within `stream_interval`
+            self.handoff.end_step(urgent=scheduler.milestones != milestones)
 
     def _loop(self) -> None:
         logger.debug("engine loop started")
         wakeup = self.scheduler.wakeup
         while not self._stop.is_set():
             if not self.scheduler.has_work():
+                self.handoff.flush()  # nothing follows to deliver what is held
                 wakeup.wait(timeout=0.1)
                 wakeup.clear()
                 continue
@@ -554,6 +561,7 @@ class InferenceEngine:
                 while self.scheduler.has_work():
                     self.step()
         finally:
+            self.handoff.flush()
             if was_running and not self._closed:
                 self.start()
 

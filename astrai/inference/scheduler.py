@@ -104,6 +104,8 @@ class InferenceScheduler:
         self.total_cached_tokens = 0
         self.num_steps = 0
         self.preemptions = 0
+        # First tokens plus finished tasks: a step that changes it wakes streams at once.
+        self.milestones = 0
         self.metrics = EngineMetrics()  # TTFT, inter-token latency, finish reasons
 
     # ------------------------------------------------------------------ queues
@@ -300,6 +302,7 @@ class InferenceScheduler:
             self.total_tokens += 1
             if t.first_token_at is None:
                 t.first_token_at = now
+                self.milestones += 1
             self.metrics.on_token(t, now)
             if t.on_token is not None:
                 try:
@@ -461,6 +464,7 @@ class InferenceScheduler:
         task.state = TaskState.FINISHED
         task.finish_reason = reason
         task.error = error
+        self.milestones += 1
         self.metrics.on_finish(task)
         if task.on_finish is not None:
             try:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from astrai.inference import InferenceEngine
 from astrai.inference.handoff import Handoff
 
@@ -84,3 +86,68 @@ def test_streams_wake_the_loop_per_step_not_per_token(model, tokenizer):
     assert texts == expected
     tokens = len(prompts) * kw["max_tokens"]
     assert wakeups < tokens / 2, (wakeups, tokens, steps_before)
+
+
+def test_an_interval_holds_routine_steps_but_not_urgent_ones():
+    handoff, got = Handoff(interval=60.0), []
+    loop = _RecordingLoop()
+    handoff.begin_step()
+    handoff.post(loop, got.append, "first token")
+    handoff.end_step(urgent=True)  # a request started: at once
+    assert got == ["first token"] and loop.wakeups == 1
+    for i in range(3):
+        handoff.begin_step()
+        handoff.post(loop, got.append, f"t{i}")
+        handoff.end_step(urgent=False)  # within the interval: held
+    assert got == ["first token"] and loop.wakeups == 1
+    handoff.post(loop, got.append, "outside a step")  # goes after what is held, in one wake-up
+    assert got == ["first token", "t0", "t1", "t2", "outside a step"] and loop.wakeups == 2
+    handoff.begin_step()
+    handoff.post(loop, got.append, "t3")
+    handoff.end_step(urgent=False)
+    handoff.begin_step()
+    handoff.flush()  # inside a step: the step's end decides
+    assert got[-1] == "outside a step"
+    handoff.end_step(urgent=False)
+    handoff.flush()  # the engine went idle: nothing stays held
+    assert got[-1] == "t3" and loop.wakeups == 3
+
+
+def test_a_negative_interval_is_refused():
+    with pytest.raises(ValueError, match="stream_interval"):
+        Handoff(interval=-1.0)
+
+
+@pytest.mark.parametrize("interval", [0.0, 60.0])
+def test_first_tokens_and_ends_are_never_held(model, tokenizer, interval):
+    """With a one-minute interval a stream's items are delivered at its first token and at
+    its end only, and its text is whole; with none, about once per token."""
+    kw = dict(max_tokens=24, temperature=0.0, ignore_eos=True)
+    with InferenceEngine(model, tokenizer, max_batch_size=4, stream_interval=interval) as eng:
+        expected = eng.generate("import os", **kw)
+
+        async def run():
+            loop = asyncio.get_running_loop()
+            async for _ in eng.generate_async("x = 1", **kw):
+                pass  # a delivery just happened: the interval is running
+            seen: list[int] = []  # output tokens that existed at each wake-up
+            result = eng.submit("import os", **kw)
+            done = asyncio.Event()
+
+            def woken():
+                seen.append(len(result.task.output_ids))
+                if result.done:
+                    done.set()
+
+            result.listen(lambda: eng.handoff.post(loop, woken))
+            await asyncio.wait_for(done.wait(), 60)
+            return seen, result.text
+
+        seen, text = asyncio.run(run())
+    assert text == expected
+    assert seen[0] <= 2  # the first token was not held
+    deliveries = sorted(set(seen))  # each wake-up delivers what was held, all at once
+    if interval:
+        assert deliveries[-1] == kw["max_tokens"] and len(deliveries) <= 3, seen
+    else:
+        assert len(deliveries) >= kw["max_tokens"] // 2, seen
