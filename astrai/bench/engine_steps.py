@@ -47,6 +47,7 @@ def _timed_step(eng: InferenceEngine, batch: int) -> dict[str, float]:
     took = dict.fromkeys(PHASES, 0.0)
     start = clock()
     eng.handoff.begin_step()
+    milestones = scheduler.milestones
     try:
         t0 = clock()
         plans = list(scheduler.schedule())
@@ -69,7 +70,7 @@ def _timed_step(eng: InferenceEngine, batch: int) -> dict[str, float]:
         scheduler.cleanup()
         took["cleanup"] = clock() - t0
     finally:
-        eng.handoff.end_step()
+        eng.handoff.end_step(urgent=scheduler.milestones != milestones)
     took["step"] = clock() - start
     return took
 
@@ -194,7 +195,7 @@ def run_steps(
         engine,
         model,
         tokenizer,
-        [int(b) for b in sizes],
+        sizes,
         int(cfg["step_count"]),
         repeats=int(cfg["repeats"]),
         seed=int(cfg["seed"]),

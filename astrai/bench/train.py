@@ -17,10 +17,11 @@ builder), a `LambdaLR` over the same schedule multiplier, and a mixture of exper
 losses as the strategy adds them. Both sides run `warmup_steps` untimed steps, then `steps`
 timed ones; the benchmark adds no GPU synchronisation inside the timed steps (it waits once
 at their start and end; the framework's own checks do wait), and both sides keep every
-step's loss, which must agree: the two measure the same work. `repeats` alternates the sides (which one runs first
-alternates too) and keeps each one's best run. Besides the tokens/s ratio of the best runs (the target), the report gives the
-median of the ratios of each repeat's two (adjacent) runs, the ratio of median step times
-and that of the process's CPU time, which a busy shared machine disturbs less.
+step's loss, which must agree: the two measure the same work. `repeats` alternates the
+sides (which one runs first alternates too) and keeps each one's best run. Besides the
+tokens/s ratio of the best runs (the target), the report gives the median of the ratios
+of each repeat's two (adjacent) runs, the ratio of median step times and that of the
+process's CPU time, which a busy shared machine disturbs less.
 
 MFU is model FLOPs (PaLM appendix B: `6 N + 12 L H T` per token, N the parameters that
 multiply: all but the input embedding table, and the inactive experts of a MoE) x tokens/s
