@@ -1,4 +1,14 @@
-"""One name for a model directory on every command line: `model_path=<dir>`.
+"""What every command line goes through before Hydra composes it (`command_line`): one
+spelling of the experiment, one name for a model directory, the keys a typo meant.
+
+Experiments: `+experiment=NAME` (Hydra's documentation and the mission's spelling) and
+`experiment=NAME` (lightning-hydra-template's) choose the same experiment. conf/train.yaml
+keeps `experiment: null` as a slot of its defaults list, placed before `debug` and
+`hardware` so that those win over any experiment; Hydra refuses `+group=` for a group the
+list already has ("Multiple values for experiment"), so the plus form is read as the slot's
+override here, the one place every command shares (`normalise_experiment`).
+
+Model directories: `model_path=<dir>`.
 
 `serve`, `generate` and `eval` read `model_path` from their configs. `train` and `bench`
 compose their model from the `model` config group (a preset such as `model=tiny`, or
@@ -14,11 +24,28 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-__all__ = ["MODEL_DIR_KEY", "check_overrides", "model_args"]
+__all__ = [
+    "CONF_DIR",
+    "MODEL_DIR_KEY",
+    "check_overrides",
+    "command_line",
+    "model_args",
+    "normalise_experiment",
+]
 
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 MODEL_DIR_KEY = "model_path"
+#: config groups that conf/train.yaml keeps as slots of its defaults list (`+NAME=` = `NAME=`)
+SLOTS = ("experiment", "hparams_search", "debug", "hardware")
+#: commands composing conf/train.yaml (the ones with the slots above)
+_HAS_SLOTS = ("train",)
+#: commands that check their options themselves (bench: per benchmark, `bench=<name>`)
+_CHECKS_ITS_OPTIONS = ("bench",)
+#: keys a command names otherwise: {command: {wrong key: right key}}
+_RENAMED = {"prepare": {"tokenizer": "tokenizer_path", "tokenizer.path": "tokenizer_path"}}
 
 #: keys other tools use for a model directory (always refused, with the key to use)
 _FOREIGN = ("model_dir", "model_name_or_path", "pretrained_model_name_or_path")
@@ -32,6 +59,48 @@ def _key(arg: str) -> str | None:
     if arg.startswith("-") or "=" not in arg:  # flags (-m, --cfg job) and their values
         return None
     return arg.split("=", 1)[0].lstrip("+~")
+
+
+def normalise_experiment(args: Sequence[str]) -> list[str]:
+    """`args` with `+experiment=NAME` (and `++`, and the other slots of conf/train.yaml:
+    `+debug=fast`, `+hardware=...`, `+hparams_search=...`) read as the slot's override
+    `experiment=NAME`, so both spellings compose the same config, sweeps included
+    (`-m +experiment=tiny_sft,tiny_dpo`)."""
+    out = []
+    for arg in args:
+        key = _key(arg)
+        if key in SLOTS and arg.startswith("+"):
+            arg = arg.lstrip("+")
+        out.append(arg)
+    return out
+
+
+def renamed_keys(command: str, args: Sequence[str]) -> None:
+    """A key that `command` spells otherwise (`tokenizer=` on prepare) is a `SystemExit`
+    naming the right one, before Hydra's "Could not override 'tokenizer'"."""
+    for arg in args:
+        key = _key(arg)
+        right = _RENAMED.get(command, {}).get(key or "")
+        if right:
+            value = arg.split("=", 1)[1] or "<dir>"
+            raise SystemExit(f"{command}: unknown key {key!r}; did you mean {right}={value}?")
+
+
+def command_line(command: str, args: Sequence[str], config_name: str | None = None) -> list[str]:
+    """The Hydra overrides `command` runs with, from its command line `args`: the experiment
+    slots in one spelling (train), `model_path=<dir>` as the command reads it, and every key
+    the config lacks or spells otherwise refused at once with the key meant. Every entry
+    point calls this, and only this, before `hydra.main` (`sys.argv[1:] = command_line(...)`).
+    """
+    args = list(args)
+    if command in _HAS_SLOTS:
+        args = normalise_experiment(args)
+    renamed_keys(command, args)
+    if command in _HAS_MODEL_PATH + _HAS_MODEL_GROUP:
+        args = model_args(command, args)
+    if command not in _CHECKS_ITS_OPTIONS:
+        check_overrides(command, str(CONF_DIR), config_name or command, args)
+    return args
 
 
 def model_args(command: str, args: Sequence[str]) -> list[str]:

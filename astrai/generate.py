@@ -9,6 +9,13 @@ one line per input line, in order: the input's fields plus `completion`, `finish
 and token counts, or `error` naming what was wrong with that line. A bad line never stops
 the others. The output is written to a temporary file and renamed when complete; when any
 line failed the command names them and exits with status 1 (the good lines are written).
+
+A line's own `max_tokens` is held to the context as the server holds a request's: beyond
+what fits after its prompt, the line fails naming both numbers (`max_tokens_policy=error`,
+the default) or generates until the context is full (`clamp`, finish_reason length). The
+config's `max_tokens`, the default of lines without one, is capped to what fits.
+`model_path`, `input` and the settings are checked before torch and the model are
+imported, so a wrong one fails in a second with one line.
 """
 
 from __future__ import annotations
@@ -18,18 +25,19 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import hydra
-from hydra.utils import instantiate
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from astrai.cli_keys import check_overrides, model_args
-from astrai.inference import GenerateResult, InferenceEngine
-from astrai.model import AutoModel
-from astrai.runtime import configure
-from astrai.tokenizer import AutoTokenizer
+from astrai.cli_keys import command_line
+from astrai.inference.checks import MAX_TOKENS_POLICIES, check_choice
+from astrai.model.directory import check_model_dir
+
+if TYPE_CHECKING:  # imported in `_run`, after the checks
+    from astrai.inference import GenerateResult, InferenceEngine
+    from astrai.tokenizer import AutoTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +68,14 @@ def generate_file(
     sampling: dict[str, Any],
     *,
     progress: bool = True,
+    max_tokens_policy: str = "error",
 ) -> dict[str, Any]:
     """Generate for every line of `input_path` into `output_path`; returns the counts and
-    `failed_lines` (the 1-based numbers of the lines whose row holds an `error`)."""
+    `failed_lines` (the 1-based numbers of the lines whose row holds an `error`).
+
+    `sampling` holds every line's defaults (its `max_tokens` capped to the context); a
+    line's own `max_tokens` follows `max_tokens_policy` (`error`: beyond the context the
+    line fails, naming it; `clamp`: generate until the context is full)."""
     input_path, output_path = Path(input_path), Path(output_path)
     if not input_path.is_file():
         raise FileNotFoundError(f"input file not found: {input_path}")
@@ -76,6 +89,7 @@ def generate_file(
             record = json.loads(line)
             prompt = _prompt_of(record, engine.tokenizer)
             kwargs = {**sampling, **{k: record[k] for k in PER_LINE if k in record}}
+            kwargs["max_tokens_policy"] = max_tokens_policy if "max_tokens" in record else "clamp"
             entries.append((record, engine.submit(prompt, **kwargs)))
         except (json.JSONDecodeError, ValueError, TypeError) as err:
             logger.warning("%s line %d: %s", input_path, number, err)
@@ -102,7 +116,9 @@ def generate_file(
                     }
                     counts["completion_tokens"] += len(result.token_ids)
                 except ValueError as err:  # rejected by the engine (e.g. prompt too long)
-                    row = {"line": number, "error": f"line {number}: {err}"}
+                    param = result.task.error_param  # max_tokens: the line's own field
+                    field = f"{param}: " if param else ""
+                    row = {"line": number, "error": f"line {number}: {field}{err}"}
             counts["errors" if "error" in row else "ok"] += 1
             if "error" in row:
                 failed.append(number)
@@ -113,10 +129,21 @@ def generate_file(
 
 
 def _run(cfg: DictConfig) -> None:
+    model_dir = check_model_dir(str(cfg.model_path))  # the cheap checks, before torch
+    if not Path(cfg.input).is_file():
+        raise SystemExit(f"input={cfg.input}: file not found (a JSONL file, one request a line)")
+    try:
+        policy = check_choice("max_tokens_policy", cfg.max_tokens_policy, MAX_TOKENS_POLICIES)
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
+
+    from hydra.utils import instantiate
+
+    from astrai.model import AutoModel
+    from astrai.runtime import configure
+    from astrai.tokenizer import AutoTokenizer
+
     configure(cfg)  # log level, quiet third parties, torch threads
-    model_dir = Path(cfg.model_path)
-    if not model_dir.is_dir():
-        raise SystemExit(f"model directory not found: {model_dir} (pass model_path=<dir>)")
     model = AutoModel.from_pretrained(model_dir, device=cfg.device)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     sampling = {
@@ -128,7 +155,14 @@ def _run(cfg: DictConfig) -> None:
     if cfg.seed is not None:
         sampling["seed"] = cfg.seed
     with instantiate(cfg.engine)(model, tokenizer) as engine:
-        counts = generate_file(engine, cfg.input, cfg.output, sampling, progress=cfg.progress)
+        counts = generate_file(
+            engine,
+            cfg.input,
+            cfg.output,
+            sampling,
+            progress=cfg.progress,
+            max_tokens_policy=policy,
+        )
     print(
         f"generated {counts['ok']} of {counts['lines']} lines "
         f"({counts['errors']} errors, {counts['completion_tokens']} tokens) -> {cfg.output}"
@@ -143,8 +177,7 @@ def _run(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    sys.argv[1:] = model_args("generate", sys.argv[1:])  # model.path= -> "use model_path="
-    check_overrides("generate", CONF_DIR, "generate", sys.argv[1:])  # a typo: the key meant
+    sys.argv[1:] = command_line("generate", sys.argv[1:])  # model.path= -> model_path=; typos named
     hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="generate")(_run)()
 
 

@@ -182,3 +182,56 @@ def test_unknown_keys_are_named_with_the_key_meant(command, args, meant, tmp_pat
         assert text in p.stderr, p.stderr[-2000:]
     assert "Traceback" not in p.stderr and "not in struct" not in p.stderr
     assert not (tmp_path / "run").exists()  # nothing ran
+
+
+# ------------------------------------------------------------------------- experiment spelling
+def test_the_plus_form_fills_the_experiment_slot():
+    """`+experiment=NAME` (and `++`, and the other slots of train.yaml) is read as the slot's
+    override; other plus keys and flags are left to Hydra."""
+    from astrai.cli_keys import normalise_experiment
+
+    args = ["-m", "+experiment=tiny_sft,tiny_dpo", "++debug=fast", "+hardware=cpu_smoke"]
+    assert normalise_experiment(args) == [
+        "-m",
+        "experiment=tiny_sft,tiny_dpo",
+        "debug=fast",
+        "hardware=cpu_smoke",
+    ]
+    kept = ["+model.vocab_size=512", "experiment=tiny_sft", "--cfg", "job", "+eval@x=y"]
+    assert normalise_experiment(kept) == kept
+
+
+def test_every_command_line_goes_through_one_function():
+    """The entry points call `command_line` (the one place a command line is normalised),
+    not the pieces it is made of."""
+    entry_points = [
+        "astrai/train/__main__.py",
+        "astrai/serve/__main__.py",
+        "astrai/generate.py",
+        "astrai/eval/__main__.py",
+        "astrai/data/prepare.py",
+        "astrai/bench/__main__.py",
+    ]
+    for path in entry_points:
+        text = (ROOT / path).read_text()
+        assert "command_line(" in text, path
+        assert "model_args(" not in text and "check_overrides(" not in text, path
+
+
+def test_prepare_names_the_tokenizer_key():
+    """`tokenizer=DIR` on prepare (the training group's name) names `tokenizer_path`, as a
+    wrong model key does on serve, and a misspelt key gets the keys it may mean."""
+    from astrai.cli_keys import command_line
+
+    with pytest.raises(
+        SystemExit, match=r"prepare: unknown key 'tokenizer'; did you mean tokenizer_path=/tok\?"
+    ):
+        command_line("prepare", ["kind=sft", "tokenizer=/tok"])
+    with pytest.raises(
+        SystemExit, match=r"tokenizer_pth: not a key of prepare; did you mean tokenizer_path"
+    ):
+        command_line("prepare", ["tokenizer_pth=/tok"])
+    assert command_line("prepare", ["kind=sft", "tokenizer_path=/tok"]) == [
+        "kind=sft",
+        "tokenizer_path=/tok",
+    ]

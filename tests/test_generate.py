@@ -56,6 +56,32 @@ def test_generate_file_keeps_order_and_reports_bad_lines(model_dir, tmp_path):
     assert not list(tmp_path.glob(".*.tmp"))
 
 
+@pytest.mark.parametrize("policy", ["error", "clamp"])
+def test_a_lines_max_tokens_is_held_to_the_context(model_dir, tmp_path, policy):
+    """A line's own max_tokens beyond the context fails that line naming both numbers
+    (`clamp`: generates until the context is full); the config's default is capped."""
+    from astrai.model import AutoModel
+
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    lines = [{"prompt": "def add", "max_tokens": 100_000}, {"prompt": "def add"}]
+    src.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    model = AutoModel.from_pretrained(model_dir)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    sampling = {"max_tokens": 100_000, "temperature": 0.0, "ignore_eos": True}
+    with InferenceEngine(model, tok, max_batch_size=2, max_seq_len=64) as eng:
+        counts = generate_file(eng, src, dst, sampling, progress=False, max_tokens_policy=policy)
+    own, default = (json.loads(line) for line in dst.read_text().splitlines())
+    assert default["finish_reason"] == "length"
+    assert default["prompt_tokens"] + default["completion_tokens"] == 64
+    if policy == "clamp":
+        assert counts["failed_lines"] == [] and own["finish_reason"] == "length"
+        return
+    assert counts["failed_lines"] == [1]
+    assert own["error"].startswith("line 1: max_tokens: "), own["error"]
+    assert "maximum context length is 64 tokens" in own["error"]
+    assert f"{default['prompt_tokens'] + 100_000} were requested" in own["error"]
+
+
 def test_cli(model_dir, tmp_path):
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     write_input(src)

@@ -72,9 +72,11 @@ def test_train_serve_and_ask_through_openai(tmp_path: Path) -> None:
     assert not (clone / "outputs").exists() and not (clone / "data").exists()
 
     # Pretrain (`make train` is `python -m astrai.train`), a few steps of a tiny model,
-    # exported in Hugging Face format as the README shows.
+    # exported in Hugging Face format as the README shows (not debug=fast: its runs go to
+    # outputs/debug/, apart from the real runs the README's next steps read).
     _run(
-        [sys.executable, "-m", "astrai.train", "debug=fast", "model=tiny",
+        [sys.executable, "-m", "astrai.train", "model=tiny", "trainer.max_steps=3",
+         "trainer.val_check_interval=3", "trainer.limit_val_batches=1",
          "tokenizer.train.vocab_size=512", "callbacks.export.hf_format=true", *SMALL],
         clone,
         600,
@@ -88,7 +90,7 @@ def test_train_serve_and_ask_through_openai(tmp_path: Path) -> None:
     # Fine-tune from that checkpoint (SFT), with its own tokenizer: 150 steps, where the
     # recipe has learnt the answer format (experiments/tiny_sft: format 1.0 from step 150).
     _run(
-        [sys.executable, "-m", "astrai.train", "experiment=tiny_sft",
+        [sys.executable, "-m", "astrai.train", "+experiment=tiny_sft",
          "model=pretrained", "model.path=outputs/tiny_pretrain/latest/export",
          "tokenizer=from_model", "callbacks.eval=null", "trainer.max_steps=150",
          "trainer.val_check_interval=150", "trainer.limit_val_batches=1"],

@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from astrai.bench import BENCHMARKS
-from astrai.cli_keys import model_args
+from astrai.cli_keys import command_line
 from astrai.runtime import setup_logging
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not argv or argv[0] in ("-h", "--help"):
         print(f"{USAGE}\nbenchmarks: {', '.join(sorted(BENCHMARKS))}")
         raise SystemExit(0 if argv else 2)
-    name, overrides = argv[0], model_args("bench", argv[1:])
+    name, overrides = argv[0], command_line("bench", argv[1:])
     cfg = bench_config(name, overrides)
     out_path = cfg.pop("out")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")

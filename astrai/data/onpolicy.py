@@ -130,7 +130,7 @@ class OnPolicyPairs(RecordSource):
         if not Path(self.policy).is_dir():
             raise FileNotFoundError(
                 f"OnPolicyPairs.policy: checkpoint directory {self.policy} does not exist "
-                "(train the starting policy first, e.g. experiment=tiny_sft_start)"
+                "(train the starting policy first, e.g. +experiment=tiny_sft_start)"
             )
         self.prompts = str(prompts)
         self.builtin = dict(builtin or {})

@@ -216,8 +216,12 @@ def main() -> None:
     """Entry point of ``python -m astrai.data.prepare`` (Hydra; config ``conf/prepare.yaml``).
 
     The tokenizer directory is ``tokenizer_path=<dir>``: ``tokenizer`` names the training
-    config group in ``conf/``, so Hydra would read ``tokenizer=<dir>`` as choosing an option.
+    config group in ``conf/``, so ``tokenizer=<dir>`` is refused naming ``tokenizer_path``, and
+    any other key the config lacks with the keys it may mean (``astrai.cli_keys``).
     """
+    from astrai.cli_keys import command_line
+
+    sys.argv[1:] = command_line("prepare", sys.argv[1:])
     hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="prepare")(_cli)()
 
 

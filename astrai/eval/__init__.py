@@ -10,13 +10,31 @@
 ``python -m astrai.eval`` runs them from ``conf/eval.yaml``; the training callback
 (:mod:`astrai.train.evaluation`) runs them on the live weights. The lm-evaluation-harness
 model lives in :mod:`astrai.eval.harness` and is imported only from there.
+
+The suites are imported on first use (`astrai.lazy`), so that ``python -m astrai.eval``
+checks its options and the model directory before torch is imported.
 """
 
-from astrai.eval.choice import MultipleChoiceSuite
-from astrai.eval.code import CodeSuite, pass_at_k
-from astrai.eval.generation import GenerationSuite, builtin_prompts
-from astrai.eval.perplexity import PerplexitySuite
+from typing import TYPE_CHECKING
+
 from astrai.eval.suite import Suite, SuiteResult
+from astrai.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from astrai.eval.choice import MultipleChoiceSuite
+    from astrai.eval.code import CodeSuite, pass_at_k
+    from astrai.eval.generation import GenerationSuite, builtin_prompts
+    from astrai.eval.perplexity import PerplexitySuite
+
+__getattr__ = lazy_exports(
+    globals(),
+    {
+        "astrai.eval.choice": ("MultipleChoiceSuite",),
+        "astrai.eval.code": ("CodeSuite", "pass_at_k"),
+        "astrai.eval.generation": ("GenerationSuite", "builtin_prompts"),
+        "astrai.eval.perplexity": ("PerplexitySuite",),
+    },
+)
 
 __all__ = [
     "CodeSuite",

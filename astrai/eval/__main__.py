@@ -3,8 +3,9 @@
 Hydra composes ``conf/eval.yaml``: the suites come from the ``eval`` group (``conf/eval/``,
 each file one suite under ``suites.<name>``; ``eval=[perplexity,multiple_choice]`` picks
 them, ``suites.code.num_samples=10`` sets an option), the engine from the ``engine`` group.
-Every suite reads and checks its task file, then tokenises its items, before the model is
-loaded, so a bad file fails in a second with an error naming file and line. One engine
+The model directory is checked first, then every suite reads and checks its task file and
+tokenises its items, all before torch and the model are imported, so a wrong
+``model_path`` or a bad file fails in a second with one line naming it. One engine
 (sized by the longest suite) runs all of them; the results print as a table and, with
 ``out=<path>``, are written as JSON with every sample.
 """
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from astrai.eval.report import format_table, write_results
 from astrai.eval.suite import Suite, SuiteResult
+from astrai.model.directory import check_model_dir
 
 if TYPE_CHECKING:
     from astrai.inference import InferenceEngine
@@ -66,9 +68,7 @@ def evaluate(
 
 def run(cfg: Mapping[str, Any]) -> list[SuiteResult]:
     """Check suites, load the model, evaluate, print the table and write `out`."""
-    model_dir = Path(str(cfg["model_path"])).expanduser()
-    if not model_dir.is_dir():
-        raise SystemExit(f"model directory not found: {model_dir} (pass model_path=<dir>)")
+    model_dir = check_model_dir(str(cfg["model_path"]))  # before anything heavy is imported
     suites = build_suites(cfg.get("suites") or {})
 
     from hydra.utils import instantiate
@@ -123,10 +123,9 @@ def _cli(cfg: Any) -> None:
 def main() -> None:
     import hydra
 
-    from astrai.cli_keys import check_overrides, model_args
+    from astrai.cli_keys import command_line
 
-    sys.argv[1:] = model_args("eval", sys.argv[1:])  # model.path= -> "use model_path="
-    check_overrides("eval", CONF_DIR, "eval", sys.argv[1:])  # a typo: the key meant
+    sys.argv[1:] = command_line("eval", sys.argv[1:])  # model.path= -> model_path=; typos named
 
     hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="eval")(_cli)()
 

@@ -5,20 +5,46 @@ which requests run with how many tokens (a `StepPlan`), `ModelRunner.run(plan)` 
 forward and samples, and `InferenceScheduler.postprocess(...)` appends the tokens and
 applies the stop rules. A request's settings travel as one `SamplingParams`. Prompt
 log-probs and `InferenceEngine.score` (log-likelihoods): `astrai.inference.logprobs`.
+
+Everything is imported on first use (`astrai.lazy`): `astrai.inference.checks` (the
+settings' value checks) imports no torch, so a command can check its options first.
 """
 
-from astrai.inference.engine import (
-    BatchResult,
-    EngineNotReady,
-    InferenceEngine,
-    RequestRejected,
+from typing import TYPE_CHECKING
+
+from astrai.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from astrai.inference.engine import (
+        BatchResult,
+        EngineNotReady,
+        InferenceEngine,
+        RequestRejected,
+    )
+    from astrai.inference.logprobs import ScoreResult, TokenLogprob
+    from astrai.inference.result import GenerateResult
+    from astrai.inference.runner import ModelRunner
+    from astrai.inference.sampling import SamplingParams
+    from astrai.inference.scheduler import InferenceScheduler, StepPlan
+    from astrai.inference.task import Task
+
+__getattr__ = lazy_exports(
+    globals(),
+    {
+        "astrai.inference.engine": (
+            "BatchResult",
+            "EngineNotReady",
+            "InferenceEngine",
+            "RequestRejected",
+        ),
+        "astrai.inference.logprobs": ("ScoreResult", "TokenLogprob"),
+        "astrai.inference.result": ("GenerateResult",),
+        "astrai.inference.runner": ("ModelRunner",),
+        "astrai.inference.sampling": ("SamplingParams",),
+        "astrai.inference.scheduler": ("InferenceScheduler", "StepPlan"),
+        "astrai.inference.task": ("Task",),
+    },
 )
-from astrai.inference.logprobs import ScoreResult, TokenLogprob
-from astrai.inference.result import GenerateResult
-from astrai.inference.runner import ModelRunner
-from astrai.inference.sampling import SamplingParams
-from astrai.inference.scheduler import InferenceScheduler, StepPlan
-from astrai.inference.task import Task
 
 __all__ = [
     "BatchResult",

@@ -33,7 +33,7 @@ from astrai.inference.sampling import SamplingParams
 from astrai.inference.scheduler import InferenceScheduler
 from astrai.inference.scoring import check_score_requests, score_phases, score_result
 from astrai.inference.structured import StructuredOutput, per_prompt
-from astrai.inference.task import Task
+from astrai.inference.task import Rejection, Task
 from astrai.model import Transformer
 from astrai.model.mla_config import kv_geometry
 from astrai.tokenizer import AutoTokenizer
@@ -55,8 +55,14 @@ class EngineNotReady(RuntimeError):
 
 class RequestRejected(ValueError):
     """Valid settings, but a prompt that can never run (empty, too long, ids outside the
-    vocabulary, `max_tokens` <= 0, the engine crashed): `submit` ends such a request at once
-    with finish reason `rejected` instead of raising."""
+    vocabulary, `max_tokens` <= 0, prompt + `max_tokens` beyond the context with
+    `max_tokens_policy="error"`, the engine crashed): `submit` ends such a request at once
+    with finish reason `rejected` instead of raising. `param`: the setting at fault
+    (``"max_tokens"``), None for the prompt."""
+
+    def __init__(self, reason: str, param: str | None = None) -> None:
+        super().__init__(reason)
+        self.param = param
 
 
 @dataclass
@@ -306,9 +312,9 @@ class InferenceEngine:
             grammar_compiler(self.tokenizer).compile(params.structured)
         problem = self.scheduler.problem(prompt_ids, params)
         if problem is not None:
-            raise RequestRejected(problem)
+            raise RequestRejected(problem.reason, problem.param)
 
-    def _queue(self, task: Task, rejection: str | None) -> Task:
+    def _queue(self, task: Task, rejection: str | Rejection | None) -> Task:
         if rejection is None:
             return self.scheduler.submit(task)
         return self.scheduler.reject(task, rejection)
@@ -322,10 +328,10 @@ class InferenceEngine:
         """Queue one request and return its `GenerateResult` at once.
 
         Settings come as `params` and/or `SamplingParams` keywords (max_tokens,
-        ignore_eos, stop_ids, temperature, top_p, top_k, min_p, presence_penalty,
-        frequency_penalty, logit_bias, seed, logprobs_mode, logprobs, prompt_logprobs,
-        prompt_logprobs_start, logits_processors), keywords overriding `params`. A seed may
-        be any int (it is used mod 2**64).
+        max_tokens_policy, ignore_eos, stop_ids, temperature, top_p, top_k, min_p,
+        presence_penalty, frequency_penalty, logit_bias, seed, logprobs_mode, logprobs,
+        prompt_logprobs, prompt_logprobs_start, logits_processors), keywords overriding
+        `params`. A seed may be any int (it is used mod 2**64).
         Invalid settings raise `ValueError` naming the parameter before anything is queued;
         a prompt that can never run ends at once with finish reason `rejected` (see
         `check_request`).
@@ -338,7 +344,7 @@ class InferenceEngine:
         try:
             self.check_request(prompt_ids, params)  # bad settings raise: nothing is queued
         except RequestRejected as err:
-            rejection = str(err)
+            rejection = Rejection(str(err), err.param)
         task = Task(prompt_ids=prompt_ids, params=params, backend=selected_backend())
         result = GenerateResult(task, self.tokenizer)
         task.on_token = result.on_token

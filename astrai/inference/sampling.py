@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import torch
 
-from astrai.inference.checks import check_number
+from astrai.inference.checks import MAX_TOKENS_POLICIES, check_choice, check_number
 from astrai.inference.logprobs import MAX_LOGPROBS as MAX_LOGPROBS
 from astrai.inference.logprobs import check_int_fields
 from astrai.inference.processors import LogitsProcessor, check_logits_processors
@@ -59,11 +59,14 @@ class SamplingParams:
     temperature 0 is greedy; top_k 0 or -1 is off; top_p 1 and min_p 0 are off. Penalties
     count only generated tokens. `seed` (any int, used mod 2**64) makes draws reproducible.
     Generation ends after `max_tokens` tokens, or at a token of `stop_ids` (None: the
-    tokenizer's stop tokens) unless `ignore_eos`. `logprobs_mode` picks the distribution of
-    the returned log-probs (`raw`, `scaled`, `processed`: module docstring). `logprobs`,
-    `prompt_logprobs` (None: off; allows `max_tokens=0`), `prompt_logprobs_start`: see
-    `astrai.inference.logprobs`; `logits_processors`: `processors.py`; `structured`: the
-    output's constraint (`structured.py`). Frozen (batches reuse).
+    tokenizer's stop tokens) unless `ignore_eos`, or when the context is full.
+    `max_tokens_policy`: a prompt + `max_tokens` beyond the context is ``"clamp"``ed (the
+    default: generation stops when the context is full, finish reason length; rollouts and
+    evaluation rely on it) or an ``"error"`` at submission naming both numbers (the HTTP
+    API's rule for an explicit `max_tokens`, as OpenAI's). `logprobs_mode`: the returned
+    log-probs' distribution (module docstring); `logprobs`, `prompt_logprobs` (None: off;
+    allows `max_tokens=0`), `prompt_logprobs_start`: `logprobs.py`; `logits_processors`:
+    `processors.py`; `structured`: `structured.py`. Frozen (batches reuse).
     """
 
     temperature: float = 1.0
@@ -75,6 +78,7 @@ class SamplingParams:
     logit_bias: Mapping[int, float] | None = None
     seed: int | None = None
     max_tokens: int = 256
+    max_tokens_policy: str = "clamp"
     ignore_eos: bool = False
     stop_ids: frozenset[int] | None = None
     logprobs_mode: str = "raw"
@@ -129,6 +133,7 @@ class SamplingParams:
             and all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_ids)
         ):
             raise ValueError(f"stop_ids must be a set of int token ids, got {self.stop_ids!r}")
+        check_choice("max_tokens_policy", self.max_tokens_policy, MAX_TOKENS_POLICIES)
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(
                 f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}"

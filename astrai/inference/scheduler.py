@@ -36,7 +36,7 @@ from astrai.inference.logprobs import PromptScores, TopLogprobs
 from astrai.inference.metrics import EngineMetrics
 from astrai.inference.processors import describe
 from astrai.inference.sampling import SamplingParams
-from astrai.inference.task import Task, TaskState
+from astrai.inference.task import Rejection, Task, TaskState
 
 logger = logging.getLogger(__name__)
 
@@ -116,8 +116,30 @@ class InferenceScheduler:
     def has_work(self) -> bool:
         return bool(self._waiting or self._running)
 
-    def problem(self, prompt_ids: Sequence[int], params: SamplingParams) -> str | None:
-        """Why a request with valid `params` can never run (None: it can)."""
+    def problem(self, prompt_ids: Sequence[int], params: SamplingParams) -> Rejection | None:
+        """Why a request with valid `params` can never run (None: it can).
+
+        Every caller's prompt check (the HTTP server's, batch generation's, offline use).
+        With `max_tokens_policy="error"`, a prompt + `max_tokens` beyond the context is one
+        (`param="max_tokens"`); with "clamp" generation stops when the context is full.
+        """
+        reason = self._prompt_problem(prompt_ids, params)
+        if reason is not None:
+            return Rejection(reason)
+        total = len(prompt_ids) + params.max_tokens
+        if params.max_tokens_policy == "error" and total > self.max_seq_len:
+            return Rejection(
+                f"this model's maximum context length is {self.max_seq_len} tokens, but "
+                f"{total} were requested ({len(prompt_ids)} in the prompt + "
+                f"{params.max_tokens} to generate); at most "
+                f"{self.max_seq_len - len(prompt_ids)} can be generated after this prompt",
+                param="max_tokens",
+            )
+        if self.failure is not None:
+            return Rejection(f"engine not ready: {self.failure}")
+        return None
+
+    def _prompt_problem(self, prompt_ids: Sequence[int], params: SamplingParams) -> str | None:
         if not prompt_ids:
             return "empty prompt"
         scoring = params.prompt_logprobs is not None
@@ -140,8 +162,6 @@ class InferenceScheduler:
         bad = [i for i in prompt_ids if not 0 <= i < vocab]
         if bad:
             return f"token id(s) outside the vocabulary [0, {vocab}): {bad[:5]}"
-        if self.failure is not None:
-            return f"engine not ready: {self.failure}"
         return None
 
     def submit(self, task: Task) -> Task:
@@ -159,11 +179,13 @@ class InferenceScheduler:
         self.wakeup.set()
         return task
 
-    def reject(self, task: Task, reason: str) -> Task:
-        """End a task that can never run at once (finish reason `rejected`, with `reason`)."""
+    def reject(self, task: Task, reason: str | Rejection) -> Task:
+        """End a task that can never run at once (finish reason `rejected`, with `reason`;
+        a `Rejection`'s `param` goes to `task.error_param`)."""
         with self._lock:
             self.total_tasks += 1
-        self._finish(task, "rejected", reason)
+        task.error_param = reason.param if isinstance(reason, Rejection) else None
+        self._finish(task, "rejected", str(reason))
         return task
 
     def cancel_task(self, task_id: int) -> bool:

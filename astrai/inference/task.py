@@ -19,6 +19,18 @@ class TaskState(StrEnum):
     FINISHED = "finished"
 
 
+@dataclass(frozen=True)
+class Rejection:
+    """Why a request can never run: `reason` for people, `param` the setting at fault
+    (``"max_tokens"``) for callers that answer in their own field names; None: the prompt."""
+
+    reason: str
+    param: str | None = None
+
+    def __str__(self) -> str:
+        return self.reason
+
+
 @dataclass(eq=False)
 class Task:
     """Prompt, settings and progress of one request.
@@ -32,6 +44,8 @@ class Task:
     `prompt_logprobs` (when `params.prompt_logprobs` is set) has one entry per prompt
     position, None before `params.prompt_logprobs_start`; `top_logprobs` is aligned with
     `output_ids` when `params.logprobs > 0` (the chosen tokens' own log-probs: `logprobs`).
+    `error_param` names the setting a rejection is about (`max_tokens`: prompt + max_tokens
+    beyond the context), None when it is the prompt itself, so a caller can name its field.
     """
 
     prompt_ids: list[int]
@@ -49,6 +63,7 @@ class Task:
     computed: int = 0
     finish_reason: str | None = None
     error: str | None = None
+    error_param: str | None = None
     cancel_requested: bool = False
     queued_at: float | None = None  # perf_counter times, for TTFT and inter-token latency
     first_token_at: float | None = None

@@ -269,6 +269,10 @@ def _type_name(hint: Any) -> str:
 
 
 # ---------------------------------------------------------------------- presets
+#: the keyword options of `astrai.model.preset_model` that are not config fields (what a
+#: `conf/model/` preset may set besides them), for checks that must not import torch
+FACTORY_OPTIONS = ("device", "tokenizer", "compile")
+
 PRESETS: dict[str, dict[str, Any]] = {
     # For unit tests: a forward pass takes milliseconds on a CPU.
     "tiny": dict(

@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 
 from astrai.model import hf_deepseek, hf_moe
 from astrai.model.config import ConfigError, ModelConfig
+from astrai.model.directory import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME
 from astrai.model.hf_common import hf_base_fields
 from astrai.model.transformer import Transformer
 
@@ -31,9 +32,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
-INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE = 2 * 1024**3
 
 HF_ARCHITECTURES = {

@@ -1,15 +1,35 @@
 """HTTP serving: OpenAI- and Anthropic-compatible API over an `InferenceEngine`.
 
 `create_app(engine, settings)` builds the FastAPI app; `python -m astrai.serve
-model=<dir>` loads a model directory and serves it (config `conf/serve.yaml`).
+model_path=<dir>` loads a model directory and serves it (config `conf/serve.yaml`).
+The names below are imported on first use (`astrai.lazy`): `python -m astrai.serve`
+imports this package first, and must check its options and the port before FastAPI, the
+engine and torch are imported.
 """
 
-from astrai.serve.app import create_app
-from astrai.serve.errors import APIError
-from astrai.serve.handler import ProtocolHandler, ResponseBuilder
-from astrai.serve.parsing import OutputParser, StopMatcher, ToolCallFormat, ToolCallParser
-from astrai.serve.server import Server, ServerThread
-from astrai.serve.settings import ServeSettings
+from typing import TYPE_CHECKING
+
+from astrai.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from astrai.serve.app import create_app
+    from astrai.serve.errors import APIError
+    from astrai.serve.handler import ProtocolHandler, ResponseBuilder
+    from astrai.serve.parsing import OutputParser, StopMatcher, ToolCallFormat, ToolCallParser
+    from astrai.serve.server import Server, ServerThread
+    from astrai.serve.settings import ServeSettings
+
+__getattr__ = lazy_exports(
+    globals(),
+    {
+        "astrai.serve.app": ("create_app",),
+        "astrai.serve.errors": ("APIError",),
+        "astrai.serve.handler": ("ProtocolHandler", "ResponseBuilder"),
+        "astrai.serve.parsing": ("OutputParser", "StopMatcher", "ToolCallFormat", "ToolCallParser"),
+        "astrai.serve.server": ("Server", "ServerThread"),
+        "astrai.serve.settings": ("ServeSettings",),
+    },
+)
 
 __all__ = [
     "APIError",

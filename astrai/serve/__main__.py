@@ -3,8 +3,10 @@
 Options are in ``conf/serve.yaml`` (Hydra), the engine's in the ``engine`` group
 (``engine=contiguous``, ``engine.max_batch_size=64``). The model defaults to
 ``$ASTRAI_MODEL`` or ``outputs/latest/export``, where ``make train`` exports its last run.
-Heavy imports (torch, the model, uvicorn, the app) are deferred into the functions so that
-a missing model directory fails at once, before them.
+Every check that needs no model runs first, before torch, the model code, uvicorn or the
+app are imported (they are deferred into the functions, and `astrai.serve` imports its
+names lazily): the model directory (`astrai.model.directory`), the server settings, then
+the port. A wrong one fails in a second with one line naming the key.
 """
 
 from __future__ import annotations
@@ -17,15 +19,24 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from astrai.model.directory import check_model_dir
+
 if TYPE_CHECKING:
     from astrai.inference import InferenceEngine
+    from astrai.serve.settings import ServeSettings
 
 CONF_DIR = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "conf"))
 
 logger = logging.getLogger("astrai.serve")
 
 # ServeSettings fields taken from conf/serve.yaml as they are.
-_LIMITS = ("max_body_bytes", "max_prompt_chars", "tokenizer_threads", "request_timeout_s")
+_SETTINGS = (
+    "max_body_bytes",
+    "max_prompt_chars",
+    "tokenizer_threads",
+    "request_timeout_s",
+    "max_tokens_policy",
+)
 
 
 def build_engine(cfg: dict[str, Any]) -> InferenceEngine:
@@ -67,30 +78,42 @@ def check_port(host: str, port: int) -> None:
             ) from None
 
 
+def settings_of(cfg: dict[str, Any]) -> ServeSettings:
+    """The `ServeSettings` that `cfg` describes; a bad value is a SystemExit naming it
+    (checked before the model loads)."""
+    from astrai.serve.parsing import tool_call_format
+    from astrai.serve.settings import ServeSettings
+
+    try:
+        settings = ServeSettings(
+            model_name=cfg.get("model_name") or Path(str(cfg["model_path"])).resolve().name,
+            api_key=cfg.get("api_key") or None,
+            tool_call_format=str(cfg.get("tool_call_format") or "none"),
+            max_prompt_tokens=cfg.get("max_prompt_tokens"),
+            **{k: cfg[k] for k in _SETTINGS if k in cfg},
+        )
+    except ValueError as err:  # the message names the key
+        raise SystemExit(str(err)) from None
+    try:
+        tool_call_format(settings.tool_call_format)
+    except ValueError as err:
+        raise SystemExit(f"tool_call_format: {err}") from None
+    return settings
+
+
 def serve(cfg: dict[str, Any]) -> None:
     """Build the engine, run uvicorn until SIGINT/SIGTERM, then end streams and stop."""
-    path = Path(str(cfg["model_path"])).expanduser()
-    if not path.is_dir():  # checked before the heavy imports: fail fast with the fix
-        raise SystemExit(
-            f"model directory {str(path)!r} does not exist: run `make train` first "
-            "or pass model_path=<dir>"
-        )
+    check_model_dir(str(cfg["model_path"]))  # the cheap checks first: fail fast with the fix
+    settings = settings_of(cfg)
     check_port(str(cfg["host"]), int(cfg["port"]))
     import uvicorn
 
     from astrai.runtime import set_threads
-    from astrai.serve import Server, ServeSettings, create_app
+    from astrai.serve import Server, create_app
 
     logging.getLogger().setLevel(str(cfg.get("log_level", "info")).upper())
     set_threads(cfg.get("threads"))
     engine = build_engine(cfg)
-    settings = ServeSettings(
-        model_name=cfg.get("model_name") or Path(str(cfg["model_path"])).resolve().name,
-        api_key=cfg.get("api_key") or None,
-        tool_call_format=str(cfg.get("tool_call_format") or "none"),
-        max_prompt_tokens=cfg.get("max_prompt_tokens"),
-        **{k: cfg[k] for k in _LIMITS if k in cfg},
-    )
     app = create_app(engine, settings)
     config = uvicorn.Config(
         app,
@@ -131,10 +154,9 @@ def _cli(cfg: Any) -> None:
 def main() -> None:
     import hydra
 
-    from astrai.cli_keys import check_overrides, model_args
+    from astrai.cli_keys import command_line
 
-    sys.argv[1:] = model_args("serve", sys.argv[1:])  # model.path= -> "use model_path="
-    check_overrides("serve", CONF_DIR, "serve", sys.argv[1:])  # prot= -> "did you mean port?"
+    sys.argv[1:] = command_line("serve", sys.argv[1:])  # model.path= -> model_path=, prot= -> port?
 
     hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="serve")(_cli)()
 

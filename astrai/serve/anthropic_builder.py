@@ -14,6 +14,7 @@ from astrai.serve.schemas import (
     AnthropicToolResult,
     AnthropicToolUse,
     MessagesRequest,
+    given,
 )
 from astrai.serve.settings import ServeSettings
 from astrai.serve.structured import tool_call_constraint
@@ -110,6 +111,7 @@ class AnthropicResponseBuilder(ResponseBuilder):
         return Prepared(
             prompts=[render_prompt(tokenizer, messages, tools)],
             max_tokens=body.max_tokens,
+            max_tokens_param=given(body, "max_tokens"),
             sampling=sampling,
             stops=[s for s in body.stop_sequences or [] if s],
             parse_tools=tools is not None,

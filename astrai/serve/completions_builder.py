@@ -15,7 +15,7 @@ from astrai.serve.handler import Choice, Prepared, RequestContext
 from astrai.serve.logprobs import LegacyLogprobs, token_text
 from astrai.serve.openai_builder import OpenAIStyleBuilder, usage
 from astrai.serve.parsing import Event, TextDelta
-from astrai.serve.schemas import CompletionRequest
+from astrai.serve.schemas import CompletionRequest, given
 from astrai.serve.settings import ServeSettings
 from astrai.tokenizer import AutoTokenizer
 
@@ -92,6 +92,7 @@ class CompletionsResponseBuilder(OpenAIStyleBuilder):
         return Prepared(
             prompts=prompts,
             max_tokens=max_tokens,
+            max_tokens_param=given(body, "max_tokens"),
             sampling={
                 "temperature": temperature,
                 "top_p": top_p,

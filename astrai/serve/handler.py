@@ -47,6 +47,9 @@ class Prepared:
     `prompts` holds one token list per prompt (chat: one; legacy completions: a batch);
     each is sampled `n` times, choice `index = prompt_index * n + j`. `prompt_param` is the
     request field an error about a prompt names; `options` is the builder's own (echo...).
+    `max_tokens_param` is the field that set `max_tokens` explicitly (`max_tokens`,
+    `max_completion_tokens`), held to the context by the server's `max_tokens_policy`;
+    None: the protocol's default, which is capped to what fits after the prompt.
     """
 
     prompts: list[list[int]]
@@ -59,6 +62,7 @@ class Prepared:
     include_usage: bool = False
     model: str = "astrai"
     prompt_param: str = "messages"
+    max_tokens_param: str | None = None
     options: dict[str, Any] = field(default_factory=dict)
 
 
@@ -361,13 +365,22 @@ class ProtocolHandler:
         loop = asyncio.get_running_loop()
         post, put = self.engine.handoff.post, ctx.queue.put_nowait  # one wake-up per step
         fmt = self.state.tool_format if p.parse_tools else None
+        # An explicit max_tokens is held to the context (the engine's rule, by the server's
+        # policy); a default one is capped to what fits: the engine stops at a full context.
+        explicit = p.max_tokens_param is not None
+        policy = self.state.settings.max_tokens_policy if explicit else "clamp"
         for i in range(len(p.prompts) * p.n):
             sampling = dict(p.sampling)
             if sampling.get("seed") is not None:
                 sampling["seed"] += i
             prompt = i // p.n
             try:  # the engine's one request check: bad settings raise, naming the parameter
-                result = self.engine.submit(p.prompts[prompt], max_tokens=p.max_tokens, **sampling)
+                result = self.engine.submit(
+                    p.prompts[prompt],
+                    max_tokens=p.max_tokens,
+                    max_tokens_policy=policy,
+                    **sampling,
+                )
             except EngineNotReady as err:
                 self._cancel_all(ctx)
                 raise APIError(503, str(err), kind="overloaded") from err
@@ -376,15 +389,30 @@ class ProtocolHandler:
                 raise APIError(400, str(err), param=str(err).split(" ")[0].split("[")[0]) from err
             if result.done and result.finish_reason in ("rejected", "aborted"):
                 self._cancel_all(ctx)
-                status = 400 if result.finish_reason == "rejected" else 503
-                param = p.prompt_param if status == 400 else None
-                raise APIError(status, result.task.error or "request rejected", param=param)
+                raise self._rejected(p, prompt, result)
             parser = OutputParser(p.stops, fmt, self.builder.tool_id_prefix)
             ctx.choices.append(Choice(i, result, parser, prompt_index=prompt))
             # The engine's thread only wakes this loop (once per step); the text is decoded
             # here, by `_events`, off the scheduler's critical path.
             result.listen(lambda i=i: post(loop, put, i))
             put(i)  # whatever came before `listen`
+
+    @staticmethod
+    def _rejected(p: Prepared, prompt: int, result: GenerateResult) -> APIError:
+        """The engine's refusal of a request as this protocol's error: 503 when it failed,
+        else a 400 naming the field at fault (the prompt, or the max_tokens field the
+        request spelled, with `context_length_exceeded`)."""
+        task = result.task
+        reason = task.error or "request rejected"
+        if result.finish_reason != "rejected":
+            return APIError(503, reason, kind="overloaded")
+        if task.error_param != "max_tokens":
+            return APIError(400, reason, param=p.prompt_param)
+        field = p.max_tokens_param or "max_tokens"
+        where = f"{p.prompt_param}[{prompt}]: " if len(p.prompts) > 1 else ""
+        return APIError(
+            400, f"{field}: {where}{reason}", param=field, code="context_length_exceeded"
+        )
 
     def _cancel_all(self, ctx: RequestContext) -> None:
         for c in ctx.choices:

@@ -9,7 +9,7 @@ from astrai.serve.errors import APIError, openai_error_body
 from astrai.serve.handler import Choice, Prepared, RequestContext, ResponseBuilder, sse
 from astrai.serve.logprobs import chat_entries, token_text
 from astrai.serve.parsing import Event, TextDelta
-from astrai.serve.schemas import ChatCompletionRequest, ChatMessage, NamedToolChoice
+from astrai.serve.schemas import ChatCompletionRequest, ChatMessage, NamedToolChoice, given
 from astrai.serve.settings import ServeSettings
 from astrai.serve.structured import response_format_constraint, tool_call_constraint
 from astrai.tokenizer import AutoTokenizer
@@ -148,6 +148,7 @@ class OpenAIResponseBuilder(OpenAIStyleBuilder):
         return Prepared(
             prompts=[prompt_ids],
             max_tokens=body.max_completion_tokens or body.max_tokens or 2048,
+            max_tokens_param=given(body, "max_completion_tokens", "max_tokens"),
             sampling={
                 "temperature": temperature,
                 "top_p": top_p,

@@ -20,6 +20,14 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+def given(body: BaseModel, *names: str) -> str | None:
+    """The first of `names` the request set to a value (not left to its default, not null):
+    an explicit `max_tokens` is held to the context, a default is capped to it."""
+    return next(
+        (n for n in names if n in body.model_fields_set and getattr(body, n) is not None), None
+    )
+
+
 # --------------------------------------------------------------------------- OpenAI
 
 

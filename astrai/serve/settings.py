@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from astrai.inference.checks import MAX_TOKENS_POLICIES, check_choice
+
 
 @dataclass
 class ServeSettings:
@@ -20,6 +22,12 @@ class ServeSettings:
     before tokenizing; None: no limit). Prompts are rendered and tokenized on a pool of
     `tokenizer_threads` threads, off the event loop. `request_timeout_s` bounds a
     non-streamed request (504 in the protocol's shape; its engine tasks are cancelled).
+
+    `max_tokens_policy`: what an explicit `max_tokens` (`max_completion_tokens`) that does
+    not fit in the context after the prompt gets. ``"error"`` (default): a 400 naming the
+    field, the context length and the request's total, as OpenAI and vLLM answer;
+    ``"clamp"`` (astrai's own): generate until the context is full, finish reason
+    `length` / `max_tokens`. An omitted `max_tokens` is always capped to what fits.
     """
 
     model_name: str = "astrai"
@@ -32,3 +40,7 @@ class ServeSettings:
     max_prompt_chars: int | None = 1_000_000
     tokenizer_threads: int = 2
     request_timeout_s: float | None = 300.0
+    max_tokens_policy: str = "error"
+
+    def __post_init__(self) -> None:
+        check_choice("max_tokens_policy", self.max_tokens_policy, MAX_TOKENS_POLICIES)

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import logging
 import math
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING
 
 from astrai.tokenizer.tokenizer import AutoTokenizer
+
+if TYPE_CHECKING:  # torch is imported where a table is built: `python -m astrai.eval` checks
+    from torch import Tensor  # its suites before torch is imported
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,8 @@ def token_byte_lengths(tokenizer: AutoTokenizer, size: int | None = None) -> Ten
     other pieces as their UTF-8 with ``▁`` as a space, an approximation (logged).
     Rows past the tokenizer's vocabulary (a padded embedding) count 0.
     """
+    import torch
+
     backend = tokenizer.backend
     table = torch.zeros(max(size or 0, tokenizer.vocab_size), dtype=torch.long)
     added = backend.get_added_tokens_decoder()

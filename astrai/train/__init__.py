@@ -1,6 +1,6 @@
 """Training: Hydra-configured Lightning strategies (pretrain, sft, dpo, grpo).
 
-Run with ``python -m astrai.train [experiment=NAME] [overrides]`` (see docs/training.md).
+Run with ``python -m astrai.train [+experiment=NAME] [overrides]`` (see docs/training.md).
 
 The names below are imported on first use: ``astrai.train.module`` pulls in Lightning and
 torch (about 5 s on 2 CPU cores, measured), while ``python -m astrai.train --help``, config

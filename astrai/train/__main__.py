@@ -1,4 +1,4 @@
-"""`python -m astrai.train [experiment=NAME] [overrides]`: train from the Hydra config tree.
+"""`python -m astrai.train [+experiment=NAME] [overrides]`: train from the Hydra config tree.
 
 With no arguments this runs the tiny_pretrain experiment. See docs/training.md.
 """
@@ -10,7 +10,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from astrai.cli_keys import check_overrides, model_args
+from astrai.cli_keys import command_line
 from astrai.runtime import configure
 from astrai.train.runner import (
     CONF_DIR,
@@ -34,6 +34,6 @@ def main(cfg: DictConfig) -> float | None:
 
 if __name__ == "__main__":
     new_launch()
-    sys.argv[1:] = model_args("train", sys.argv[1:])  # model_path=<dir>, as in serve
-    check_overrides("train", str(CONF_DIR), "train", sys.argv[1:])  # lr= -> optim.lr?
+    # +experiment= / experiment=, model_path=<dir>, lr= -> "did you mean optim.lr?"
+    sys.argv[1:] = command_line("train", sys.argv[1:])
     main()

@@ -33,6 +33,7 @@ from torch.distributed.fsdp import FullStateDictConfig, StateDictType
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from astrai.model import Transformer, inject_lora, merge_lora, save_pretrained
+from astrai.train.wandb_run import STATE_FILE
 
 log = logging.getLogger(__name__)
 
@@ -213,10 +214,14 @@ class WandbRunState(Callback):
         self._collect(trainer)
         if self.dirpath is not None and self.run_id:
             self.dirpath.mkdir(parents=True, exist_ok=True)
-            (self.dirpath / "wandb_run.json").write_text(json.dumps(self.state_dict()))
+            (self.dirpath / STATE_FILE).write_text(json.dumps(self.state_dict()))
 
 
 # ---------------------------------------------------------------------- interruption
+#: the logger of Lightning's signal handlers (its "Received SIGTERM: 15" line)
+SIGNAL_LOGGER = "lightning.pytorch.trainer.connectors.signal_connector"
+
+
 class InterruptCheckpoint(OnExceptionCheckpoint):
     """Write a checkpoint when SIGTERM or SIGINT stops training, at a step boundary, so that
     `ckpt_path=last` resumes where the run stopped rather than at the last periodic checkpoint.
@@ -257,6 +262,16 @@ class InterruptCheckpoint(OnExceptionCheckpoint):
         # after the trainer registered its signal handlers; its teardown restores this one
         if self.sigint and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, self._on_sigint)
+            logging.getLogger(SIGNAL_LOGGER).addFilter(self._name_the_signal)
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        logging.getLogger(SIGNAL_LOGGER).removeFilter(self._name_the_signal)
+        super().teardown(trainer, pl_module, stage)
+
+    def _name_the_signal(self, record: logging.LogRecord) -> bool:
+        # Ctrl+C is handed to Lightning as SIGTERM (its graceful stop), which logs "Received
+        # SIGTERM: 15"; the SIGINT line above already said what happened
+        return not (self.signal is signal.SIGINT and "Received SIGTERM" in record.getMessage())
 
     def _on_sigint(self, signum: int, frame: Any) -> None:
         if self.signal is not None:  # a second Ctrl+C: stop now (no checkpoint)

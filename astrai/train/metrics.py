@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     uni = sub.add_parser(
-        "unigram", help="unigram baseline of a config, e.g. experiment=tiny_pretrain"
+        "unigram", help="unigram baseline of a config, e.g. +experiment=tiny_pretrain"
     )
     uni.add_argument("overrides", nargs="*", help="Hydra overrides, as for python -m astrai.train")
     uni.add_argument("--out", default=None, help="also write the result as JSON here")

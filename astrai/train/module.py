@@ -83,7 +83,7 @@ def init_from_export(model: nn.Module, path: str | None, *, required: bool = Fal
             raise FileNotFoundError(f"init_from: model directory {path} does not exist")
         log.warning(
             "init_from: %s does not exist; starting from a fresh initialisation instead "
-            "(run the earlier stage first, e.g. experiment=tiny_sft, for a meaningful start)",
+            "(run the earlier stage first, e.g. +experiment=tiny_sft, for a meaningful start)",
             path,
         )
         return False

@@ -4,16 +4,20 @@ without preparing data, training a tokenizer or building a model, and reported t
 `python -m astrai.train` runs them from a Hydra callback (`PreflightCallback`, registered in
 conf/hydra/default.yaml) at `on_run_start`, before Hydra creates the run folder: a failed
 check prints one message (no traceback), exits non-zero and leaves nothing on disk. A sweep
-(`-m`) checks its base config once before the first job (the swept values are checked by each
-job's `runner.train`; the GPU check is skipped when a cluster launcher such as SLURM runs the
-jobs elsewhere). Tests and notebooks call `problems`.
+(`-m`) composes and checks every job's config before the first job starts
+(`astrai.train.sweep.job_configs`; a sampling sweeper such as Optuna has no job list in
+advance: its base config is checked, and each job as it starts); the GPU check is skipped
+when a cluster launcher such as SLURM runs the jobs elsewhere. Tests and notebooks call `problems`.
 
 Checks (one line per problem, naming the key and the fix):
 - inputs: data sources, model.path, tokenizer.path (`runner.input_problems`);
 - hardware: a GPU trainer (accelerator gpu/cuda, FSDP) on a machine without CUDA, or more
   devices than it has (`hardware=cpu_smoke` runs the *_1b recipes on a CPU at test size);
 - start: `strategy.init_from`, the export DPO and GRPO start from, must exist;
-- resume: `ckpt_path=last` needs a checkpoint (`ckpt_path=auto`: resume if there is one);
+- resume: `ckpt_path=last` needs a checkpoint (`ckpt_path=auto`: resume if there is one); a
+  run folder that already holds checkpoints needs `ckpt_path` (never a silent resume or
+  restart);
+- logging: W&B online needs an API key (`wandb login`; offline otherwise);
 - vocabulary: the tokenizer's size must fit the model's vocab_size;
 - data: enough training samples for one batch per device, where the config or the files tell
   it cheaply (built-in arithmetic `n`, JSONL line counts, corpus byte sizes as a token bound).
@@ -23,7 +27,6 @@ Checks (one line per problem, naming the key and the fix):
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -31,7 +34,8 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from astrai.train import runner
+from astrai.train import runner, wandb_run
+from astrai.train.sweep import job_configs
 
 __all__ = ["PreflightCallback", "format_problems", "problems"]
 
@@ -42,7 +46,7 @@ LOCAL_LAUNCHERS = ("BasicLauncher", "JoblibLauncher")  # sweeps that run on this
 TEXT_SUFFIXES = (".jsonl", ".txt", ".md", ".py")  # raw corpora whose bytes bound the tokens
 CPU_SMOKE_HINT = (
     "on a machine without GPUs, add hardware=cpu_smoke to run this recipe at test size "
-    "(python -m astrai.train experiment={experiment} hardware=cpu_smoke), or trainer=cpu for "
+    "(python -m astrai.train +experiment={experiment} hardware=cpu_smoke), or trainer=cpu for "
     "the tiny_* experiments"
 )
 
@@ -57,13 +61,49 @@ class PreflightCallback(Callback):
         # a cluster launcher (SLURM) submits from a login node: its GPUs are not the jobs'
         launcher = str(OmegaConf.select(config, "hydra.launcher._target_", default=""))
         local = any(name in launcher for name in LOCAL_LAUNCHERS)
-        _exit_on_problems(config, None, hardware=local)
+        jobs = job_configs(config)
+        if jobs is None:  # a sampling sweeper (Optuna): each job is checked as it starts
+            _exit_on_problems(config, None, hardware=local)
+            return
+        found = {}
+        for i, (_, job) in enumerate(jobs):
+            if isinstance(job, Exception):
+                found[i] = [f"the config does not compose: {job}"]
+            else:
+                found[i] = problems(job, hardware=local)
+        if any(found.values()):
+            raise SystemExit(format_sweep_problems(jobs, found))
 
 
 def _exit_on_problems(cfg: DictConfig, run_dir: Path | None, *, hardware: bool = True) -> None:
     found = problems(cfg, run_dir=run_dir, hardware=hardware)
     if found:  # the entry point's message: no traceback, status 1 (Python's for SystemExit(str))
         raise SystemExit(format_problems(found))
+
+
+def format_sweep_problems(jobs: list[tuple[list[str], Any]], found: dict[int, list[str]]) -> str:
+    """One message for a sweep: problems every job shares once, then each bad job with its
+    overrides and its own problems."""
+    shared = [p for p in found[0] if all(p in f for f in found.values())]
+    bad = [i for i, f in found.items() if [p for p in f if p not in shared]]
+    n = len(bad) if bad else len(found)
+    lines = [
+        f"astrai.train: {n} of {len(jobs)} sweep jobs have problems in their config; "
+        "nothing was run:"
+    ]
+    lines += [f"  - every job: {p}" for p in shared]
+    swept = _swept([o for o, _ in jobs])
+    for i in bad:
+        label = " ".join(o for o in jobs[i][0] if o in swept) or "base config"
+        lines.append(f"  - job {i} ({label}):")
+        lines += [f"      {p}" for p in found[i] if p not in shared]
+    return "\n".join(lines)
+
+
+def _swept(jobs: list[list[str]]) -> set[str]:
+    """The overrides that differ between jobs (what names a job)."""
+    common = set.intersection(*(set(o) for o in jobs)) if len(jobs) > 1 else set()
+    return {o for job in jobs for o in job if o not in common}
 
 
 def format_problems(found: list[str]) -> str:
@@ -85,6 +125,7 @@ def problems(cfg: DictConfig, *, run_dir: Path | None = None, hardware: bool = T
     found = [*inputs, *start, *(_hardware_problems(cfg) if hardware else [])]
     found += _compile_problems(cfg) if hardware else []
     found += _resume_problems(cfg, run_dir)
+    found += _logger_problems(cfg)
     if not any(p.startswith(("model", "tokenizer")) for p in inputs):
         found += _vocab_problems(cfg)
     if not any(p.startswith("data.train") for p in inputs):
@@ -114,9 +155,7 @@ def _hardware_problems(cfg: DictConfig) -> list[str]:
     fsdp = "fsdp" in target.lower()
     if accelerator not in GPU_ACCELERATORS and not fsdp:
         return []
-    import torch
-
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = cuda_device_count()
     wanted = f"trainer.accelerator={accelerator}" + (", trainer.strategy=FSDP" if fsdp else "")
     if gpus == 0:
         hint = CPU_SMOKE_HINT.format(experiment=_experiment(cfg))
@@ -129,6 +168,17 @@ def _hardware_problems(cfg: DictConfig) -> list[str]:
             "trainer.accumulate_grad_batches to keep it)"
         ]
     return []
+
+
+def cuda_device_count() -> int:
+    """The CUDA GPUs this process may use. Without an NVIDIA driver (no /proc/driver/nvidia,
+    no /dev/nvidiactl) that is 0, found without importing torch (a second or more): a config
+    error on a CPU machine is reported at once."""
+    if not Path("/proc/driver/nvidia").exists() and not Path("/dev/nvidiactl").exists():
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _compile_problems(cfg: DictConfig) -> list[str]:
@@ -164,7 +214,7 @@ def _with_start_hint(cfg: DictConfig, problem: str) -> str:
         return problem
     return (
         f"model.path: required, but not set: the model this run starts from, e.g. the export "
-        f"of `python -m astrai.train experiment={stage} ...` (outputs/{stage}/latest/export) or "
+        f"of `python -m astrai.train +experiment={stage} ...` (outputs/{stage}/latest/export) or "
         "a Hugging Face checkpoint directory; pass model.path=<dir>"
     )
 
@@ -176,7 +226,7 @@ def _start_problems(cfg: DictConfig) -> list[str]:
     path = Path(str(init))
     name = _producer(path)
     first = (
-        f"run `python -m astrai.train experiment={name}` first (it writes {path})"
+        f"run `python -m astrai.train +experiment={name}` first (it writes {path})"
         if name
         else "pass strategy.init_from=<an earlier run's export directory>"
     )
@@ -188,7 +238,10 @@ def _start_problems(cfg: DictConfig) -> list[str]:
 
 def _resume_problems(cfg: DictConfig, run_dir: Path | None) -> list[str]:
     value = cfg.get("ckpt_path")
-    if value in (None, "", False) or str(value) == "auto":
+    if value in (None, "", False):
+        unasked = runner.unasked_resume(value, run_dir) if run_dir is not None else None
+        return [unasked] if unasked else []
+    if str(value) == "auto":
         return []
     log_dir, name = Path(str(cfg.paths.log_dir)), str(cfg.name)
     here = run_dir if run_dir is not None else log_dir / name / "<run>"
@@ -201,6 +254,13 @@ def _resume_problems(cfg: DictConfig, run_dir: Path | None) -> list[str]:
     return []
 
 
+def _logger_problems(cfg: DictConfig) -> list[str]:
+    if not OmegaConf.select(cfg, "logger.wandb._target_", default=None):
+        return []
+    problem = wandb_run.mode_problem(OmegaConf.select(cfg, "logger.wandb.mode", default=None))
+    return [problem] if problem else []
+
+
 # ---------------------------------------------------------------------- vocabulary
 def _model_vocab(cfg: DictConfig) -> tuple[int, str] | None:
     """The model's vocab_size from its config alone (no weights, no module), or None."""
@@ -209,14 +269,11 @@ def _model_vocab(cfg: DictConfig) -> tuple[int, str] | None:
     fields = {k: v for k, v in OmegaConf.to_container(model, resolve=True).items()}
     fields = {k: v for k, v in fields.items() if not k.startswith("_")}
     if target == "astrai.model.preset_model":
-        from astrai.model import preset_model
-        from astrai.model.config import preset
+        from astrai.model.config import FACTORY_OPTIONS, preset  # torch-free
 
         # the factory's own options (device, compile, ...) are not model config fields
-        params = inspect.signature(preset_model).parameters.values()
-        own = {p.name for p in params if p.kind is p.KEYWORD_ONLY}
         name = fields.pop("name")
-        fields = {k: v for k, v in fields.items() if k not in own}
+        fields = {k: v for k, v in fields.items() if k not in FACTORY_OPTIONS}
         return preset(name, **fields).vocab_size, f"model preset {name!r}"
     if target == "astrai.model.pretrained_model" and fields.get("path"):
         from astrai.model.hub import read_config

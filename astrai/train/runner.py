@@ -40,6 +40,7 @@ from omegaconf.errors import MissingMandatoryValue
 from astrai.data.builtin import builtin_records
 from astrai.data.cache import digest, file_lock
 from astrai.tokenizer import AutoTokenizer
+from astrai.train import wandb_run
 from astrai.train.checkpoint import is_complete, newest_complete
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,6 @@ log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[2]
 CONF_DIR = ROOT / "conf"
 SPLITS = ("train", "val", "test")
-WANDB_STATE_FILE = "wandb_run.json"
 
 
 class ConfigPathError(FileNotFoundError):
@@ -56,6 +56,10 @@ class ConfigPathError(FileNotFoundError):
 
 class IncompleteCheckpointError(ValueError):
     """`ckpt_path` names a file that is cut short or not a checkpoint at all."""
+
+
+class CheckpointExistsError(ValueError):
+    """The run folder already holds checkpoints and `ckpt_path` is not set (`unasked_resume`)."""
 
 
 class NothingToResumeError(ConfigPathError):
@@ -96,15 +100,19 @@ def register_resolvers() -> None:
 def compose(overrides: list[str] | None = None) -> DictConfig:
     """The composed training config (Hydra's compose API), e.g. for tests and notebooks.
 
-    Overrides are Hydra's, as on the command line: `experiment=NAME`, `debug=fast` and
-    `hparams_search=optuna` fill the slots that train.yaml's defaults list keeps for them.
+    Overrides are Hydra's, as on the command line: `+experiment=NAME` (or `experiment=NAME`),
+    `debug=fast` and `hparams_search=optuna` fill the slots that train.yaml's defaults list
+    keeps for them.
     """
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
+    from astrai.cli_keys import normalise_experiment
+
     register_resolvers()
+    overrides = normalise_experiment(overrides or [])
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return hydra_compose("train", overrides=list(overrides or []), return_hydra_config=True)
+        return hydra_compose("train", overrides=overrides, return_hydra_config=True)
 
 
 # ---------------------------------------------------------------------- helpers
@@ -247,6 +255,16 @@ def prepare_tokenizer(tok_cfg: Mapping[str, Any], data_dir: str | Path) -> Path:
 
 
 # ---------------------------------------------------------------------- 4. run
+def in_sweep(cfg: DictConfig) -> bool:
+    """This job is one of a `-m` sweep's (Hydra's run mode), not a single run."""
+    mode = OmegaConf.select(cfg, "hydra.mode", default=None)
+    if mode is None:
+        from hydra.core.hydra_config import HydraConfig
+
+        mode = HydraConfig.get().mode if HydraConfig.initialized() else None
+    return str(mode).endswith("MULTIRUN")
+
+
 def _instantiate_dict(cfg: Any, what: str) -> list[Any]:
     from hydra.utils import instantiate
 
@@ -290,12 +308,23 @@ def resolve_ckpt_path(ckpt_path: Any, output_dir: Path, log_dir: Path, name: str
     found = newest_complete(list((output_dir / "checkpoints").glob("*.ckpt")))
     if found is None:
         found = newest_complete(list((log_dir / name).glob("**/checkpoints/*.ckpt")))
-    if found is None:
-        if str(ckpt_path) == "auto":
-            log.info("ckpt_path=auto: no checkpoint under %s; starting from scratch", log_dir)
-        return None
-    log.info("ckpt_path=%s: resuming from %s", ckpt_path, found)
     return found
+
+
+def unasked_resume(ckpt_path: Any, run_dir: Path) -> str | None:
+    """The problem when a run starts without `ckpt_path` in a folder that already holds
+    checkpoints (a fixed `hydra.run.dir`, a requeued job): resuming or starting over there
+    would both be a guess, so the user says which."""
+    if ckpt_path not in (None, "", False):
+        return None
+    found = sorted(p.name for p in (run_dir / "checkpoints").glob("*.ckpt"))
+    if not found:
+        return None
+    return (
+        f"hydra.run.dir: {run_dir} already holds checkpoints ({', '.join(found)}) and "
+        "ckpt_path is not set; resume them with ckpt_path=last, or start a new run in a new "
+        "folder (leave out hydra.run.dir=, or pass another)"
+    )
 
 
 def nothing_to_resume(output_dir: Path, log_dir: Path, name: str) -> str:
@@ -305,60 +334,6 @@ def nothing_to_resume(output_dir: Path, log_dir: Path, name: str) -> str:
         f"under {log_dir / name}); start fresh without ckpt_path, or pass ckpt_path=auto "
         "(resume when there is a checkpoint, else start fresh)"
     )
-
-
-def _has_wandb_key() -> bool:
-    if os.environ.get("WANDB_API_KEY"):
-        return True
-    with contextlib.suppress(Exception):
-        import netrc
-
-        rc = netrc.netrc(os.environ.get("NETRC") or os.path.expanduser("~/.netrc"))
-        host = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai").split("//")[-1]
-        return rc.authenticators(host.split("/")[0]) is not None
-    return False
-
-
-def wandb_logger(
-    *, mode: str | None = None, resume_state: Mapping[str, Any] | None = None, **kwargs: Any
-) -> Any:
-    """A Lightning `WandbLogger`, offline unless an API key is configured, continuing the
-    W&B run recorded in the checkpoint being resumed (`resume_state`: id and step).
-
-    Online, the run is rewound to the checkpoint's step (`resume_from`), so steps logged
-    after the checkpoint and before the interruption are not duplicated.
-    """
-    from lightning.pytorch.loggers import WandbLogger
-
-    mode = mode or os.environ.get("WANDB_MODE") or ("online" if _has_wandb_key() else "offline")
-    if mode not in ("online", "offline", "disabled"):
-        raise ValueError(f"logger.wandb.mode: {mode!r} is not online, offline or disabled")
-    if resume_state and resume_state.get("id"):
-        if mode == "online" and resume_state.get("step") is not None:
-            kwargs["resume_from"] = f"{resume_state['id']}?_step={int(resume_state['step'])}"
-            kwargs["resume"] = None  # mutually exclusive with resume_from
-        else:
-            kwargs.update(id=resume_state["id"], resume="allow")
-    else:  # chosen here (not by wandb) so that it is known before the run starts
-        kwargs.setdefault("id", secrets.token_hex(4))
-    return WandbLogger(offline=mode == "offline", mode=mode, **kwargs)
-
-
-def read_wandb_state(ckpt: Path | None) -> dict[str, Any] | None:
-    """The W&B run (id, step) stored with a checkpoint by `WandbRunState`."""
-    if ckpt is None:
-        return None
-    side = ckpt.parent / WANDB_STATE_FILE
-    with contextlib.suppress(Exception):
-        import torch
-
-        state = torch.load(ckpt, map_location="cpu", mmap=True, weights_only=False)
-        for key, value in (state.get("callbacks") or {}).items():
-            if str(key).startswith("WandbRunState") and value.get("id"):
-                return dict(value)
-    if side.is_file():
-        return json.loads(side.read_text())
-    return None
 
 
 def instantiate_strategy(cfg: DictConfig, tokenizer_dir: str | Path | None) -> Any:
@@ -386,14 +361,21 @@ def train(cfg: DictConfig) -> float | None:
     from hydra.utils import instantiate
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from astrai.train.callbacks import InterruptCheckpoint, WandbRunState
+    from astrai.train.callbacks import ExportCallback, InterruptCheckpoint, WandbRunState
 
     check_inputs(cfg)
     paths = cfg.paths
     output_dir, log_dir = Path(paths.output_dir), Path(paths.log_dir)
+    unasked = unasked_resume(cfg.get("ckpt_path"), output_dir)
+    if unasked:
+        raise CheckpointExistsError(unasked)
     ckpt = resolve_ckpt_path(cfg.get("ckpt_path"), output_dir, log_dir, str(cfg.name))
     if ckpt is None and str(cfg.get("ckpt_path")) == "last":
         raise NothingToResumeError(nothing_to_resume(output_dir, log_dir, str(cfg.name)))
+    if ckpt is not None:
+        log.info("ckpt_path=%s: resuming from %s", cfg.get("ckpt_path"), ckpt)
+    elif str(cfg.get("ckpt_path")) == "auto":
+        log.info("ckpt_path=auto: no checkpoint under %s; starting from scratch", log_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     L.seed_everything(int(cfg.seed), workers=True)
 
@@ -408,7 +390,7 @@ def train(cfg: DictConfig) -> float | None:
     callbacks = _instantiate_dict(cfg.get("callbacks"), "callbacks")
     logger_cfg = OmegaConf.to_container(cfg.get("logger") or {}, resolve=True)
     if logger_cfg.get("wandb"):
-        logger_cfg["wandb"]["resume_state"] = read_wandb_state(ckpt)
+        logger_cfg["wandb"]["resume_state"] = wandb_run.read_state(ckpt)
         callbacks.append(WandbRunState(dirpath=output_dir / "checkpoints"))
     loggers = _instantiate_dict(OmegaConf.create(logger_cfg), "logger")
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
@@ -416,15 +398,23 @@ def train(cfg: DictConfig) -> float | None:
     for lg in loggers:
         with contextlib.suppress(Exception):
             lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+    if in_sweep(cfg):  # outputs/latest is a single run's; the sweep's end lists the exports
+        for cb in callbacks:
+            if isinstance(cb, ExportCallback):
+                cb.latest_links = []
     log.info("output folder: %s", output_dir)
+    failed = True
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=str(ckpt) if ckpt else None)
+        failed = False
     except SIGTERMException:  # a SystemExit with status 0: make the stop visible to schedulers
         stops = [c for c in callbacks if isinstance(c, InterruptCheckpoint)]
         stopped_by = next((c.signal for c in stops if c.signal), signal.SIGTERM)
         if not any(c.saved for c in stops):
             log.warning("stopped by %s; no interruption checkpoint written", stopped_by.name)
         raise SystemExit(128 + int(stopped_by)) from None
+    finally:
+        wandb_run.finish(loggers, failed=failed)
 
     if trainer.num_training_batches == 0:
         raise NoTrainingBatchesError(

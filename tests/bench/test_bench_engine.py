@@ -125,3 +125,13 @@ def test_serve_benchmark_cli_runs(tmp_path):
     )
     saved = json.loads(out.read_text())
     assert saved["http"]["tokens"] == saved["offline"]["tokens"] > 0
+
+
+def test_a_batch_size_listed_twice_keeps_its_best_run():
+    """With 8 requests `hf_batch_sizes=[1,8,all]` lists 8 twice: the report keeps the faster
+    of its runs (the ratio divides by the best transformers run), not the later one."""
+    from astrai.bench.engine_hf import best_per_size
+
+    speeds = iter([10.0, 50.0, 20.0])  # bs=1, then bs=8 (fast), then bs=8 again (slow)
+    out = best_per_size([1, 8, 8], lambda bs: {"bs": bs, "tokens_per_s": next(speeds)}, 1)
+    assert out == {"bs=1": {"bs": 1, "tokens_per_s": 10.0}, "bs=8": {"bs": 8, "tokens_per_s": 50.0}}

@@ -103,8 +103,10 @@ def test_cli_smoke_run_writes_json(model_dir, tmp_path):
 )
 def test_bad_task_files_fail_before_the_model_loads(tmp_path, suite, rows, message):
     path = write_jsonl(tmp_path / "tasks.jsonl", rows)
-    empty = tmp_path / "no_model_here"  # a model load would fail differently
+    empty = tmp_path / "no_model_here"  # a model's file names, empty: a load would fail
     empty.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        (empty / name).write_text("")
     cfg = config(f"eval=[{suite}]", f"suites.{suite}.path={path}", f"model_path={empty}")
     with pytest.raises(SystemExit, match=f"suites.{suite}: " + re.escape(str(path)) + message):
         run(cfg)

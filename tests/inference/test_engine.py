@@ -318,6 +318,35 @@ def test_check_request_is_the_one_check(model, tokenizer):
         assert not eng.queue_full
 
 
+def test_max_tokens_beyond_the_context_follows_its_policy(model, tokenizer):
+    """`max_tokens_policy="error"`: prompt + max_tokens beyond the context is rejected by the
+    engine's one check, naming both numbers and `max_tokens`; "clamp" (the default, what
+    rollouts rely on) generates until the context is full."""
+    with InferenceEngine(model, tokenizer, max_seq_len=32, start=False) as eng:
+        strict = SamplingParams(max_tokens=23, max_tokens_policy="error", ignore_eos=True)
+        with pytest.raises(RequestRejected) as info:
+            eng.check_request(list(range(10)), strict)  # 10 + 23 = 33 > 32
+        assert info.value.param == "max_tokens"
+        assert "maximum context length is 32 tokens" in str(info.value)
+        assert "33 were requested" in str(info.value) and "at most 22" in str(info.value)
+        eng.check_request(list(range(9)), strict)  # 9 + 23 = 32: fits exactly
+        with pytest.raises(RequestRejected, match="prompt too long") as info:  # the prompt's
+            eng.check_request(list(range(32)), strict)
+        assert info.value.param is None
+        r = eng.submit(list(range(10)), strict)
+        assert r.finish_reason == "rejected" and r.task.error_param == "max_tokens"
+        with pytest.raises(ValueError, match="max_tokens_policy must be one of clamp, error"):
+            eng.check_request([1, 2], SamplingParams(max_tokens_policy="truncate"))
+        clamped = eng.submit(list(range(10)), max_tokens=1000, ignore_eos=True, temperature=0.0)
+        while eng.scheduler.has_work():
+            eng.step()
+        assert clamped.finish_reason == "length" and len(clamped.token_ids) == 22
+        [batch] = eng.run_batch(
+            [list(range(10))], max_tokens=1000, ignore_eos=True, return_details=True
+        )
+        assert batch.finish_reason == "length" and len(batch.token_ids) == 22
+
+
 def test_settings_travel_in_sampling_params(model, tokenizer, greedy_reference):
     prompt = [5, 9, 2, 7]
     first, second = greedy_reference(model, prompt, 2)

@@ -110,3 +110,15 @@ def test_every_preset_counts_its_parameters(name):
     with torch.device("meta"):
         model = Transformer(cfg)
     assert model.num_parameters() == cfg.num_parameters()
+
+
+def test_factory_options_are_the_preset_factorys_own():
+    """`FACTORY_OPTIONS` (read by torch-free config checks) lists exactly the keyword options
+    `preset_model` takes besides config fields, so the two cannot drift apart."""
+    import inspect
+
+    from astrai.model import preset_model
+    from astrai.model.config import FACTORY_OPTIONS
+
+    params = inspect.signature(preset_model).parameters.values()
+    assert set(FACTORY_OPTIONS) == {p.name for p in params if p.kind is p.KEYWORD_ONLY}

@@ -4,7 +4,6 @@ non-zero status, no traceback, and nothing on disk (no run folder, no data, no t
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import pytest
@@ -65,9 +64,8 @@ def test_gpu_recipes_name_the_cpu_override() -> None:
 
 
 def test_more_devices_than_gpus(monkeypatch) -> None:
-    """On a one-GPU machine (simulated: torch.cuda reports one device), devices=8 is named."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    """On a one-GPU machine (simulated), devices=8 is named."""
+    monkeypatch.setattr(preflight, "cuda_device_count", lambda: 1)
     found = [p for p in _problems("experiment=sft_1b") if p.startswith("trainer.")]
     assert found == [
         "trainer.devices=8: this machine has 1 GPU(s); pass trainer.devices=1 (the global "
@@ -81,12 +79,12 @@ def test_start_export_of_dpo_and_grpo(tmp_path: Path) -> None:
         found = _problems(f"experiment={name}", f"paths.log_dir={tmp_path}")
         assert len(found) == 1, found  # the on-policy data's own complaint is not repeated
         assert found[0].startswith("strategy.init_from: ")
-        assert "python -m astrai.train experiment=tiny_sft_start" in found[0]
+        assert "python -m astrai.train +experiment=tiny_sft_start" in found[0]
         assert "strategy.init_from=null" in found[0]
     # the 1B DPO and GRPO (model.path) name the stage whose export they start from
     for name in ("dpo_1b", "grpo_1b"):
         found = [p for p in _problems(f"experiment={name}") if p.startswith("model.path")]
-        assert len(found) == 1 and "python -m astrai.train experiment=sft_1b" in found[0]
+        assert len(found) == 1 and "python -m astrai.train +experiment=sft_1b" in found[0]
     # an explicit fresh start: GRPO runs; DPO's on-policy pairs still need a policy to sample
     assert _problems("experiment=tiny_grpo", "strategy.init_from=null") == []
     found = _problems("experiment=tiny_dpo", "strategy.init_from=null")
@@ -94,7 +92,7 @@ def test_start_export_of_dpo_and_grpo(tmp_path: Path) -> None:
     assert all("OnPolicyPairs.policy" in p for p in found)
 
 
-def test_ckpt_path_last_needs_a_checkpoint_and_auto_does_not(tmp_path: Path, caplog) -> None:
+def test_ckpt_path_last_needs_a_checkpoint_and_auto_does_not(tmp_path: Path) -> None:
     found = _problems("ckpt_path=last", f"paths.log_dir={tmp_path}")
     assert len(found) == 1 and found[0].startswith("ckpt_path=last: no checkpoint")
     assert "ckpt_path=auto" in found[0]
@@ -102,9 +100,78 @@ def test_ckpt_path_last_needs_a_checkpoint_and_auto_does_not(tmp_path: Path, cap
     assert _problems(f"ckpt_path={tmp_path / 'x.ckpt'}") == [
         f"ckpt_path: {tmp_path / 'x.ckpt'} does not exist"
     ]
-    with caplog.at_level(logging.INFO):
-        assert runner.resolve_ckpt_path("auto", tmp_path / "run", tmp_path, "x") is None
-    assert "ckpt_path=auto: no checkpoint" in caplog.text
+    assert runner.resolve_ckpt_path("auto", tmp_path / "run", tmp_path, "x") is None
+
+
+def test_a_run_folder_holding_checkpoints_needs_ckpt_path(tmp_path: Path) -> None:
+    """Started again in a folder with checkpoints (a fixed hydra.run.dir) and no ckpt_path:
+    refused, naming ckpt_path=last and a new folder (never a silent resume or restart)."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    cfg = compose([f"paths.log_dir={tmp_path}"])
+    assert preflight.problems(cfg, run_dir=run) == []  # an empty checkpoints folder is fine
+    (run / "checkpoints" / "interrupted.ckpt").write_bytes(b"x")
+    (found,) = preflight.problems(cfg, run_dir=run)
+    assert found.startswith(f"hydra.run.dir: {run} already holds checkpoints (interrupted.ckpt)")
+    assert "ckpt_path=last" in found and "new folder" in found
+    resume = compose(["ckpt_path=auto", f"paths.log_dir={tmp_path}"])
+    assert preflight.problems(resume, run_dir=run) == []
+
+
+@pytest.mark.slow
+def test_cli_refuses_a_run_folder_holding_checkpoints(tmp_path: Path) -> None:
+    checkpoints = tmp_path / "run" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    (checkpoints / "last.ckpt").write_bytes(b"kept")
+    proc = cli([*run_dirs(tmp_path, tmp_path / "data")], check=False, timeout=120)
+    assert proc.returncode != 0 and "already holds checkpoints (last.ckpt)" in proc.stderr
+    assert (checkpoints / "last.ckpt").read_bytes() == b"kept"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+@pytest.mark.slow
+def test_cli_checks_every_sweep_job_before_the_first(tmp_path: Path) -> None:
+    """A bad value in the last job of a grid is named with its overrides before job 0 runs."""
+    err = _fails_before_any_work(
+        tmp_path,
+        "-m",
+        "+experiment=tiny_sft",
+        "optim.lr=1e-3,3e-3",
+        "data.val.source=builtin:arithmetic/sft/val,/nope/val.jsonl",
+    )
+    assert "2 of 4 sweep jobs have problems" in err, err
+    assert "job 1 (data.val.source=/nope/val.jsonl optim.lr=0.001)" in err or (
+        "job 1 (optim.lr=0.001 data.val.source=/nope/val.jsonl)" in err
+    ), err
+    assert "job 3 (optim.lr=0.003 data.val.source=/nope/val.jsonl)" in err, err
+    assert err.count("data.val.source: /nope/val.jsonl does not exist") == 2, err
+
+
+@pytest.mark.skipif(
+    Path("/proc/driver/nvidia").exists(), reason="counting GPUs imports torch where a driver is"
+)
+def test_a_config_error_is_found_without_importing_torch(tmp_path: Path) -> None:
+    """The preflight of a CPU machine needs neither torch nor Lightning (seconds saved on a
+    loaded machine): Python's import profile (`-X importtime`) shows neither, for a GPU recipe
+    and for a preset model with a missing corpus (whose vocabulary is checked too)."""
+    for args, expected in (
+        (["+experiment=sft_1b"], "model.path: required"),
+        (["data.train.source=/nope"], "data.train.source: /nope does not exist"),
+    ):
+        proc = cli(
+            [*args, *run_dirs(tmp_path, tmp_path / "d")],
+            check=False,
+            timeout=120,
+            env={"PYTHONPROFILEIMPORTTIME": "1"},
+        )
+        assert proc.returncode != 0 and expected in proc.stderr, proc.stderr[-2000:]
+        lines = proc.stderr.splitlines()
+        imported = {
+            line.rsplit("|", 1)[-1].strip() for line in lines if line.startswith("import time:")
+        }
+        assert "hydra" in imported  # the measure works
+        heavy = sorted(m for m in imported if m.split(".")[0] in ("torch", "lightning"))
+        assert not heavy, (args, heavy[:10])
 
 
 def test_too_little_data_for_one_batch(tmp_path: Path) -> None:

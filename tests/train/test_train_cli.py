@@ -49,8 +49,15 @@ def _last(rows: list[dict[str, str]], key: str) -> float:
 
 
 def test_tiny_pretrain_fast_outputs(tmp_path: Path, data_dir: Path) -> None:
-    """No experiment = tiny_pretrain; a run writes checkpoints, an export, logs, latest link."""
-    cli(["debug=fast", *SMALL, *QUIET, *run_dirs(tmp_path, data_dir)])
+    """No experiment = tiny_pretrain; a run writes checkpoints, an export, logs, latest link.
+    A debug=fast run goes to outputs/debug/ with its own latest links: outputs/latest (what
+    `make serve` serves) is left to real runs."""
+    dirs = [
+        f"paths.root_dir={tmp_path}",
+        f"paths.data_dir={data_dir}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
+    cli(["debug=fast", *SMALL, *QUIET, *dirs])
     run = tmp_path / "run"
     assert (run / "checkpoints" / "last.ckpt").is_file()
     assert (run / ".hydra" / "config.yaml").is_file()
@@ -63,10 +70,11 @@ def test_tiny_pretrain_fast_outputs(tmp_path: Path, data_dir: Path) -> None:
     assert len(tok) <= model.config.vocab_size
     state = json.loads((run / "export" / "training_state.json").read_text())
     assert state["global_step"] == 3
-    latest = tmp_path / "outputs" / "latest"
+    assert not (tmp_path / "outputs" / "latest").exists()
+    latest = tmp_path / "outputs" / "debug" / "latest"
     assert (latest / "export" / "model.safetensors").is_file()
     assert latest.resolve() == run.resolve()
-    assert (tmp_path / "outputs" / "tiny_pretrain" / "latest").resolve() == run.resolve()
+    assert (tmp_path / "outputs" / "debug" / "tiny_pretrain" / "latest").resolve() == run.resolve()
     rows = _metrics(run)
     assert _last(rows, "val/loss") > 0 and _last(rows, "train/loss") > 0
     assert any(r.get("lr/hidden") for r in rows)
@@ -258,11 +266,12 @@ def test_missing_data_path_fails_before_building_anything(tmp_path: Path, data_d
     assert time.time() - start < 120
 
 
-def test_experiment_is_chosen_with_hydras_own_syntax() -> None:
-    """`experiment=NAME` fills train.yaml's slot, and a later slot wins over it (debug=fast
-    shortens the experiment); `+experiment=NAME` is Hydra's own error (no argv rewriting)."""
-    proc = cli(["experiment=tiny_sft", "debug=fast", "--cfg", "job"], timeout=120)
-    cfg = OmegaConf.create(proc.stdout)
-    assert cfg.name == "tiny_sft" and cfg.trainer.max_steps == 3
-    proc = cli(["+experiment=tiny_sft", "--cfg", "job"], check=False, timeout=120)
-    assert proc.returncode != 0 and "Multiple values for experiment" in proc.stderr
+def test_both_experiment_spellings_let_later_slots_win() -> None:
+    """`+experiment=NAME` (Hydra's docs) and `experiment=NAME` (the template's) fill
+    train.yaml's slot, and a later slot wins over it in both (debug=fast shortens the
+    experiment, hardware=cpu_smoke shrinks it)."""
+    for spelling in ("+experiment=sft_1b", "experiment=sft_1b"):
+        proc = cli([spelling, "debug=fast", "hardware=cpu_smoke", "--cfg", "job"], timeout=120)
+        cfg = OmegaConf.create(proc.stdout)
+        assert cfg.name == "sft_1b" and cfg.trainer.max_steps == 2, spelling
+        assert cfg.trainer.accelerator == "cpu" and cfg.model.hidden_size == 64, spelling

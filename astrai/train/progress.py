@@ -1,0 +1,64 @@
+"""The training progress bar: Lightning's tqdm bar, counting optimizer steps when the run
+is bounded by steps.
+
+Lightning's bars count batches per epoch, which says nothing useful about a `max_steps` run
+(most LLM runs): `Epoch 0: 70/?` on an iterable dataset, `Epoch 0/-2` on the rich bar, and
+a count restarted at 0 after a resume. This bar shows `step 120/1500` from the resumed step
+on, with the rate and the time left over the steps this process ran.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.callbacks import TQDMProgressBar
+
+__all__ = ["StepProgressBar"]
+
+STEP_FORMAT = "step {n_fmt}/{total_fmt} {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}, {rate_fmt}{postfix}]"
+
+
+def bounded_by_steps(trainer: L.Trainer) -> bool:
+    """The run ends at `trainer.max_steps` (not after a number of epochs)."""
+    return trainer.max_steps is not None and trainer.max_steps > 0
+
+
+class StepProgressBar(TQDMProgressBar):
+    """`step N/max_steps` when `trainer.max_steps` is set (epochs as Lightning's bar else)."""
+
+    def on_train_epoch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if not bounded_by_steps(trainer):
+            super().on_train_epoch_start(trainer, *args)
+            return
+        bar = self.train_progress_bar
+        if bar.total != trainer.max_steps:  # once per fit: one bar over every epoch
+            bar.reset(total=trainer.max_steps)
+            bar.bar_format = STEP_FORMAT
+            bar.unit = "step"
+            bar.initial = trainer.global_step  # a resumed run: the rate counts this run's steps
+        self._show(trainer, trainer.global_step)
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, idx: int
+    ) -> None:
+        if not bounded_by_steps(trainer):
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, idx)
+            return
+        step, bar = trainer.global_step, self.train_progress_bar
+        due = step % self.refresh_rate == 0 or step == trainer.max_steps
+        if self.is_enabled and due and step != bar.n:  # accumulation: once per optimizer step
+            bar.n = step
+            bar.set_postfix(self.get_metrics(trainer, pl_module))
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not bounded_by_steps(trainer):
+            super().on_train_epoch_end(trainer, pl_module)
+        elif not self.train_progress_bar.disable:
+            self.train_progress_bar.set_postfix(self.get_metrics(trainer, pl_module))
+
+    def _show(self, trainer: L.Trainer, step: int) -> None:
+        bar = self.train_progress_bar
+        if not bar.disable:
+            bar.n = step
+            bar.refresh()

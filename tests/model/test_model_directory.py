@@ -1,0 +1,57 @@
+"""`astrai.model.directory`: a wrong `model_path` is one line naming what is missing."""
+
+from __future__ import annotations
+
+import pytest
+
+from astrai.model.directory import check_model_dir, model_dir_problem
+
+
+def make(folder, *names):
+    folder.mkdir(exist_ok=True)
+    for name in names:
+        (folder / name).write_text("")
+    return folder
+
+
+def test_a_complete_directory_passes(tmp_path):
+    folder = make(tmp_path / "m", "config.json", "model.safetensors", "tokenizer.json")
+    assert model_dir_problem(folder) is None
+    assert check_model_dir(str(folder)) == folder
+    sharded = make(tmp_path / "s", "config.json", "model.safetensors.index.json", "tokenizer.json")
+    assert model_dir_problem(sharded) is None
+
+
+def test_a_saved_model_passes(tmp_path, build_model_dir):
+    assert model_dir_problem(build_model_dir(tmp_path / "m", ["hello world " * 20])) is None
+
+
+@pytest.mark.parametrize(
+    "names,missing",
+    [
+        ((), "no config.json, no model.safetensors, no tokenizer.json"),
+        (("config.json", "tokenizer.json"), "no model.safetensors ("),
+        (("model.safetensors", "tokenizer.json"), "no config.json ("),
+        (("config.json", "model.safetensors"), "no tokenizer.json ("),
+        (("config.json", "pytorch_model.bin", "tokenizer.json"), "only pickle *.bin / *.pt"),
+    ],
+)
+def test_what_is_missing_is_named(tmp_path, names, missing):
+    folder = make(tmp_path / "conf", *names)
+    with pytest.raises(SystemExit) as info:
+        check_model_dir(str(folder))
+    message = str(info.value)
+    assert message.startswith(f"model_path={folder}: not a model directory: "), message
+    assert missing in message and "save_pretrained or Hugging Face directory" in message
+    assert "\n" not in message
+
+
+def test_a_missing_path_and_a_file_are_named(tmp_path):
+    with pytest.raises(SystemExit, match=r"model_path=.*nope: model directory not found"):
+        check_model_dir(str(tmp_path / "nope"))
+    file = tmp_path / "config.json"
+    file.write_text("{}")
+    with pytest.raises(SystemExit, match="not a directory"):
+        check_model_dir(str(file), key="policy")
+    with pytest.raises(SystemExit, match=r"^policy="):
+        check_model_dir(str(file), key="policy")
