@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +33,7 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from astrai.cli_keys import command_line
-from astrai.inference.checks import MAX_TOKENS_POLICIES, check_choice
+from astrai.inference.params import MAX_TOKENS_POLICIES, SamplingParams, check_choice
 from astrai.model.directory import check_model_dir
 
 if TYPE_CHECKING:  # imported in `_run`, after the checks
@@ -65,7 +66,7 @@ def generate_file(
     engine: InferenceEngine,
     input_path: str | os.PathLike,
     output_path: str | os.PathLike,
-    sampling: dict[str, Any],
+    sampling: SamplingParams | Mapping[str, Any],
     *,
     progress: bool = True,
     max_tokens_policy: str = "error",
@@ -73,9 +74,12 @@ def generate_file(
     """Generate for every line of `input_path` into `output_path`; returns the counts and
     `failed_lines` (the 1-based numbers of the lines whose row holds an `error`).
 
-    `sampling` holds every line's defaults (its `max_tokens` capped to the context); a
-    line's own `max_tokens` follows `max_tokens_policy` (`error`: beyond the context the
-    line fails, naming it; `clamp`: generate until the context is full)."""
+    `sampling` holds every line's defaults (a `SamplingParams`, or its fields; its
+    `max_tokens` capped to the context); a line's own `PER_LINE` fields override them, and
+    its own `max_tokens` follows `max_tokens_policy` (`error`: beyond the context the line
+    fails, naming it; `clamp`: generate until the context is full)."""
+    if not isinstance(sampling, SamplingParams):
+        sampling = SamplingParams(**sampling)
     input_path, output_path = Path(input_path), Path(output_path)
     if not input_path.is_file():
         raise FileNotFoundError(f"input file not found: {input_path}")
@@ -88,9 +92,11 @@ def generate_file(
         try:
             record = json.loads(line)
             prompt = _prompt_of(record, engine.tokenizer)
-            kwargs = {**sampling, **{k: record[k] for k in PER_LINE if k in record}}
-            kwargs["max_tokens_policy"] = max_tokens_policy if "max_tokens" in record else "clamp"
-            entries.append((record, engine.submit(prompt, **kwargs)))
+            own = {k: record[k] for k in PER_LINE if k in record}
+            policy = max_tokens_policy if "max_tokens" in record else "clamp"
+            entries.append(
+                (record, engine.submit(prompt, sampling, **own, max_tokens_policy=policy))
+            )
         except (json.JSONDecodeError, ValueError, TypeError) as err:
             logger.warning("%s line %d: %s", input_path, number, err)
             entries.append((None, f"line {number}: {err}"))
@@ -117,7 +123,7 @@ def generate_file(
                     counts["completion_tokens"] += len(result.token_ids)
                 except ValueError as err:  # rejected by the engine (e.g. prompt too long)
                     param = result.task.error_param  # max_tokens: the line's own field
-                    field = f"{param}: " if param else ""
+                    field = f"{param}: " if param == "max_tokens" else ""
                     row = {"line": number, "error": f"line {number}: {field}{err}"}
             counts["errors" if "error" in row else "ok"] += 1
             if "error" in row:
@@ -134,6 +140,13 @@ def _run(cfg: DictConfig) -> None:
         raise SystemExit(f"input={cfg.input}: file not found (a JSONL file, one request a line)")
     try:
         policy = check_choice("max_tokens_policy", cfg.max_tokens_policy, MAX_TOKENS_POLICIES)
+        sampling = SamplingParams(
+            max_tokens=cfg.max_tokens,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            top_k=cfg.top_k,
+            seed=cfg.seed,
+        ).validate()
     except ValueError as err:
         raise SystemExit(str(err)) from None
 
@@ -146,14 +159,6 @@ def _run(cfg: DictConfig) -> None:
     configure(cfg)  # log level, quiet third parties, torch threads
     model = AutoModel.from_pretrained(model_dir, device=cfg.device)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    sampling = {
-        "max_tokens": cfg.max_tokens,
-        "temperature": cfg.temperature,
-        "top_p": cfg.top_p,
-        "top_k": cfg.top_k,
-    }
-    if cfg.seed is not None:
-        sampling["seed"] = cfg.seed
     with instantiate(cfg.engine)(model, tokenizer) as engine:
         counts = generate_file(
             engine,

@@ -95,6 +95,10 @@ def test_a_busy_port_fails_before_anything_heavy(model_files):
             ["astrai.generate", "input=pyproject.toml", "output=o", "max_tokens_policy=x"],
             "max_tokens_policy must be one of",
         ),
+        (
+            ["astrai.generate", "input=pyproject.toml", "output=o", "top_p=1.5"],
+            "top_p must be in (0, 1], got 1.5",
+        ),
         (["astrai.eval", "eval=[generation]", "suites.generation.path=/nope.jsonl"], "/nope"),
     ],
 )
@@ -108,7 +112,7 @@ def test_packages_import_their_names_on_first_use():
     code = (
         "import sys\n"
         "import astrai.eval, astrai.inference, astrai.model, astrai.serve\n"
-        "import astrai.model.directory, astrai.inference.checks\n"
+        "import astrai.model.directory, astrai.inference.params\n"
         "assert 'torch' not in sys.modules, 'torch imported by a package'\n"
         "from astrai.serve import Server, ServeSettings, create_app\n"
         "from astrai.model import AutoModel\n"

@@ -294,6 +294,15 @@ def prompt_records(problems: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 # ----------------------------------------------------------------------------------- by name
 
+#: a data or corpus source `builtin:<name>` names records that ship with the package
+BUILTIN_PREFIX = "builtin:"
+
+
+def is_builtin(source: Any) -> bool:
+    """`source` names built-in records (`builtin:arithmetic/sft`), not a file."""
+    return isinstance(source, str) and source.startswith(BUILTIN_PREFIX)
+
+
 BUILTIN_NAMES = (
     "stdlib/train",
     "stdlib/val",

@@ -8,13 +8,12 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from astrai.data.builtin import builtin_records
+from astrai.data.builtin import BUILTIN_PREFIX, builtin_records
 from astrai.data.storage import DataError, JsonStorage
 from astrai.tokenizer import AutoTokenizer
 
 TEXT_SUFFIXES = (".txt", ".md")
 RECORD_SUFFIXES = (".json", ".jsonl")
-BUILTIN_PREFIX = "builtin:"
 
 
 def input_files(path: Path, kind: str) -> list[Path]:

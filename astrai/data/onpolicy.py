@@ -37,6 +37,7 @@ from tqdm.auto import tqdm
 
 from astrai.data.rewards import get_reward
 from astrai.data.storage import DataError
+from astrai.inference.params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -135,11 +136,13 @@ class OnPolicyPairs(RecordSource):
         self.prompts = str(prompts)
         self.builtin = dict(builtin or {})
         self.num_samples = int(num_samples)
-        self.sampling = {
-            "temperature": float(temperature),
-            "top_p": float(top_p),
-            "max_tokens": int(max_tokens),
-        }
+        self.sampling = SamplingParams(
+            temperature=float(temperature), top_p=float(top_p), max_tokens=int(max_tokens)
+        )
+        try:  # a bad option fails here, before the checkpoint is loaded
+            self.sampling.validate()
+        except ValueError as err:
+            raise ValueError(f"OnPolicyPairs: {err}") from None
         self.seed = int(seed)
         self.reward = reward
         self.threshold = float(threshold)
@@ -160,7 +163,11 @@ class OnPolicyPairs(RecordSource):
             "prompts": self.prompts,
             "builtin": self.builtin,
             "num_samples": self.num_samples,
-            "sampling": self.sampling,
+            "sampling": {  # plain values: the cache folder is named after them
+                "temperature": self.sampling.temperature,
+                "top_p": self.sampling.top_p,
+                "max_tokens": self.sampling.max_tokens,
+            },
             "seed": self.seed,
             "reward": self.reward,
             "threshold": self.threshold,
@@ -196,7 +203,7 @@ class OnPolicyPairs(RecordSource):
             start=False,
             max_batch_size=min(self.batch_size * self.num_samples, 256),
             max_seq_len=min(
-                longest + self.sampling["max_tokens"], model.config.max_position_embeddings
+                longest + self.sampling.max_tokens, model.config.max_position_embeddings
             ),
         )
 
@@ -228,9 +235,9 @@ class OnPolicyPairs(RecordSource):
                 batch = [prompt_ids[i] for i in chunk for _ in range(self.num_samples)]
                 results = engine.run_batch(
                     batch,
+                    self.sampling,
                     seed=self.seed + start * self.num_samples,
                     return_details=True,
-                    **self.sampling,
                 )
                 for j, i in enumerate(chunk):
                     group = results[j * self.num_samples : (j + 1) * self.num_samples]

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from astrai.eval.sandbox import run_programs
-from astrai.eval.suite import Suite, SuiteResult, progress_bar, sampling_options
+from astrai.eval.suite import Suite, SuiteResult, progress_bar
 from astrai.eval.tasks import DataError, read_records, resolve_path, text_field
 
 if TYPE_CHECKING:
@@ -112,7 +112,7 @@ class CodeSuite(Suite):
         rows = read_records(resolve_path(path, SAMPLE_FILE), limit)
         self.wheres = [where for where, _ in rows]
         self.tasks = [_check_task(rec, where) for where, rec in rows]
-        self.sampling = sampling_options(max_tokens, temperature, top_p, top_k)
+        self.sampling = self.sampling_params(max_tokens, temperature, top_p, top_k)
         self.seed = int(seed)
         self.stop = tuple(stop)
         self.limits = {"timeout": float(timeout), "memory_mb": int(memory_mb)}
@@ -121,7 +121,7 @@ class CodeSuite(Suite):
 
     def required_seq_len(self, tokenizer: AutoTokenizer) -> int:
         longest = max(len(tokenizer.encode(t["prompt"])) for t in self.tasks)
-        return longest + self.sampling["max_tokens"]
+        return longest + self.sampling.max_tokens
 
     def complete(self, engine: InferenceEngine, progress: bool = False) -> list[list[str]]:
         """`num_samples` truncated completions per task."""
@@ -135,9 +135,9 @@ class CodeSuite(Suite):
                     chunk = prompts[start : start + self.chunk_size]
                     results = engine.run_batch(
                         chunk,
+                        self.sampling,
                         seed=self.seed + j * len(prompts) + start,
                         return_details=True,
-                        **self.sampling,
                     )
                     for i, res in enumerate(results, start=start):
                         text = tok.decode(res.token_ids, skip_special_tokens=True)

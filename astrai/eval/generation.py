@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from astrai.data.builtin import arithmetic_problems, stdlib_records
 from astrai.data.rewards import RewardFn, get_reward
-from astrai.eval.suite import Suite, SuiteResult, progress_bar, sampling_options
+from astrai.eval.suite import Suite, SuiteResult, progress_bar
 from astrai.eval.tasks import DataError, read_records, text_field
 
 if TYPE_CHECKING:
@@ -166,7 +166,7 @@ class GenerationSuite(Suite):
                     raise DataError(f"{where}: chat=false needs 'prompt' strings, not 'messages'")
         if int(max_tokens) < 1:
             raise ValueError(f"{name}: max_tokens must be >= 1, got {max_tokens}")
-        self.sampling = sampling_options(max_tokens, temperature, top_p, top_k)
+        self.sampling = self.sampling_params(max_tokens, temperature, top_p, top_k)
         self.seed = int(seed)
         names = [metrics] if isinstance(metrics, str) else list(metrics or [])
         self.metrics: dict[str, RewardFn] = {n: get_reward(n) for n in names}  # unknown: fail now
@@ -201,7 +201,7 @@ class GenerationSuite(Suite):
         return ids
 
     def required_seq_len(self, tokenizer: AutoTokenizer) -> int:
-        return max(len(p) for p in self.encode(tokenizer)) + self.sampling["max_tokens"]
+        return max(len(p) for p in self.encode(tokenizer)) + self.sampling.max_tokens
 
     # ------------------------------------------------------------------ run
     def generate(self, engine: InferenceEngine, progress: bool = False) -> list[Any]:
@@ -212,7 +212,7 @@ class GenerationSuite(Suite):
             for start in range(0, len(ids), self.chunk_size):
                 chunk = ids[start : start + self.chunk_size]
                 results += engine.run_batch(
-                    chunk, seed=self.seed + start, return_details=True, **self.sampling
+                    chunk, self.sampling, seed=self.seed + start, return_details=True
                 )
                 bar.update(len(chunk))
         return results

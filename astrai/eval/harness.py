@@ -37,7 +37,7 @@ from lm_eval.models.utils import (
 )
 from tqdm import tqdm
 
-from astrai.inference import InferenceEngine
+from astrai.inference import InferenceEngine, SamplingParams
 from astrai.model import AutoModel
 from astrai.tokenizer import AutoTokenizer
 
@@ -52,7 +52,7 @@ ENGINE_OPTIONS = frozenset(inspect.signature(InferenceEngine.__init__).parameter
     "tokenizer",
     "start",
 }
-# Sampling keywords of `generate_until` that the engine's `run_batch` takes.
+# gen_kwargs of `generate_until` that astrai reads (`_sampling` logs the others as ignored).
 GEN_OPTIONS = ("temperature", "top_p", "top_k", "do_sample", "until", "max_gen_toks", "seed")
 AUTO_CHUNK = 1024  # requests per engine call with batch_size=auto (progress granularity)
 KV_ROW_TOKENS = 2048  # paged KV budget per engine row unless kv_tokens/memory_fraction is set
@@ -383,16 +383,15 @@ class AstraiLM(TemplateLM):
                         f"max_gen_toks={max_gen_toks} leaves no room for a context in "
                         f"max_length={self.max_length}"
                     )
-                sampling = self._sampling(kwargs)
+                sampling = self._sampling(kwargs, max_gen_toks)
                 prompts = {i: self.tok_encode(requests[i].args[0])[-max_ctx:] for i in indices}
                 ordered = sorted(indices, key=lambda i: prompts[i])
                 for chunk in self._chunks(ordered):
                     results = self.engine.run_batch(
                         [prompts[i] for i in chunk],
-                        max_tokens=max_gen_toks,
+                        sampling,
                         seed=self.seed + done,  # the call's j-th prompt draws seed + j
                         return_details=True,
-                        **sampling,
                     )
                     for i, result in zip(chunk, results):
                         if result.error:
@@ -407,19 +406,19 @@ class AstraiLM(TemplateLM):
         return out
 
     @staticmethod
-    def _sampling(kwargs: dict[str, Any]) -> dict[str, Any]:
-        """`run_batch` settings from normalised gen_kwargs (greedy unless do_sample)."""
+    def _sampling(kwargs: dict[str, Any], max_tokens: int) -> SamplingParams:
+        """The request's settings from normalised gen_kwargs (greedy unless do_sample)."""
         ignored = sorted(set(kwargs) - set(GEN_OPTIONS))
         if ignored:
             logger.warning("astrai generate_until ignores gen_kwargs %s", ignored)
         if not kwargs.get("do_sample"):
-            return {"temperature": 0.0}
-        sampling: dict[str, Any] = {"temperature": float(kwargs.get("temperature", 1.0))}
-        if "top_p" in kwargs:
-            sampling["top_p"] = float(kwargs["top_p"])
-        if "top_k" in kwargs:
-            sampling["top_k"] = int(kwargs["top_k"])
-        return sampling
+            return SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        return SamplingParams(  # hf's sampling defaults: temperature 1, no top-p or top-k
+            max_tokens=max_tokens,
+            temperature=float(kwargs.get("temperature", 1.0)),
+            top_p=float(kwargs.get("top_p", 1.0)),
+            top_k=int(kwargs.get("top_k", 0)),
+        )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -15,11 +15,13 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
+from astrai.inference.params import SamplingParams
+
 if TYPE_CHECKING:
     from astrai.inference import InferenceEngine
     from astrai.tokenizer import AutoTokenizer
 
-__all__ = ["Suite", "SuiteResult", "progress_bar", "sampling_options"]
+__all__ = ["Suite", "SuiteResult", "progress_bar"]
 
 
 @dataclass
@@ -52,6 +54,23 @@ class Suite(ABC):
     def run(self, engine: InferenceEngine, *, progress: bool = False) -> SuiteResult:
         """Score every item on `engine` and return the metrics and samples."""
 
+    def sampling_params(
+        self, max_tokens: int, temperature: float, top_p: float, top_k: int
+    ) -> SamplingParams:
+        """A generating suite's settings from its config values, as the engine's request
+        type, checked now: a bad value fails when the suite is built, before any model is
+        loaded, naming the suite and the field."""
+        params = SamplingParams(
+            max_tokens=int(max_tokens),
+            temperature=float(temperature),
+            top_p=float(top_p),
+            top_k=int(top_k),
+        )
+        try:
+            return params.validate()
+        except ValueError as err:
+            raise ValueError(f"{self.name}: {err}") from None
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
 
@@ -59,15 +78,3 @@ class Suite(ABC):
 def progress_bar(total: int, desc: str, progress: bool, unit: str = "it") -> tqdm:
     """A tqdm bar when `progress` and stderr is a terminal (tqdm's `disable=None`)."""
     return tqdm(total=total, desc=desc, unit=unit, disable=None if progress else True)
-
-
-def sampling_options(
-    max_tokens: int, temperature: float, top_p: float, top_k: int
-) -> dict[str, int | float]:
-    """`run_batch` sampling keywords from a suite's config values, typed."""
-    return {
-        "max_tokens": int(max_tokens),
-        "temperature": float(temperature),
-        "top_p": float(top_p),
-        "top_k": int(top_k),
-    }

@@ -3,11 +3,12 @@
 `InferenceEngine` is the front door. Each step, `InferenceScheduler.schedule()` decides
 which requests run with how many tokens (a `StepPlan`), `ModelRunner.run(plan)` runs the
 forward and samples, and `InferenceScheduler.postprocess(...)` appends the tokens and
-applies the stop rules. A request's settings travel as one `SamplingParams`. Prompt
+applies the stop rules. A request's settings travel as one `SamplingParams`
+(`astrai.inference.params`: the settings, their checks and the request limits). Prompt
 log-probs and `InferenceEngine.score` (log-likelihoods): `astrai.inference.logprobs`.
 
-Everything is imported on first use (`astrai.lazy`): `astrai.inference.checks` (the
-settings' value checks) imports no torch, so a command can check its options first.
+Everything is imported on first use (`astrai.lazy`): `astrai.inference.params` imports no
+torch, so a command can build and check its settings first.
 """
 
 from typing import TYPE_CHECKING
@@ -22,9 +23,9 @@ if TYPE_CHECKING:
         RequestRejected,
     )
     from astrai.inference.logprobs import ScoreResult, TokenLogprob
+    from astrai.inference.params import SamplingParams
     from astrai.inference.result import GenerateResult
     from astrai.inference.runner import ModelRunner
-    from astrai.inference.sampling import SamplingParams
     from astrai.inference.scheduler import InferenceScheduler, StepPlan
     from astrai.inference.task import Task
 
@@ -40,7 +41,7 @@ __getattr__ = lazy_exports(
         "astrai.inference.logprobs": ("ScoreResult", "TokenLogprob"),
         "astrai.inference.result": ("GenerateResult",),
         "astrai.inference.runner": ("ModelRunner",),
-        "astrai.inference.sampling": ("SamplingParams",),
+        "astrai.inference.params": ("SamplingParams",),
         "astrai.inference.scheduler": ("InferenceScheduler", "StepPlan"),
         "astrai.inference.task": ("Task",),
     },

@@ -11,10 +11,11 @@ calling thread; both use `step()`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import threading
-from collections.abc import AsyncGenerator, Callable, Generator, Sequence
+from collections.abc import AsyncGenerator, Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -26,10 +27,10 @@ from astrai.inference.cache import PagePool
 from astrai.inference.grammar import grammar_compiler
 from astrai.inference.graph import DecodeGraphRunner
 from astrai.inference.handoff import Handoff
-from astrai.inference.logprobs import MAX_LOGPROBS, ScoreResult
-from astrai.inference.result import GenerateResult
+from astrai.inference.logprobs import ScoreResult
+from astrai.inference.params import MAX_LOGPROBS, SamplingParams, check_count
+from astrai.inference.result import GenerateResult, interleave
 from astrai.inference.runner import ModelRunner
-from astrai.inference.sampling import SamplingParams
 from astrai.inference.scheduler import InferenceScheduler
 from astrai.inference.scoring import check_score_requests, score_phases, score_result
 from astrai.inference.structured import StructuredOutput, per_prompt
@@ -58,11 +59,17 @@ class RequestRejected(ValueError):
     vocabulary, `max_tokens` <= 0, prompt + `max_tokens` beyond the context with
     `max_tokens_policy="error"`, the engine crashed): `submit` ends such a request at once
     with finish reason `rejected` instead of raising. `param`: the setting at fault
-    (``"max_tokens"``), None for the prompt."""
+    (``"prompt"``, ``"max_tokens"``, ``"prompt_logprobs_start"``: see
+    `InferenceScheduler.problem`), None when the engine has failed; `rejection` the whole
+    `Rejection` (with `exceeds_context`)."""
 
-    def __init__(self, reason: str, param: str | None = None) -> None:
-        super().__init__(reason)
-        self.param = param
+    def __init__(self, rejection: Rejection) -> None:
+        super().__init__(rejection.reason)
+        self.rejection = rejection
+
+    @property
+    def param(self) -> str | None:
+        return self.rejection.param
 
 
 @dataclass
@@ -86,6 +93,8 @@ class InferenceEngine:
     `stream_interval` (seconds): streamed text may wait that long to be delivered with the
     next steps' (first tokens and ends never wait), so the readers' per-wake-up work does
     not compete with steps far shorter than it (`astrai.inference.handoff`); 0: every step.
+    `max_prompt_tokens` rejects longer prompts (None: the context is the only limit): the
+    server's cap, applied by the one prompt check every caller goes through.
     """
 
     def __init__(
@@ -105,6 +114,7 @@ class InferenceEngine:
         decode_graphs: bool | str | None = None,
         logprob_chunk: int = 512,
         stream_interval: float = 0.005,
+        max_prompt_tokens: int | None = None,
         start: bool = True,
     ) -> None:
         # No .eval() here: GRPO shares the live policy module, whose mode Lightning owns. The
@@ -138,6 +148,7 @@ class InferenceEngine:
             max_prefill_tokens=max_prefill_tokens,
             stop_ids=tokenizer.stop_ids,
             max_queue=max_queue,
+            max_prompt_tokens=max_prompt_tokens,
         )
         self.runner = ModelRunner(
             model,
@@ -167,6 +178,11 @@ class InferenceEngine:
     @property
     def vocab_size(self) -> int:
         return self.scheduler.vocab_size
+
+    @property
+    def max_prompt_tokens(self) -> int | None:
+        """The longest prompt accepted (None: what the context holds); see `check_request`."""
+        return self.scheduler.max_prompt_tokens
 
     @property
     def queue_full(self) -> bool:
@@ -257,13 +273,23 @@ class InferenceEngine:
                 self.scheduler.fail_all(f"{type(err).__name__}: {err}")
                 return
 
-    def _pause(self) -> None:
-        """Let the loop finish the work it has, then stop it."""
-        while self.scheduler.has_work():
-            threading.Event().wait(0.01)
-            if not self.running:
-                break
-        self.stop()
+    @contextlib.contextmanager
+    def _paused(self) -> Iterator[None]:
+        """The background loop stopped for the block (after finishing the work it has) and
+        restarted after it, unless the engine was shut down meanwhile: for work on the
+        calling thread (`run_batch`, `score`) and weight updates."""
+        was_running = self.running
+        if was_running:
+            while self.scheduler.has_work():
+                threading.Event().wait(0.01)
+                if not self.running:
+                    break
+            self.stop()
+        try:
+            yield
+        finally:
+            if was_running and not self._closed:
+                self.start()
 
     # ------------------------------------------------------------------ lifecycle
     def shutdown(self) -> None:
@@ -302,17 +328,19 @@ class InferenceEngine:
         return list(prompt)
 
     def check_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
-        """The one request check, run once per request by `submit` and `run_batch`.
+        """The one request check, run once per request by `submit`, `run_batch` and `score`.
 
-        Bad settings raise `ValueError` naming the parameter (`top_p must be ...`); a prompt
-        that can never run raises `RequestRejected` (a `ValueError`) saying why.
+        Bad settings raise `ValueError` naming the parameter (`top_p must be ...`:
+        `SamplingParams.validate`); a prompt that can never run raises `RequestRejected` (a
+        `ValueError`) saying why, its `param` tagging the setting at fault
+        (`InferenceScheduler.problem`).
         """
         params.validate(vocab_size=self.vocab_size)
         if params.structured is not None:  # compiled (and cached) now: a bad one is a 400
             grammar_compiler(self.tokenizer).compile(params.structured)
         problem = self.scheduler.problem(prompt_ids, params)
         if problem is not None:
-            raise RequestRejected(problem.reason, problem.param)
+            raise RequestRejected(problem)
 
     def _queue(self, task: Task, rejection: str | Rejection | None) -> Task:
         if rejection is None:
@@ -327,11 +355,9 @@ class InferenceEngine:
     ) -> GenerateResult:
         """Queue one request and return its `GenerateResult` at once.
 
-        Settings come as `params` and/or `SamplingParams` keywords (max_tokens,
-        max_tokens_policy, ignore_eos, stop_ids, temperature, top_p, top_k, min_p,
-        presence_penalty, frequency_penalty, logit_bias, seed, logprobs_mode, logprobs,
-        prompt_logprobs, prompt_logprobs_start, logits_processors), keywords overriding
-        `params`. A seed may be any int (it is used mod 2**64).
+        Settings come as `params`; any `SamplingParams` field given as a keyword overrides
+        it (a convenience: `submit(p, max_tokens=8)`). A seed may be any int (it is used
+        mod 2**64).
         Invalid settings raise `ValueError` naming the parameter before anything is queued;
         a prompt that can never run ends at once with finish reason `rejected` (see
         `check_request`).
@@ -344,7 +370,7 @@ class InferenceEngine:
         try:
             self.check_request(prompt_ids, params)  # bad settings raise: nothing is queued
         except RequestRejected as err:
-            rejection = Rejection(str(err), err.param)
+            rejection = err.rejection
         task = Task(prompt_ids=prompt_ids, params=params, backend=selected_backend())
         result = GenerateResult(task, self.tokenizer)
         task.on_token = result.on_token
@@ -359,20 +385,23 @@ class InferenceEngine:
     def generate(
         self,
         prompt: str | Sequence[str],
+        params: SamplingParams | None = None,
         *,
         stream: bool = False,
-        **kwargs: Any,
+        **sampling: Any,
     ) -> str | list[str] | Generator[str, None, None] | Generator[tuple[int, str], None, None]:
         """str -> str; list -> list[str]; `stream=True`: text deltas, or `(index, delta)`
         pairs for a list, in the order they are produced. Closing a stream before its end
-        (`close()`, or dropping it mid-way) cancels the requests it still waits for."""
+        (`close()`, or dropping it mid-way) cancels the requests it still waits for.
+        Settings: as `submit`'s."""
+        params = _params(params, sampling)
         if isinstance(prompt, str):
-            result = self.submit(prompt, **kwargs)
+            result = self.submit(prompt, params)
             return self._stream(result) if stream else result.wait_completion()
-        results = [self.submit(p, **kwargs) for p in prompt]
+        results = [self.submit(p, params) for p in prompt]
         if not stream:
             return [r.wait_completion() for r in results]
-        return self._interleave(results)
+        return interleave(results, self.cancel)
 
     def _stream(self, result: GenerateResult) -> Generator[str, None, None]:
         try:
@@ -381,47 +410,17 @@ class InferenceEngine:
             if not result.done:
                 self.cancel(result)
 
-    def _interleave(self, results: list[GenerateResult]) -> Generator[tuple[int, str], None, None]:
-        cond = threading.Condition()
-        woken: dict[int, None] = dict.fromkeys(range(len(results)))  # catch up on all first
-
-        def wake(i: int) -> None:  # on the loop thread: no text is decoded there
-            with cond:
-                woken[i] = None
-                cond.notify()
-
-        for i, r in enumerate(results):
-            r.listen(lambda i=i: wake(i))
-        starts, remaining = [0] * len(results), len(results)
-        try:
-            while remaining:
-                with cond:
-                    cond.wait_for(lambda: woken)
-                    batch = list(woken)
-                    woken.clear()
-                for i in batch:
-                    if starts[i] < 0:
-                        continue  # ended already
-                    pieces, starts[i], done = results[i].take(starts[i])
-                    for text, _ in pieces:
-                        yield i, text
-                    if done:
-                        starts[i], remaining = -1, remaining - 1
-        finally:
-            for r in results:
-                if not r.done:
-                    self.cancel(r)
-
     async def generate_async(
-        self, prompt: str | Sequence[int], **kwargs: Any
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None, **sampling: Any
     ) -> AsyncGenerator[str, None]:
         """Async text deltas; the event loop is never blocked and no thread is held per stream.
+        Settings: as `submit`'s.
 
         The engine's thread only wakes the event loop (once per step, `Handoff`); the text is
         decoded here, and a consumer that falls behind gets several tokens' text at once."""
         loop = asyncio.get_running_loop()
         ready = asyncio.Event()
-        result = self.submit(prompt, **kwargs)
+        result = self.submit(prompt, params, **sampling)
         result.listen(lambda: self.handoff.post(loop, ready.set))
         start = 0
         try:
@@ -443,47 +442,34 @@ class InferenceEngine:
     def run_batch(
         self,
         prompt_ids_list: Sequence[Sequence[int]],
+        params: SamplingParams | None = None,
         *,
-        max_tokens: int = 256,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        frequency_penalty: float = 0.0,
-        seed: int | None = None,
-        ignore_eos: bool = False,
         return_logprobs: bool = False,
         return_details: bool = False,
-        logprobs_mode: str = "raw",
         structured: StructuredOutput | Sequence[StructuredOutput | None] | None = None,
+        **sampling: Any,
     ) -> list[Any]:
         """Generate for every prompt on the calling thread; results in input order.
 
-        Returns token-id lists, or `(ids, logprobs)` pairs with `return_logprobs`, or
-        `BatchResult`s with `return_details`. Prompt `i` draws with seed `seed + i` (any int:
-        seeds are used mod 2**64). A rejected prompt (empty, too long, `max_tokens <= 0`,
-        KV allocation failed) gets finish reason `rejected` and an error; a request that
-        faults (see `step`) gets `aborted`; neither blocks the others. Invalid
-        sampling settings raise ValueError. The background loop is paused for the call.
-        `logprobs_mode` (`raw`, `scaled`, `processed`: see `astrai.inference.sampling`)
-        picks the distribution the log-probs are of; RL wants `scaled` (its trainer's
-        forward divides the logits by the sampling temperature too). `structured`: one output
-        constraint for every prompt, or one per prompt (`astrai.inference.structured`).
+        Settings: as `submit`'s (`params`, any field as a keyword). With a seed, prompt `i`
+        draws with seed `seed + i` (any int: seeds are used mod 2**64). `structured`: one
+        output constraint for every prompt, or one per prompt (`astrai.inference.structured`);
+        None: `params.structured`. Returns token-id lists, or `(ids, logprobs)` pairs with
+        `return_logprobs`, or `BatchResult`s with `return_details`. A rejected prompt (empty,
+        too long, `max_tokens <= 0`, KV allocation failed) gets finish reason `rejected` and
+        an error; a request that faults (see `step`) gets `aborted`; neither blocks the
+        others. Invalid sampling settings raise ValueError before anything runs. The
+        background loop is paused for the call. RL wants `logprobs_mode="scaled"` (its
+        trainer's forward divides the logits by the sampling temperature too).
         """
-        params = SamplingParams(
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            frequency_penalty=frequency_penalty,
-            max_tokens=max_tokens,
-            ignore_eos=ignore_eos,
-            logprobs_mode=logprobs_mode,
-        )
+        params = _params(params, sampling).validate(vocab_size=self.vocab_size)
         backend = selected_backend()
-        constraints = per_prompt(structured, len(prompt_ids_list))
+        n, seed = len(prompt_ids_list), params.seed
+        constraints = None if structured is None else per_prompt(structured, n)
         checked: list[tuple[Task, str | None]] = []
         for i, ids in enumerate(prompt_ids_list):  # every check before anything runs
             p = params if seed is None else dataclasses.replace(params, seed=seed + i)
-            if constraints[i] is not None:
+            if constraints is not None:
                 p = dataclasses.replace(p, structured=constraints[i])
             task = Task(prompt_ids=list(ids), params=p, backend=backend)
             try:
@@ -507,8 +493,9 @@ class InferenceEngine:
     def score(
         self,
         requests: Sequence[tuple[Sequence[int], Sequence[int]]],
+        params: SamplingParams | None = None,
         *,
-        top_logprobs: int = 0,
+        top_logprobs: int | None = None,
         progress: bool = False,
     ) -> list[ScoreResult]:
         """Log-likelihood of each continuation given its context, on the calling thread.
@@ -516,27 +503,28 @@ class InferenceEngine:
         `requests`: `(context_ids, continuation_ids)` pairs, both non-empty, together at most
         `max_seq_len` tokens. Returns one `ScoreResult` per request, in input order: the
         summed log-prob, whether every continuation token is its position's argmax, and
-        each token's `TokenLogprob` with `top_logprobs` alternatives. Nothing is sampled.
-        A bad request raises ValueError naming its index before any work. With a radix
-        prefix cache, the first request of each context runs first and the others reuse
-        the whole KV pages of its context before the last context token.
+        each token's `TokenLogprob` with `params.prompt_logprobs` alternatives (None: 0;
+        `top_logprobs`, when given, overrides it). Nothing is sampled: `max_tokens` and
+        `prompt_logprobs_start` are set here. A bad request raises ValueError naming its
+        index before any work. With a radix prefix cache, the first request of each context
+        runs first and the others reuse the whole KV pages of its context before the last
+        context token.
         """
-        if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int):
-            raise ValueError(f"top_logprobs must be an int, got {top_logprobs!r}")
-        if not 0 <= top_logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top_logprobs}")
+        if top_logprobs is not None:
+            check_count("top_logprobs", top_logprobs, MAX_LOGPROBS)
+        base = _params(params, {} if top_logprobs is None else {"prompt_logprobs": top_logprobs})
+        if base.prompt_logprobs is None:
+            base = dataclasses.replace(base, prompt_logprobs=0)
         pairs = check_score_requests(
             requests, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size
         )
         backend = selected_backend()
         tasks = []
         for i, (context, continuation) in enumerate(pairs):
-            params = SamplingParams(
-                max_tokens=0, prompt_logprobs=top_logprobs, prompt_logprobs_start=len(context)
-            )
-            task = Task(prompt_ids=context + continuation, params=params, backend=backend)
+            p = dataclasses.replace(base, max_tokens=0, prompt_logprobs_start=len(context))
+            task = Task(prompt_ids=context + continuation, params=p, backend=backend)
             try:
-                self.check_request(task.prompt_ids, params)
+                self.check_request(task.prompt_ids, p)
             except ValueError as err:
                 raise ValueError(f"request {i}: {err}") from None
             tasks.append(task)
@@ -557,37 +545,30 @@ class InferenceEngine:
     def _run_here(self, phases: Sequence[Sequence[tuple[Task, str | None]]]) -> None:
         """Run checked tasks (with their rejection, if any) to the end on this thread, one
         phase after the other; the background loop is paused meanwhile."""
-        was_running = self.running
-        if was_running:
-            self._pause()
-        try:
-            for phase in phases:
-                for task, rejection in phase:
-                    self._queue(task, rejection)
-                while self.scheduler.has_work():
-                    self.step()
-        finally:
-            self.handoff.flush()
-            if was_running and not self._closed:
-                self.start()
+        with self._paused():
+            try:
+                for phase in phases:
+                    for task, rejection in phase:
+                        self._queue(task, rejection)
+                    while self.scheduler.has_work():
+                        self.step()
+            finally:
+                self.handoff.flush()
 
     def update_weights(
         self, fn: Callable[[], Any] | None = None, version: int | None = None
     ) -> int:
         """Apply `fn` (e.g. copy new weights in) with the loop paused; advance the policy
         version to `version` (default: current + 1; an explicit one must be greater)."""
-        was_running = self.running
-        if was_running:
-            self._pause()
-        try:
+        with self._paused():
             return self.scheduler.apply_weight_update(version, fn or (lambda: None))
-        finally:
-            if was_running and not self._closed:
-                self.start()
 
 
 def _params(params: SamplingParams | None, overrides: dict[str, Any]) -> SamplingParams:
-    """`params` with keyword overrides (or a fresh `SamplingParams` from the keywords)."""
+    """`params` with keyword overrides (or a fresh `SamplingParams` from the keywords): the
+    one way every entry point turns its settings into the request's `SamplingParams`."""
     if params is None:
         return SamplingParams(**overrides)
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
     return dataclasses.replace(params, **overrides) if overrides else params

@@ -1,30 +1,20 @@
-"""Per-request logits processors (vLLM's shape): type, checks, and applying them to a step.
+"""Per-request logits processors (vLLM's shape): applying them to a step.
 
 A logits processor is a callable `(generated_ids, logits_row) -> logits_row`: it gets the
 request's generated token ids so far and its `[vocab]` fp32 logits, and returns new logits
 (it may edit them in place). Processors run per row, in order, before penalties, bias and
 temperature; the returned log-probs are under the processed logits (vLLM's convention).
-A processor that raises fails its own request only (`astrai.inference.isolation`).
+A processor that raises fails its own request only (`astrai.inference.isolation`). The
+type and the request's check (a sequence of callables) are `params.py`'s.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
-LogitsProcessor = Callable[[Sequence[int], torch.Tensor], torch.Tensor]
-
-
-def check_logits_processors(processors: object) -> None:
-    """ValueError naming `logits_processors` unless it is a sequence of callables."""
-    if isinstance(processors, str | bytes) or not isinstance(processors, Sequence):
-        raise ValueError(
-            f"logits_processors must be a sequence of callables, got {type(processors).__name__}"
-        )
-    for i, proc in enumerate(processors):
-        if not callable(proc):
-            raise ValueError(f"logits_processors[{i}] must be callable, got {proc!r}")
+from astrai.inference.params import LogitsProcessor
 
 
 def processor_name(proc: object) -> str:

@@ -12,7 +12,7 @@ behind decodes several tokens in one go.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator, Sequence
 
 from astrai.inference.logprobs import TokenLogprob, TopLogprobs
 from astrai.inference.task import Task
@@ -28,7 +28,8 @@ class GenerateResult:
     Non-streaming callers block on `wait_completion`; streaming callers iterate, `wait` for
     new tokens, `listen` + `take` (the HTTP server and async streams: the loop thread only
     wakes them, they decode), or `subscribe` callbacks with the text. The loop thread feeds
-    it through `on_token` / `on_finish` (set as the task's callbacks).
+    it through `on_token` / `on_finish` (set as the task's callbacks). Several requests
+    followed by one thread: `interleave`.
     """
 
     def __init__(self, task: Task, tokenizer: AutoTokenizer) -> None:
@@ -204,6 +205,46 @@ class GenerateResult:
             if done:
                 self.raise_if_failed()
                 return
+
+
+def interleave(
+    results: Sequence[GenerateResult], cancel: Callable[[GenerateResult], object]
+) -> Generator[tuple[int, str], None, None]:
+    """`(index, text delta)` pairs of several requests, in the order their text comes.
+
+    One thread follows them all: the loop thread only marks which request moved (no text is
+    decoded there), and this generator decodes on the caller's thread. Closing it before the
+    end (`close()`, or dropping it) calls `cancel` on each request that is not done.
+    """
+    cond = threading.Condition()
+    woken: dict[int, None] = dict.fromkeys(range(len(results)))  # catch up on all first
+
+    def wake(i: int) -> None:  # on the loop thread
+        with cond:
+            woken[i] = None
+            cond.notify()
+
+    for i, r in enumerate(results):
+        r.listen(lambda i=i: wake(i))
+    starts, remaining = [0] * len(results), len(results)
+    try:
+        while remaining:
+            with cond:
+                cond.wait_for(lambda: woken)
+                batch = list(woken)
+                woken.clear()
+            for i in batch:
+                if starts[i] < 0:
+                    continue  # ended already
+                pieces, starts[i], done = results[i].take(starts[i])
+                for text, _ in pieces:
+                    yield i, text
+                if done:
+                    starts[i], remaining = -1, remaining - 1
+    finally:
+        for r in results:
+            if not r.done:
+                cancel(r)
 
 
 class _Subscriber:

@@ -1,4 +1,4 @@
-"""Batched next-token sampling with per-request parameters.
+"""Batched next-token sampling with per-request parameters (`params.SamplingParams`).
 
 One step samples a `[B, V]` block of logits whose rows belong to different requests, each
 with its own temperature, top-k/top-p/min-p, penalties, logit bias and seed. Order of work
@@ -23,11 +23,10 @@ sampled from (after top-k/top-p/min-p too). Greedy rows count as temperature 1 i
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from numbers import Real
@@ -35,119 +34,14 @@ from typing import NamedTuple
 
 import torch
 
-from astrai.inference.checks import MAX_TOKENS_POLICIES, check_choice, check_number
-from astrai.inference.logprobs import MAX_LOGPROBS as MAX_LOGPROBS
-from astrai.inference.logprobs import check_int_fields
-from astrai.inference.processors import LogitsProcessor, check_logits_processors
-from astrai.inference.structured import StructuredOutput, check_structured
+from astrai.inference.params import LOGPROBS_MODES, SamplingParams
 
 logger = logging.getLogger(__name__)
-
-MAX_TEMPERATURE = 100.0
-MAX_PENALTY = 2.0
-MAX_LOGIT_BIAS = 100.0
-LOGPROBS_MODES = ("raw", "scaled", "processed")
 
 RowValues = float | Sequence[float] | torch.Tensor
 
 
-# ---------------------------------------------------------------------- parameters
-@dataclass(frozen=True)
-class SamplingParams:
-    """One request's generation settings (OpenAI semantics), travelling as one object.
-
-    temperature 0 is greedy; top_k 0 or -1 is off; top_p 1 and min_p 0 are off. Penalties
-    count only generated tokens. `seed` (any int, used mod 2**64) makes draws reproducible.
-    Generation ends after `max_tokens` tokens, or at a token of `stop_ids` (None: the
-    tokenizer's stop tokens) unless `ignore_eos`, or when the context is full.
-    `max_tokens_policy`: a prompt + `max_tokens` beyond the context is ``"clamp"``ed (the
-    default: generation stops when the context is full, finish reason length; rollouts and
-    evaluation rely on it) or an ``"error"`` at submission naming both numbers (the HTTP
-    API's rule for an explicit `max_tokens`, as OpenAI's). `logprobs_mode`: the returned
-    log-probs' distribution (module docstring); `logprobs`, `prompt_logprobs` (None: off;
-    allows `max_tokens=0`), `prompt_logprobs_start`: `logprobs.py`; `logits_processors`:
-    `processors.py`; `structured`: `structured.py`. Frozen (batches reuse).
-    """
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: Mapping[int, float] | None = None
-    seed: int | None = None
-    max_tokens: int = 256
-    max_tokens_policy: str = "clamp"
-    ignore_eos: bool = False
-    stop_ids: frozenset[int] | None = None
-    logprobs_mode: str = "raw"
-    logprobs: int = 0
-    prompt_logprobs: int | None = None
-    prompt_logprobs_start: int = 1
-    logits_processors: Sequence[LogitsProcessor] = ()
-    structured: StructuredOutput | None = None
-
-    def __post_init__(self) -> None:
-        stops = self.stop_ids
-        if stops is not None and not isinstance(stops, frozenset | str | bytes):
-            with contextlib.suppress(TypeError):  # not iterable: validate() names it
-                object.__setattr__(self, "stop_ids", frozenset(stops))
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    def validate(self, vocab_size: int | None = None) -> SamplingParams:
-        """Raise ValueError naming the first bad parameter; return self for chaining.
-
-        With `vocab_size`, logit_bias token ids are also checked against the vocabulary.
-        """
-        check_number("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
-        check_number("top_p", self.top_p, 0.0, 1.0, low_open=True)
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be an int >= -1 (0 or -1: off), got {self.top_k!r}")
-        check_number("min_p", self.min_p, 0.0, 1.0)
-        check_number("presence_penalty", self.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
-        check_number("frequency_penalty", self.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
-        if self.logit_bias is not None:
-            if not isinstance(self.logit_bias, Mapping):
-                raise ValueError(
-                    f"logit_bias must be a mapping token_id -> bias, got {self.logit_bias!r}"
-                )
-            for token, bias in self.logit_bias.items():
-                if isinstance(token, bool) or not isinstance(token, int) or token < 0:
-                    raise ValueError(f"logit_bias keys must be int token ids >= 0, got {token!r}")
-                if vocab_size is not None and token >= vocab_size:
-                    raise ValueError(
-                        f"logit_bias token id {token} is outside the vocabulary (size {vocab_size})"
-                    )
-                check_number(f"logit_bias[{token}]", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
-        check_int_fields(self)
-        check_logits_processors(self.logits_processors)
-        check_structured(self.structured)
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
-        if self.stop_ids is not None and not (
-            isinstance(self.stop_ids, frozenset)
-            and all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_ids)
-        ):
-            raise ValueError(f"stop_ids must be a set of int token ids, got {self.stop_ids!r}")
-        check_choice("max_tokens_policy", self.max_tokens_policy, MAX_TOKENS_POLICIES)
-        if self.logprobs_mode not in LOGPROBS_MODES:
-            raise ValueError(
-                f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}"
-            )
-        return self
-
-    def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
-        """A generator seeded from `seed` (None without one). Keep it for the request's life:
-        each step advances it by one draw, which is what makes the sequence reproducible."""
-        if self.seed is None:
-            return None
-        return torch.Generator(device=device).manual_seed(self.seed % 2**64)
-
-
+# ---------------------------------------------------------------------- layout
 @dataclass(eq=False)
 class SamplingBatch:
     """The parameters of one step's rows as device tensors, built once per batch.

@@ -34,8 +34,8 @@ from typing import Any
 from astrai.inference.cache import PagePool
 from astrai.inference.logprobs import PromptScores, TopLogprobs
 from astrai.inference.metrics import EngineMetrics
+from astrai.inference.params import SamplingParams, is_int
 from astrai.inference.processors import describe
-from astrai.inference.sampling import SamplingParams
 from astrai.inference.task import Rejection, Task, TaskState
 
 logger = logging.getLogger(__name__)
@@ -78,9 +78,16 @@ class InferenceScheduler:
         max_prefill_tokens: int = 2048,
         stop_ids: Sequence[int] = (),
         max_queue: int | None = None,
+        max_prompt_tokens: int | None = None,
     ) -> None:
         if max_prefill_tokens <= 0:
             raise ValueError(f"max_prefill_tokens must be positive, got {max_prefill_tokens}")
+        if max_prompt_tokens is not None and (
+            not is_int(max_prompt_tokens) or max_prompt_tokens < 1
+        ):
+            raise ValueError(
+                f"max_prompt_tokens must be a positive int or None, got {max_prompt_tokens!r}"
+            )
         self.pool = pool
         self.vocab_size = vocab_size
         self.max_batch_size = min(max_batch_size, pool.max_batch_size)
@@ -88,6 +95,7 @@ class InferenceScheduler:
         self.max_seq_len = pool.max_seq_len
         self.stop_ids = frozenset(stop_ids)
         self.max_queue = max_queue
+        self.max_prompt_tokens = max_prompt_tokens
         self.policy_version = 0
         # Set by `fail_all` (the loop crashed): every new request is rejected with it.
         self.failure: str | None = None
@@ -119,50 +127,67 @@ class InferenceScheduler:
     def problem(self, prompt_ids: Sequence[int], params: SamplingParams) -> Rejection | None:
         """Why a request with valid `params` can never run (None: it can).
 
-        Every caller's prompt check (the HTTP server's, batch generation's, offline use).
-        With `max_tokens_policy="error"`, a prompt + `max_tokens` beyond the context is one
-        (`param="max_tokens"`); with "clamp" generation stops when the context is full.
+        The one prompt check of every caller (the HTTP server's, batch generation's,
+        evaluation's, offline use). `param` tags the setting at fault, for callers that answer
+        in their own field names: ``"prompt"`` (empty, longer than the context or than
+        `max_prompt_tokens`, ids outside the vocabulary), ``"max_tokens"`` (not positive; or,
+        with `max_tokens_policy="error"`, prompt + `max_tokens` beyond the context: with
+        "clamp" generation stops when the context is full), ``"prompt_logprobs_start"``
+        (nothing left to score); None: the engine has failed.
         """
-        reason = self._prompt_problem(prompt_ids, params)
-        if reason is not None:
-            return Rejection(reason)
-        total = len(prompt_ids) + params.max_tokens
+        n = len(prompt_ids)
+        if not n:
+            return Rejection("empty prompt", param="prompt")
+        scoring = params.prompt_logprobs is not None
+        if params.max_tokens < 0 or (params.max_tokens == 0 and not scoring):
+            return Rejection(
+                f"max_tokens must be positive (0 only with prompt_logprobs), "
+                f"got {params.max_tokens}",
+                param="max_tokens",
+            )
+        too_long = self._too_long(n, params.max_tokens)
+        if too_long is not None:
+            return Rejection(too_long, param="prompt", exceeds_context=True)
+        if scoring and params.prompt_logprobs_start >= n:
+            return Rejection(
+                f"prompt_logprobs_start ({params.prompt_logprobs_start}) must be below the "
+                f"prompt length ({n}): nothing would be scored",
+                param="prompt_logprobs_start",
+            )
+        vocab = self.vocab_size
+        bad = [i for i in prompt_ids if not 0 <= i < vocab]
+        if bad:
+            return Rejection(
+                f"token id(s) outside the vocabulary [0, {vocab}): {bad[:5]}", param="prompt"
+            )
+        total = n + params.max_tokens
         if params.max_tokens_policy == "error" and total > self.max_seq_len:
             return Rejection(
                 f"this model's maximum context length is {self.max_seq_len} tokens, but "
-                f"{total} were requested ({len(prompt_ids)} in the prompt + "
-                f"{params.max_tokens} to generate); at most "
-                f"{self.max_seq_len - len(prompt_ids)} can be generated after this prompt",
+                f"{total} were requested ({n} in the prompt + {params.max_tokens} to "
+                f"generate); at most {self.max_seq_len - n} can be generated after this prompt",
                 param="max_tokens",
+                exceeds_context=True,
             )
         if self.failure is not None:
             return Rejection(f"engine not ready: {self.failure}")
         return None
 
-    def _prompt_problem(self, prompt_ids: Sequence[int], params: SamplingParams) -> str | None:
-        if not prompt_ids:
-            return "empty prompt"
-        scoring = params.prompt_logprobs is not None
-        if params.max_tokens < 0 or (params.max_tokens == 0 and not scoring):
-            return (
-                f"max_tokens must be positive (0 only with prompt_logprobs), "
-                f"got {params.max_tokens}"
-            )
-        if len(prompt_ids) + min(params.max_tokens, 1) > self.max_seq_len:
-            return (
-                f"prompt too long: {len(prompt_ids)} tokens, the context holds "
-                f"{self.max_seq_len} (prompt + at least one generated token, unless max_tokens=0)"
-            )
-        if scoring and params.prompt_logprobs_start >= len(prompt_ids):
-            return (
-                f"prompt_logprobs_start ({params.prompt_logprobs_start}) must be below the "
-                f"prompt length ({len(prompt_ids)}): nothing would be scored"
-            )
-        vocab = self.vocab_size
-        bad = [i for i in prompt_ids if not 0 <= i < vocab]
-        if bad:
-            return f"token id(s) outside the vocabulary [0, {vocab}): {bad[:5]}"
-        return None
+    def _too_long(self, n: int, max_tokens: int) -> str | None:
+        """The context holds the prompt plus at least one generated token (unless
+        max_tokens=0: scoring); `max_prompt_tokens` may cap prompts below that."""
+        room = self.max_seq_len - min(max_tokens, 1)
+        cap = self.max_prompt_tokens
+        limit = room if cap is None else min(room, cap)
+        if n <= limit:
+            return None
+        why = (
+            "max_prompt_tokens"
+            if limit < room
+            else f"the context holds {self.max_seq_len}: the prompt + at least one generated "
+            "token, unless max_tokens=0"
+        )
+        return f"prompt is too long: {n} tokens, the limit is {limit} ({why})"
 
     def submit(self, task: Task) -> Task:
         """Queue a checked task (`InferenceEngine.check_request`); rejected if the loop has
@@ -181,10 +206,10 @@ class InferenceScheduler:
 
     def reject(self, task: Task, reason: str | Rejection) -> Task:
         """End a task that can never run at once (finish reason `rejected`, with `reason`;
-        a `Rejection`'s `param` goes to `task.error_param`)."""
+        a `Rejection` is kept as `task.rejection`)."""
         with self._lock:
             self.total_tasks += 1
-        task.error_param = reason.param if isinstance(reason, Rejection) else None
+        task.rejection = reason if isinstance(reason, Rejection) else None
         self._finish(task, "rejected", str(reason))
         return task
 

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from astrai.inference.logprobs import PromptScores, ScoreResult, TokenLogprob, TopLogprobs, is_int
+from astrai.inference.logprobs import PromptScores, ScoreResult, TokenLogprob, TopLogprobs
+from astrai.inference.params import is_int
 
 if TYPE_CHECKING:
     from astrai.inference.scheduler import StepPlan

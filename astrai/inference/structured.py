@@ -4,7 +4,9 @@ A `StructuredOutput` is a request's constraint, carried by `SamplingParams.struc
 holds its spec as canonical text (a JSON schema re-serialized, keeping its key order: the
 output's property order; a regex; a Lark grammar), so equal constraints share one compiled grammar (`astrai.inference.grammar`). The
 grammar library is llguidance (the one vLLM and SGLang use): this module only writes its
-grammar text; compiling, masking and matching are `grammar.py` and `constrain.py`.
+grammar text; compiling, masking and matching are `grammar.py` and `constrain.py`. It is
+imported when a grammar is first written, so `SamplingParams` (`params.py`, which checks a
+constraint's shape) loads without it.
 
 JSON comes out compact with Python's separators (`{"a": 1, "b": [2, 3]}`), no free
 whitespace: a model cannot wander off in blanks, and a schema's output has one spelling.
@@ -18,8 +20,6 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
-
-import llguidance as llg
 
 KINDS = ("json_schema", "json_object", "regex", "lark", "tool_call")
 
@@ -103,6 +103,8 @@ class StructuredOutput:
         `special_id(text)`: the id of `text` if the tokenizer has it as one special token (a
         tool-call tag is then matched as that token, the way the model writes it, not as
         its spelling). ValueError naming `field` if the spec cannot even be read."""
+        import llguidance as llg
+
         try:
             if self.kind in ("json_schema", "json_object"):
                 return llg.LLMatcher.grammar_from_json_schema(self.spec, defaults=JSON_OPTIONS)
@@ -119,21 +121,6 @@ class StructuredOutput:
         raise ValueError(f"{self.field}: unknown kind {self.kind!r}, expected one of {KINDS}")
 
 
-def check_structured(value: object) -> None:
-    """ValueError naming `structured` unless it is None or a well-formed `StructuredOutput`
-    (whether its grammar compiles is checked against the tokenizer: `GrammarCompiler`)."""
-    if value is None:
-        return
-    if not isinstance(value, StructuredOutput):
-        raise ValueError(
-            f"structured must be a StructuredOutput (or None), got {type(value).__name__}"
-        )
-    if value.kind not in KINDS:
-        raise ValueError(f"structured: unknown kind {value.kind!r}, expected one of {KINDS}")
-    if not isinstance(value.spec, str) or not isinstance(value.field, str):
-        raise ValueError(f"structured: spec and field must be strings, got {value!r}")
-
-
 def per_prompt(
     structured: StructuredOutput | Sequence[StructuredOutput | None] | None, n: int
 ) -> list[StructuredOutput | None]:
@@ -146,9 +133,7 @@ def per_prompt(
         )
     if len(structured) != n:
         raise ValueError(f"structured has {len(structured)} entries for {n} prompts")
-    for s in structured:
-        check_structured(s)
-    return list(structured)
+    return list(structured)  # each entry is checked with its request (`SamplingParams`)
 
 
 def _canonical_schema(schema: Mapping[str, Any] | str, field: str) -> str:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from astrai.inference.logprobs import TokenLogprob, TopLogprobs
-from astrai.inference.sampling import SamplingParams
+from astrai.inference.params import SamplingParams
 
 _ids = itertools.count(1)
 
@@ -22,10 +22,14 @@ class TaskState(StrEnum):
 @dataclass(frozen=True)
 class Rejection:
     """Why a request can never run: `reason` for people, `param` the setting at fault
-    (``"max_tokens"``) for callers that answer in their own field names; None: the prompt."""
+    (``"prompt"``, ``"max_tokens"``, ``"prompt_logprobs_start"``) for callers that answer in
+    their own field names (`InferenceScheduler.problem`; None: the engine has failed), and
+    `exceeds_context` when the request does not fit the context (OpenAI's
+    `context_length_exceeded`)."""
 
     reason: str
     param: str | None = None
+    exceeds_context: bool = False
 
     def __str__(self) -> str:
         return self.reason
@@ -44,8 +48,8 @@ class Task:
     `prompt_logprobs` (when `params.prompt_logprobs` is set) has one entry per prompt
     position, None before `params.prompt_logprobs_start`; `top_logprobs` is aligned with
     `output_ids` when `params.logprobs > 0` (the chosen tokens' own log-probs: `logprobs`).
-    `error_param` names the setting a rejection is about (`max_tokens`: prompt + max_tokens
-    beyond the context), None when it is the prompt itself, so a caller can name its field.
+    `rejection` is why a rejected task never ran (`Rejection`: the setting at fault, whether
+    it did not fit the context), so a caller can name its own field.
     """
 
     prompt_ids: list[int]
@@ -63,7 +67,7 @@ class Task:
     computed: int = 0
     finish_reason: str | None = None
     error: str | None = None
-    error_param: str | None = None
+    rejection: Rejection | None = None
     cancel_requested: bool = False
     queued_at: float | None = None  # perf_counter times, for TTFT and inter-token latency
     first_token_at: float | None = None
@@ -76,6 +80,11 @@ class Task:
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = [None] * len(self.prompt_ids)
+
+    @property
+    def error_param(self) -> str | None:
+        """The setting a rejection is about (`Rejection.param`), None otherwise."""
+        return self.rejection.param if self.rejection is not None else None
 
     @property
     def prefill_ids(self) -> list[int]:

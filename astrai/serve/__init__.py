@@ -14,8 +14,9 @@ from astrai.lazy import lazy_exports
 if TYPE_CHECKING:
     from astrai.serve.app import create_app
     from astrai.serve.errors import APIError
-    from astrai.serve.handler import ProtocolHandler, ResponseBuilder
+    from astrai.serve.handler import ProtocolHandler
     from astrai.serve.parsing import OutputParser, StopMatcher, ToolCallFormat, ToolCallParser
+    from astrai.serve.protocol import ResponseBuilder
     from astrai.serve.server import Server, ServerThread
     from astrai.serve.settings import ServeSettings
 
@@ -24,8 +25,9 @@ __getattr__ = lazy_exports(
     {
         "astrai.serve.app": ("create_app",),
         "astrai.serve.errors": ("APIError",),
-        "astrai.serve.handler": ("ProtocolHandler", "ResponseBuilder"),
+        "astrai.serve.handler": ("ProtocolHandler",),
         "astrai.serve.parsing": ("OutputParser", "StopMatcher", "ToolCallFormat", "ToolCallParser"),
+        "astrai.serve.protocol": ("ResponseBuilder",),
         "astrai.serve.server": ("Server", "ServerThread"),
         "astrai.serve.settings": ("ServeSettings",),
     },

@@ -41,7 +41,8 @@ _SETTINGS = (
 
 def build_engine(cfg: dict[str, Any]) -> InferenceEngine:
     """Load the model and tokenizer from `cfg["model_path"]` and start the engine that the
-    `engine` group (conf/engine/) describes."""
+    `engine` group (conf/engine/) describes, capped to `max_prompt_tokens` (the engine's
+    one prompt check refuses longer prompts: a 400 naming the field)."""
     import torch
     from hydra.utils import instantiate
 
@@ -57,7 +58,9 @@ def build_engine(cfg: dict[str, Any]) -> InferenceEngine:
     dtype = getattr(torch, cfg["dtype"]) if cfg.get("dtype") else None
     model = AutoModel.from_pretrained(path, device=device, dtype=dtype).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    return instantiate(cfg["engine"])(model, tokenizer)
+    cap = cfg.get("max_prompt_tokens")
+    extra = {} if cap is None else {"max_prompt_tokens": cap}
+    return instantiate(cfg["engine"])(model, tokenizer, **extra)
 
 
 def check_port(host: str, port: int) -> None:
@@ -81,15 +84,18 @@ def check_port(host: str, port: int) -> None:
 def settings_of(cfg: dict[str, Any]) -> ServeSettings:
     """The `ServeSettings` that `cfg` describes; a bad value is a SystemExit naming it
     (checked before the model loads)."""
+    from astrai.inference.params import is_int
     from astrai.serve.parsing import tool_call_format
     from astrai.serve.settings import ServeSettings
 
+    cap = cfg.get("max_prompt_tokens")  # the engine's setting (build_engine), checked now
+    if cap is not None and (not is_int(cap) or cap < 1):
+        raise SystemExit(f"max_prompt_tokens: must be a positive int or null, got {cap!r}")
     try:
         settings = ServeSettings(
             model_name=cfg.get("model_name") or Path(str(cfg["model_path"])).resolve().name,
             api_key=cfg.get("api_key") or None,
             tool_call_format=str(cfg.get("tool_call_format") or "none"),
-            max_prompt_tokens=cfg.get("max_prompt_tokens"),
             **{k: cfg[k] for k in _SETTINGS if k in cfg},
         )
     except ValueError as err:  # the message names the key

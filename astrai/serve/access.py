@@ -17,7 +17,7 @@ JSON-quoted, so one request is always one line):
 request saw it); the token fields, `finish` and `id` (the response's own id) are present
 when the request reached the engine. The same fields are attached to the log record as
 `record.access` (a dict) for JSON formatters. The handler hands its request over by
-setting `request.state.astrai_request` (a `handler.RequestContext`).
+setting `request.state.astrai_request` (a `protocol.RequestContext`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from astrai.serve.limits import ASGIApp, Message, Receive, Scope, Send
 from astrai.serve.metrics import MONITORING_PATHS, HTTPMetrics, protocol_of
 
 if TYPE_CHECKING:
-    from astrai.serve.handler import RequestContext
+    from astrai.serve.protocol import RequestContext
 
 access_logger = logging.getLogger("astrai.serve.access")
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from astrai.serve.errors import APIError, anthropic_error_body
-from astrai.serve.handler import Choice, Prepared, RequestContext, ResponseBuilder, sse
-from astrai.serve.openai_builder import render_prompt
 from astrai.serve.parsing import Event, TextDelta
+from astrai.serve.protocol import Choice, Prepared, RequestContext, ResponseBuilder, sse
+from astrai.serve.request import anthropic_params, render_prompt, stop_strings
 from astrai.serve.schemas import (
     AnthropicMessage,
     AnthropicText,
@@ -96,24 +96,16 @@ class AnthropicResponseBuilder(ResponseBuilder):
                 )
         if choice is not None and choice.type == "any" and not body.tools:
             raise APIError(400, "tool_choice: any needs tools", param="tool_choice")
-        top_p = 1.0 if body.top_p is None else body.top_p
-        temperature = 1.0 if body.temperature is None else body.temperature
-        if top_p == 0:
-            temperature, top_p = 0.0, 1.0
-        sampling: dict[str, Any] = {
-            "temperature": temperature,
-            "top_p": top_p,
-            "top_k": 50 if body.top_k is None else body.top_k,
-        }
+        extra: dict[str, Any] = {}
         if tools and choice is not None and choice.type in ("any", "tool"):  # forced call
             functions = [t["function"] for t in tools]
-            sampling["structured"] = tool_call_constraint(functions, settings, tokenizer)
+            extra["structured"] = tool_call_constraint(functions, settings, tokenizer)
+        field = given(body, "max_tokens")
         return Prepared(
             prompts=[render_prompt(tokenizer, messages, tools)],
-            max_tokens=body.max_tokens,
-            max_tokens_param=given(body, "max_tokens"),
-            sampling=sampling,
-            stops=[s for s in body.stop_sequences or [] if s],
+            params=anthropic_params(body, settings, max_tokens_param=field, **extra),
+            max_tokens_param=field,
+            stops=stop_strings(body.stop_sequences),
             parse_tools=tools is not None,
             stream=bool(body.stream),
             model=settings.model_name,  # the id /v1/models lists, whatever was asked

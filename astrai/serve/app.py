@@ -15,12 +15,13 @@ from astrai.serve.access import AccessLogMiddleware
 from astrai.serve.anthropic_builder import AnthropicResponseBuilder
 from astrai.serve.completions_builder import CompletionsResponseBuilder
 from astrai.serve.errors import APIError, error_body, kind_for_status
-from astrai.serve.handler import ProtocolHandler, SafeJSONResponse, ServerState
+from astrai.serve.handler import ProtocolHandler
 from astrai.serve.limits import BodyLimitMiddleware
 from astrai.serve.metrics import HTTPMetrics
 from astrai.serve.openai_builder import OpenAIResponseBuilder
 from astrai.serve.openapi import install_openapi
 from astrai.serve.parsing import tool_call_format
+from astrai.serve.protocol import SafeJSONResponse
 from astrai.serve.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -28,6 +29,7 @@ from astrai.serve.schemas import (
     MessagesRequest,
 )
 from astrai.serve.settings import ServeSettings
+from astrai.serve.state import ServerState
 
 if TYPE_CHECKING:
     from astrai.inference import InferenceEngine

@@ -11,10 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 from astrai.serve.errors import APIError
-from astrai.serve.handler import Choice, Prepared, RequestContext
 from astrai.serve.logprobs import LegacyLogprobs, token_text
 from astrai.serve.openai_builder import OpenAIStyleBuilder, usage
 from astrai.serve.parsing import Event, TextDelta
+from astrai.serve.protocol import Choice, Prepared, RequestContext
+from astrai.serve.request import openai_params, or_default, stop_strings
 from astrai.serve.schemas import CompletionRequest, given
 from astrai.serve.settings import ServeSettings
 from astrai.tokenizer import AutoTokenizer
@@ -33,7 +34,7 @@ def _prompts(
 ) -> tuple[list[list[int]], list[str]]:
     """Token ids and echo text of every prompt (text is echoed as given, ids decoded).
 
-    Ids are checked against the model's vocabulary by the handler, after this: an id the
+    Ids are checked against the model's vocabulary by the engine, after this: an id the
     tokenizer does not know decodes to nothing here and is refused there.
     """
     if isinstance(prompt, str):
@@ -64,7 +65,7 @@ class CompletionsResponseBuilder(OpenAIStyleBuilder):
     ) -> Prepared:
         if body.suffix:
             raise APIError(400, "suffix: insertion (suffix) is not supported", param="suffix")
-        n = body.n or 1
+        n = or_default(body, "n")
         if body.best_of is not None and body.best_of != n:
             raise APIError(
                 400,
@@ -72,7 +73,7 @@ class CompletionsResponseBuilder(OpenAIStyleBuilder):
                 param="best_of",
             )
         echo = bool(body.echo)
-        max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        max_tokens = or_default(body, "max_tokens")
         if max_tokens == 0 and not echo:
             raise APIError(
                 400, "max_tokens: 0 is allowed only with echo (prompt scoring)", param="max_tokens"
@@ -84,28 +85,15 @@ class CompletionsResponseBuilder(OpenAIStyleBuilder):
             extra["logprobs"] = k
         if echo and (k is not None or max_tokens == 0):
             extra["prompt_logprobs"] = k or 0  # scoring only: the engine samples nothing
-        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        temperature = 1.0 if body.temperature is None else body.temperature
-        top_p = 1.0 if body.top_p is None else body.top_p
-        if top_p == 0:  # only the most likely token survives: greedy
-            temperature, top_p = 0.0, 1.0
+        field = given(body, "max_tokens")
         return Prepared(
             prompts=prompts,
-            max_tokens=max_tokens,
-            max_tokens_param=given(body, "max_tokens"),
-            sampling={
-                "temperature": temperature,
-                "top_p": top_p,
-                "top_k": body.top_k or 0,
-                "min_p": body.min_p or 0.0,
-                "presence_penalty": body.presence_penalty or 0.0,
-                "frequency_penalty": body.frequency_penalty or 0.0,
-                "logit_bias": body.logit_bias or None,
-                "seed": body.seed,
-                **extra,
-            },
+            params=openai_params(
+                body, settings, max_tokens=max_tokens, max_tokens_param=field, **extra
+            ),
+            max_tokens_param=field,
             n=n,
-            stops=[s for s in stops if s],
+            stops=stop_strings(body.stop),
             stream=bool(body.stream),
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
             model=settings.model_name,  # the id /v1/models lists, whatever was asked

@@ -1,270 +1,42 @@
-"""Protocol-independent request handling: one `ProtocolHandler`, one builder per protocol.
+"""The run loop of one request, the same for every protocol: `ProtocolHandler`.
 
-The handler owns everything that must be identical for OpenAI and Anthropic: admission
-(readiness, queue), submission of the `n` engine tasks, merging their text streams on the
-event loop, stop strings and tool-call parsing (`OutputParser`), cancellation when a stop
-string matches or the client goes away, and usage (its log line: `astrai.serve.access`). A
-`ResponseBuilder` only turns the resulting events into its protocol's JSON and SSE, so
-adding a protocol is one builder file.
+It renders and tokenizes the request off the event loop (the builder's `prepare`), submits
+the `n` engine tasks with the builder's `SamplingParams` (the engine checks them: its
+refusals become the protocol's errors, `refusals.py`), merges their text streams on the
+event loop, applies stop strings and tool-call parsing (`OutputParser`), cancels on a stop
+string, a timeout or a client gone, and releases the request (its log line:
+`astrai.serve.access`). A `ResponseBuilder` (`protocol.py`) only turns the events into
+its protocol's JSON and SSE, so adding a protocol is one builder file.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import secrets
 import time
-from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import replace
+from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
-from astrai.inference.engine import EngineNotReady, GenerateResult
+from astrai.inference import EngineNotReady, RequestRejected
 from astrai.serve.errors import APIError
 from astrai.serve.limits import check_prompt_chars, check_unicode
-from astrai.serve.parsing import Event, OutputParser, TextDelta, ToolCall, ToolCallFormat
-from astrai.serve.settings import ServeSettings
-
-if TYPE_CHECKING:
-    from astrai.inference import InferenceEngine
-    from astrai.tokenizer import AutoTokenizer
+from astrai.serve.parsing import Event, OutputParser, TextDelta
+from astrai.serve.protocol import (
+    Choice,
+    Prepared,
+    RequestContext,
+    ResponseBuilder,
+    SafeJSONResponse,
+)
+from astrai.serve.refusals import bad_settings, ended, failed, refused
+from astrai.serve.state import ServerState
 
 logger = logging.getLogger("astrai.serve")
-
-# Internal finish reasons (stop, stop_sequence, length, tool_calls, error); the builders map
-# them to their protocol's names.
-
-
-@dataclass
-class Prepared:
-    """A request reduced to what the engine and the parsers need.
-
-    `prompts` holds one token list per prompt (chat: one; legacy completions: a batch);
-    each is sampled `n` times, choice `index = prompt_index * n + j`. `prompt_param` is the
-    request field an error about a prompt names; `options` is the builder's own (echo...).
-    `max_tokens_param` is the field that set `max_tokens` explicitly (`max_tokens`,
-    `max_completion_tokens`), held to the context by the server's `max_tokens_policy`;
-    None: the protocol's default, which is capped to what fits after the prompt.
-    """
-
-    prompts: list[list[int]]
-    max_tokens: int
-    sampling: dict[str, Any]
-    n: int = 1
-    stops: list[str] = field(default_factory=list)
-    parse_tools: bool = False
-    stream: bool = False
-    include_usage: bool = False
-    model: str = "astrai"
-    prompt_param: str = "messages"
-    max_tokens_param: str | None = None
-    options: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class Choice:
-    """Output of one engine task, as seen by the client.
-
-    Token bookkeeping for log-probs: every text piece from the engine arrives with the
-    number of output tokens it completes (`marks`: raw characters so far -> tokens so far),
-    so a builder hands out the entries of the tokens whose text it has emitted (`chars`)
-    and no others: text held back (a possible stop string) holds its tokens back too.
-    `token_end` is where the reported tokens end: at the piece a stop string matched in, or
-    at the last output token once the task is done. `tokens_sent` is the builder's cursor.
-    """
-
-    index: int
-    result: GenerateResult
-    parser: OutputParser
-    prompt_index: int = 0
-    text: list[str] = field(default_factory=list)
-    tool_calls: list[ToolCall] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_sequence: str | None = None
-    error: str | None = None
-    chars: int = 0  # length of `content`
-    marks: list[tuple[int, int]] = field(default_factory=list)
-    token_end: int | None = None
-    tokens_sent: int = 0
-    taken: int = 0  # text pieces of `result` read so far (`GenerateResult.take`)
-    ended: bool = False  # its end has been read
-    _mark: int = 0  # marks before this one are covered by the text emitted so far
-    _covered: int = 0
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    @property
-    def content(self) -> str:
-        return "".join(self.text)
-
-    @property
-    def output_tokens(self) -> int:
-        return len(self.result.task.output_ids)
-
-    def received(self, text: str, tokens: int) -> None:
-        """Record a raw text piece that completes the first `tokens` output tokens."""
-        chars = self.marks[-1][0] + len(text) if self.marks else len(text)
-        self.marks.append((chars, tokens))
-
-    def tokens_emitted(self) -> int:
-        """How many output tokens the text emitted so far fully covers (never decreases)."""
-        while self._mark < len(self.marks) and self.marks[self._mark][0] <= self.chars:
-            self._covered = self.marks[self._mark][1]
-            self._mark += 1
-        end = self.token_end
-        return self._covered if end is None else min(self._covered, end)
-
-    def take_tokens(self, upto: int | None = None) -> range:
-        """Output positions not yet handed out, through `upto` (default: `token_end`)."""
-        end = self.token_end if upto is None else upto
-        end = max(self.tokens_sent, end if end is not None else self.tokens_sent)
-        out = range(self.tokens_sent, end)
-        self.tokens_sent = end
-        return out
-
-
-@dataclass(eq=False)
-class RequestContext:
-    """One HTTP request in flight; builders keep their own stream state in `extra`."""
-
-    id: str
-    prepared: Prepared
-    t0: float = field(default_factory=time.perf_counter)
-    created: int = field(default_factory=lambda: int(time.time()))
-    choices: list[Choice] = field(default_factory=list)
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def model(self) -> str:
-        return self.prepared.model
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(len(p) for p in self.prepared.prompts)
-
-    @property
-    def completion_tokens(self) -> int:
-        return sum(c.output_tokens for c in self.choices)
-
-    @property
-    def all_finished(self) -> bool:
-        return all(c.finished for c in self.choices)
-
-    @property
-    def error(self) -> str | None:
-        return next((c.error for c in self.choices if c.error), None)
-
-
-class ResponseBuilder(ABC):
-    """Formats one protocol: request -> `Prepared`, events -> SSE strings / JSON."""
-
-    id_prefix: str = "req_"
-    tool_id_prefix: str = "call_"
-    # Request fields whose text is the prompt (the character limit); absent ones are skipped.
-    prompt_fields: tuple[str, ...] = ("system", "messages", "prompt", "suffix")
-
-    @abstractmethod
-    def prepare(self, body: Any, tokenizer: AutoTokenizer, settings: ServeSettings) -> Prepared:
-        """Validate beyond the schema and render the prompt; raise `APIError` (400)."""
-
-    @abstractmethod
-    def error_body(self, err: APIError) -> dict[str, Any]: ...
-
-    @abstractmethod
-    def format_stream_start(self, ctx: RequestContext) -> list[str]: ...
-
-    @abstractmethod
-    def format_chunk(self, ctx: RequestContext, choice: Choice, event: Event) -> list[str]: ...
-
-    @abstractmethod
-    def format_choice_end(self, ctx: RequestContext, choice: Choice) -> list[str]: ...
-
-    @abstractmethod
-    def format_stream_end(self, ctx: RequestContext) -> list[str]: ...
-
-    @abstractmethod
-    def format_stream_error(self, ctx: RequestContext, err: APIError) -> list[str]: ...
-
-    @abstractmethod
-    def format_response(self, ctx: RequestContext) -> dict[str, Any]: ...
-
-
-class ServerState:
-    """What the handlers share: admission, requests in flight, counters, shutdown."""
-
-    def __init__(
-        self,
-        engine: InferenceEngine,
-        settings: ServeSettings,
-        tool_format: ToolCallFormat | None,
-    ) -> None:
-        self.engine = engine
-        self.settings = settings
-        self.tool_format = tool_format
-        self.draining = False
-        self.inflight: set[RequestContext] = set()
-        self.requests_total = 0
-        self.requests_failed = 0
-        self.tokens_out = 0
-        self.started = time.time()
-        # Prompt rendering and tokenizing run here, so a large prompt never blocks the
-        # event loop (other streams, /health); `tokenizers` releases the GIL while encoding.
-        self.executor = ThreadPoolExecutor(
-            max_workers=max(1, settings.tokenizer_threads), thread_name_prefix="astrai-tokenize"
-        )
-
-    async def run_blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """`fn(*args)` on the tokenizer pool, awaited from the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
-
-    def close(self) -> None:
-        """Stop the tokenizer pool (idle threads; queued work is dropped)."""
-        self.executor.shutdown(wait=False, cancel_futures=True)
-
-    def check_ready(self) -> None:
-        retry = {"retry-after": str(self.settings.retry_after_s)}
-        if self.draining:
-            raise APIError(503, "server is shutting down", kind="overloaded", headers=retry)
-        if not self.engine.ready:
-            raise APIError(503, "engine not ready", kind="overloaded", headers=retry)
-        if self.engine.queue_full:
-            raise APIError(
-                503, "request queue is full, retry later", kind="overloaded", headers=retry
-            )
-
-    def begin_shutdown(self) -> None:
-        """Refuse new requests and end every open one (streams finish cleanly)."""
-        self.draining = True
-        for ctx in list(self.inflight):
-            for c in ctx.choices:
-                if not c.result.done:
-                    self.engine.cancel(c.result)
-
-    def stats(self) -> dict[str, Any]:
-        """HTTP-side counts (latencies: the engine's `get_stats()`, and `/metrics`)."""
-        return {
-            "requests_total": self.requests_total,
-            "requests_failed": self.requests_failed,
-            "requests_in_flight": len(self.inflight),
-            "output_tokens": self.tokens_out,
-            "draining": self.draining,
-        }
-
-
-class SafeJSONResponse(JSONResponse):
-    """A JSONResponse that always encodes: a lone surrogate becomes '?' instead of a 500."""
-
-    def render(self, content: Any) -> bytes:
-        text = json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-        return text.encode("utf-8", "replace")
 
 
 class _ClientGone(Exception):
@@ -299,7 +71,6 @@ class ProtocolHandler:
     async def handle(self, body: Any, request: Request | None = None) -> Response:
         self.state.check_ready()
         prepared = await self.prepare(body)
-        self._check_limits(prepared)
         ctx = RequestContext(id=self.builder.id_prefix + secrets.token_hex(12), prepared=prepared)
         if request is not None:  # for the access log line (astrai.serve.access)
             request.state.astrai_request = ctx
@@ -329,90 +100,44 @@ class ProtocolHandler:
         finally:
             self._release(ctx)  # also cancels the engine tasks still running
         if ctx.error is not None:
-            rejected = any(c.result.finish_reason == "rejected" for c in ctx.choices)
-            if rejected:  # e.g. a paged KV pool that can never hold this prompt
-                raise APIError(400, ctx.error, param=prepared.prompt_param)
-            raise APIError(500, ctx.error, kind="server")
+            raise failed(ctx)
         return SafeJSONResponse(self.builder.format_response(ctx))
 
-    # ------------------------------------------------------------------ admission
-    def _check_limits(self, p: Prepared) -> None:
-        limit = self.engine.max_seq_len - 1
-        if self.state.settings.max_prompt_tokens is not None:
-            limit = min(limit, self.state.settings.max_prompt_tokens)
-        vocab = self.engine.vocab_size
-        for i, ids in enumerate(p.prompts):
-            name = p.prompt_param if len(p.prompts) == 1 else f"{p.prompt_param}[{i}]"
-            if len(ids) > limit:
-                raise APIError(
-                    400,
-                    f"{name}: prompt is too long: {len(ids)} tokens, the limit is {limit}",
-                    param=p.prompt_param,
-                    code="context_length_exceeded",
-                )
-            if not ids:
-                raise APIError(400, f"{name}: the prompt is empty", param=p.prompt_param)
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise APIError(
-                    400,
-                    f"{name}: token id(s) outside the vocabulary [0, {vocab}): {bad[:5]}",
-                    param=p.prompt_param,
-                )
-
+    # ------------------------------------------------------------------ submission
     def _submit(self, ctx: RequestContext) -> None:
         p = ctx.prepared
         loop = asyncio.get_running_loop()
         post, put = self.engine.handoff.post, ctx.queue.put_nowait  # one wake-up per step
         fmt = self.state.tool_format if p.parse_tools else None
-        # An explicit max_tokens is held to the context (the engine's rule, by the server's
-        # policy); a default one is capped to what fits: the engine stops at a full context.
-        explicit = p.max_tokens_param is not None
-        policy = self.state.settings.max_tokens_policy if explicit else "clamp"
+        seed = p.params.seed
+        if len(p.prompts) > 1:  # a batch: every prompt passes the check before any is queued
+            for prompt, ids in enumerate(p.prompts):
+                try:
+                    self.engine.check_request(ids, p.params)
+                except RequestRejected as err:
+                    raise refused(p, prompt, err.rejection) from None
+                except (TypeError, ValueError) as err:
+                    raise bad_settings(err) from err
         for i in range(len(p.prompts) * p.n):
-            sampling = dict(p.sampling)
-            if sampling.get("seed") is not None:
-                sampling["seed"] += i
+            params = p.params if seed is None else replace(p.params, seed=seed + i)
             prompt = i // p.n
             try:  # the engine's one request check: bad settings raise, naming the parameter
-                result = self.engine.submit(
-                    p.prompts[prompt],
-                    max_tokens=p.max_tokens,
-                    max_tokens_policy=policy,
-                    **sampling,
-                )
+                result = self.engine.submit(p.prompts[prompt], params=params)
             except EngineNotReady as err:
                 self._cancel_all(ctx)
                 raise APIError(503, str(err), kind="overloaded") from err
             except (TypeError, ValueError) as err:
                 self._cancel_all(ctx)
-                raise APIError(400, str(err), param=str(err).split(" ")[0].split("[")[0]) from err
+                raise bad_settings(err) from err
             if result.done and result.finish_reason in ("rejected", "aborted"):
                 self._cancel_all(ctx)
-                raise self._rejected(p, prompt, result)
+                raise ended(p, prompt, result)
             parser = OutputParser(p.stops, fmt, self.builder.tool_id_prefix)
             ctx.choices.append(Choice(i, result, parser, prompt_index=prompt))
             # The engine's thread only wakes this loop (once per step); the text is decoded
             # here, by `_events`, off the scheduler's critical path.
             result.listen(lambda i=i: post(loop, put, i))
             put(i)  # whatever came before `listen`
-
-    @staticmethod
-    def _rejected(p: Prepared, prompt: int, result: GenerateResult) -> APIError:
-        """The engine's refusal of a request as this protocol's error: 503 when it failed,
-        else a 400 naming the field at fault (the prompt, or the max_tokens field the
-        request spelled, with `context_length_exceeded`)."""
-        task = result.task
-        reason = task.error or "request rejected"
-        if result.finish_reason != "rejected":
-            return APIError(503, reason, kind="overloaded")
-        if task.error_param != "max_tokens":
-            return APIError(400, reason, param=p.prompt_param)
-        field = p.max_tokens_param or "max_tokens"
-        where = f"{p.prompt_param}[{prompt}]: " if len(p.prompts) > 1 else ""
-        return APIError(
-            400, f"{field}: {where}{reason}", param=field, code="context_length_exceeded"
-        )
 
     def _cancel_all(self, ctx: RequestContext) -> None:
         for c in ctx.choices:
@@ -561,11 +286,3 @@ class ProtocolHandler:
             self.state.requests_failed += 1
         self.state.tokens_out += ctx.completion_tokens
         # The request's log line is the access log's (astrai.serve.access), at its end.
-
-
-def sse(data: Any, event: str | None = None) -> str:
-    """One SSE event; every event ends with a blank line."""
-    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
-    if event is None:
-        return f"data: {payload}\n\n"
-    return f"event: {event}\ndata: {payload}\n\n"

@@ -6,9 +6,10 @@ import math
 from typing import Any
 
 from astrai.serve.errors import APIError, openai_error_body
-from astrai.serve.handler import Choice, Prepared, RequestContext, ResponseBuilder, sse
 from astrai.serve.logprobs import chat_entries, token_text
 from astrai.serve.parsing import Event, TextDelta
+from astrai.serve.protocol import Choice, Prepared, RequestContext, ResponseBuilder, sse
+from astrai.serve.request import openai_params, or_default, render_prompt, stop_strings
 from astrai.serve.schemas import ChatCompletionRequest, ChatMessage, NamedToolChoice, given
 from astrai.serve.settings import ServeSettings
 from astrai.serve.structured import response_format_constraint, tool_call_constraint
@@ -21,20 +22,6 @@ _FINISH = {
     "tool_calls": "tool_calls",
     "error": "stop",
 }
-
-
-def render_prompt(
-    tokenizer: AutoTokenizer, messages: list[dict[str, Any]], tools: list[dict] | None
-) -> list[int]:
-    """Chat template -> ids; template failures are the client's input, so a 400."""
-    try:
-        ids = tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=True, tokenize=True
-        )
-    except (ValueError, TypeError) as err:
-        raise APIError(400, f"cannot render the conversation: {err}", param="messages") from err
-    assert isinstance(ids, list)
-    return ids
 
 
 def _content(m: ChatMessage) -> str | None:
@@ -133,35 +120,27 @@ class OpenAIResponseBuilder(OpenAIStyleBuilder):
         if choice == "required" and not body.tools:
             raise APIError(400, "tool_choice: required needs tools", param="tool_choice")
         prompt_ids = render_prompt(tokenizer, [_message(m) for m in body.messages], tools)
-        sampling: dict[str, Any] = {} if top is None else {"logprobs": top}
+        extra: dict[str, Any] = {} if top is None else {"logprobs": top}
         structured = response_format_constraint(body.response_format, tokenizer)
         if tools and (choice == "required" or isinstance(choice, NamedToolChoice)):
             functions = [t["function"] for t in tools]
             structured = tool_call_constraint(functions, settings, tokenizer)
         if structured is not None:  # compiled already: a bad schema was a 400 naming it
-            sampling["structured"] = structured
-        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        temperature = 1.0 if body.temperature is None else body.temperature
-        top_p = 1.0 if body.top_p is None else body.top_p
-        if top_p == 0:  # only the most likely token survives: greedy
-            temperature, top_p = 0.0, 1.0
+            extra["structured"] = structured
+        field = given(body, "max_completion_tokens", "max_tokens")
+        params = openai_params(
+            body,
+            settings,
+            max_tokens=body.max_completion_tokens or or_default(body, "max_tokens"),
+            max_tokens_param=field,
+            **extra,
+        )
         return Prepared(
             prompts=[prompt_ids],
-            max_tokens=body.max_completion_tokens or body.max_tokens or 2048,
-            max_tokens_param=given(body, "max_completion_tokens", "max_tokens"),
-            sampling={
-                "temperature": temperature,
-                "top_p": top_p,
-                "top_k": 50 if body.top_k is None else body.top_k,
-                "min_p": body.min_p or 0.0,
-                "presence_penalty": body.presence_penalty or 0.0,
-                "frequency_penalty": body.frequency_penalty or 0.0,
-                "logit_bias": body.logit_bias or None,
-                "seed": body.seed,
-                **sampling,
-            },
-            n=body.n or 1,
-            stops=[s for s in stops if s],
+            params=params,
+            max_tokens_param=field,
+            n=or_default(body, "n"),
+            stops=stop_strings(body.stop),
             parse_tools=tools is not None,
             stream=bool(body.stream),
             include_usage=bool(body.stream_options and body.stream_options.include_usage),

@@ -2,7 +2,8 @@
 
 Unknown fields are ignored (SDKs add new optional fields faster than we add support),
 but every field we read is typed and range-checked, so a bad value is a 400 that names
-the field rather than an error deep in the engine.
+the field rather than an error deep in the engine. The limits the engine applies too
+(penalties, logit bias, log-probs, stop strings) are the engine's constants.
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
-MAX_N = 16
-MAX_STOPS = 16
-MAX_LOGPROBS = 20  # the engine's limit (astrai.inference.sampling.MAX_LOGPROBS), checked in tests
+from astrai.inference.params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_STOPS
+
+MAX_N = 16  # choices per request: the server's own limit (the engine serves one each)
 
 
 class _Body(BaseModel):
@@ -105,9 +106,11 @@ class ChatCompletionRequest(_Body):
     stream_options: StreamOptions | None = None
     stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] | None = 1
-    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = 0.0
-    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = 0.0
-    logit_bias: dict[int, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    presence_penalty: Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)] | None = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)] | None = 0.0
+    logit_bias: dict[int, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = (
+        None
+    )
     seed: int | None = None
     user: str | None = None
     tools: list[OpenAITool] | None = None
@@ -139,9 +142,11 @@ class CompletionRequest(_Body):
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool | None = False
     stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
-    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = 0.0
-    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = 0.0
-    logit_bias: dict[int, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    presence_penalty: Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)] | None = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)] | None = 0.0
+    logit_bias: dict[int, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = (
+        None
+    )
     seed: int | None = None
     user: str | None = None
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from astrai.inference.checks import MAX_TOKENS_POLICIES, check_choice
+from astrai.inference.params import MAX_TOKENS_POLICIES, check_choice
 
 
 @dataclass
@@ -13,9 +13,10 @@ class ServeSettings:
 
     `tool_call_format`: ``"hermes"`` (``<tool_call>{json}</tool_call>``, our chat
     template's format), ``"START|END"`` for other tags, or ``"none"`` to never parse tool
-    calls. `max_prompt_tokens` caps prompts below the engine's context (None: the
-    context minus one token). `disconnect_poll_s`: how often a non-streaming request
-    checks that its client is still there.
+    calls. `disconnect_poll_s`: how often a non-streaming request checks that its client
+    is still there. A cap on prompt tokens is the engine's (`InferenceEngine(...,
+    max_prompt_tokens=)`, the one prompt check): `python -m astrai.serve` passes its
+    `max_prompt_tokens` there.
 
     Limits (checked before a request costs anything): `max_body_bytes` (413 beyond it,
     refused while the body streams in), `max_prompt_chars` (400 naming the field, checked
@@ -33,7 +34,6 @@ class ServeSettings:
     model_name: str = "astrai"
     api_key: str | None = None
     tool_call_format: str = "hermes"
-    max_prompt_tokens: int | None = None
     retry_after_s: int = 1
     disconnect_poll_s: float = 0.5
     max_body_bytes: int = 4 * 1024 * 1024

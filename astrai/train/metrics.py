@@ -10,18 +10,15 @@ token of the evaluation pass, not a mean of batch means.
   :func:`astrai.tokenizer.bytes.token_byte_lengths` (bytes each token id stands for).
 * :class:`ValidationCorpusMetrics`: mixin for an ``LMModule`` that logs ``val/ppl`` and
   ``val/bpb`` once per validation epoch (summed over DDP ranks).
-* :func:`unigram_baseline`, and ``python -m astrai.train.metrics unigram [overrides]``: the
-  same figures for add-one-smoothed token frequencies of the training split, the floor a
-  trained model must beat.
+* :func:`unigram_baseline`: the same figures for add-one-smoothed token frequencies of the
+  training split, the floor a trained model must beat (``python -m astrai.train.unigram``
+  computes it for a training config).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,7 +26,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from astrai.data.datasets import IGNORE_INDEX
-from astrai.tokenizer import AutoTokenizer
 from astrai.tokenizer.bytes import corpus_metrics, token_byte_lengths
 
 log = logging.getLogger(__name__)
@@ -170,56 +166,3 @@ def unigram_baseline(
     out["nats_per_token"] = nats / tokens if tokens else float("nan")
     out.update(corpus_metrics(nats, tokens, num_bytes))
     return out
-
-
-def unigram_from_config(overrides: list[str]) -> dict[str, Any]:
-    """The unigram baseline of a training config (``experiment=tiny_pretrain`` ...): its
-    tokenizer and prepared train/val data, built (and cached) exactly as a run builds them."""
-    from hydra.utils import instantiate
-
-    from astrai.train.runner import check_inputs, compose, prepare_tokenizer
-
-    cfg = compose([*overrides, "paths.output_dir=unused"])
-    check_inputs(cfg)
-    data_dir = cfg.paths.data_dir
-    tokenizer_dir = prepare_tokenizer(cfg.tokenizer, data_dir)
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    datamodule = instantiate(cfg.data, _convert_="all", _recursive_=False)
-    datamodule.connect(tokenizer_dir, data_dir)
-    datamodule.setup()
-    splits = {s: datamodule.datasets.get(s) for s in ("train", "val")}
-    missing = [s for s, ds in splits.items() if ds is None]
-    if missing:
-        raise ValueError(f"data.{missing[0]}: the unigram baseline needs a {missing[0]} split")
-    result = unigram_baseline(
-        dataset_targets(splits["train"]),
-        dataset_targets(splits["val"]),
-        token_byte_lengths(tokenizer),
-    )
-    return {"name": str(cfg.name), "tokenizer": str(tokenizer_dir), **result}
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m astrai.train.metrics",
-        description="Language-model metrics. `unigram [overrides]`: the add-one unigram "
-        "baseline (nats/token, ppl, bpb) of a training config's validation data.",
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-    uni = sub.add_parser(
-        "unigram", help="unigram baseline of a config, e.g. +experiment=tiny_pretrain"
-    )
-    uni.add_argument("overrides", nargs="*", help="Hydra overrides, as for python -m astrai.train")
-    uni.add_argument("--out", default=None, help="also write the result as JSON here")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    result = unigram_from_config(list(args.overrides))
-    text = json.dumps(result, indent=2)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
-    print(text)
-
-
-if __name__ == "__main__":
-    main()

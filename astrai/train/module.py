@@ -277,6 +277,8 @@ class LMModule(L.LightningModule, ABC):
             step, so no checkpoint is ever written with NaN weights.
         init_from: an earlier run's export to start from (same architecture as `model`);
             when the directory does not exist the run starts fresh with a warning.
+        label_smoothing: token cross entropy's smoothing (`token_loss`, pretraining and
+            SFT), in [0, 1); DPO reads its own `label_smoothing` (cDPO's label-noise rate).
 
     Hyperparameters (`self.hparams`, logged and kept in checkpoints) are the constructor
     arguments of the whole class chain, with factories stored as their config and modules
@@ -293,8 +295,11 @@ class LMModule(L.LightningModule, ABC):
         gradient_checkpointing: bool = False,
         check_grad_finite: bool = True,
         init_from: str | None = None,
+        label_smoothing: float = 0.0,
     ) -> None:
+        smoothing = check_label_smoothing(label_smoothing)  # before the model is built
         super().__init__()
+        self.label_smoothing = smoothing
         init_args: dict[str, Any] = {}
         for level in collect_init_args(inspect.currentframe(), [], classes=(LMModule,)):
             init_args.update(level)
@@ -337,6 +342,10 @@ class LMModule(L.LightningModule, ABC):
     # ------------------------------------------------------------------ helpers
     def forward(self, input_ids: Tensor, **kwargs: Any) -> Tensor:
         return self.model(input_ids, **kwargs)
+
+    def token_loss(self, logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+        """Mean cross entropy over labelled tokens (with `label_smoothing`) and their count."""
+        return lm_loss(logits, labels, label_smoothing=self.label_smoothing)
 
     def export_model(self) -> Transformer:
         """The model as it should be saved: LoRA adapters merged into a copy when present."""

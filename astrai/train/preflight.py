@@ -34,6 +34,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from astrai.data.builtin import is_builtin
 from astrai.train import runner, wandb_run
 from astrai.train.sweep import job_configs
 
@@ -335,7 +336,7 @@ def _sample_bound(spec: DictConfig, need: int) -> int | None:
         return None  # record sources, already prepared storage
     pretrain = "Pretrain" in str(spec.get("_target_", ""))
     window = spec.get("window_size") if pretrain else None
-    if source.startswith("builtin:"):
+    if is_builtin(source):
         n = OmegaConf.select(prepare, "builtin.n", default=None)
         if pretrain or not source.startswith("builtin:arithmetic") or n is None:
             return None

@@ -3,45 +3,42 @@
 1. Check every input path (data, model, tokenizer) so a typo fails before any model is built
    (`python -m astrai.train` has already run all of `astrai.train.preflight`'s checks).
 2. Tokenizer: an existing directory, or trained once from `tokenizer.train` and cached under
-   `${paths.data_dir}/tokenizers/<hash>`.
+   `${paths.data_dir}/tokenizers/<hash>` (`astrai.train.tokenizer_setup`).
 3. Data: the datamodule is connected to the tokenizer and `${paths.data_dir}`
    (`AstraiDataModule.connect`); Lightning's `prepare_data` hook then tokenizes every dataset
    spec with a `prepare:` block once into `${paths.data_dir}/prepared/<hash>`.
 4. Instantiate strategy (LightningModule), callbacks, loggers and Trainer from
    their `_target_`s, resolve `ckpt_path` (`last` = this run's or the newest of this
    experiment, an error when there is none; `auto` = the same, or a fresh start), and
-   `trainer.fit`; a fit without a single training batch is an error. The export callback
+   `trainer.fit`; a fit without a single training batch is an error. W&B's mode, logger and
+   resumed run are `astrai.train.wandb_run`'s. The export callback
    writes the `save_pretrained` directory. A run stopped by SIGTERM or SIGINT
    (`InterruptCheckpoint`) exits with 128 + the signal's number once its checkpoint is written.
 
 Hydra composes; Lightning runs. Nothing here re-implements either. Lightning (and
 `astrai.train.callbacks`, which imports it) is imported inside `train()` and the logger
-factory only: importing it costs about 5 s, which `--cfg job`, `--help` and `compose()`
-(tests, notebooks) should not pay.
+factory only: importing it costs about 5 s, which `--cfg job`, `--help`, a config error and
+`compose()` (tests, notebooks) should not pay.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import secrets
-import shutil
 import signal
-import sys
-from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
-from astrai.data.builtin import builtin_records
-from astrai.data.cache import digest, file_lock
+from astrai.data.builtin import is_builtin
 from astrai.tokenizer import AutoTokenizer
 from astrai.train import wandb_run
 from astrai.train.checkpoint import is_complete, newest_complete
+from astrai.train.tokenizer_setup import prepare_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -127,10 +124,6 @@ def _get(cfg: DictConfig, key: str, where: str) -> Any:
         raise ConfigPathError(f"{where}: required, but not set (pass {where}=<path>)") from None
 
 
-def _is_builtin(source: Any) -> bool:
-    return isinstance(source, str) and source.startswith("builtin:")
-
-
 # ---------------------------------------------------------------------- 1. input checks
 def _check_record_source(source: Any, where: str) -> None:
     """A record source (e.g. `astrai.data.OnPolicyPairs`) checks its own inputs when built;
@@ -171,7 +164,7 @@ def _check_source(spec: DictConfig, where: str) -> None:
         raise ConfigPathError(f"{where}: required, but null")
     if OmegaConf.is_dict(source) and "_target_" in source:
         _check_record_source(source, where)
-    elif not _is_builtin(source) and not Path(str(source)).exists():
+    elif not is_builtin(source) and not Path(str(source)).exists():
         raise ConfigPathError(f"{where}: {source} does not exist")
 
 
@@ -189,7 +182,7 @@ def _check_model_and_tokenizer(cfg: DictConfig) -> None:
         if path is None and not tok.get("train"):
             raise ConfigPathError("tokenizer: set tokenizer.path or a tokenizer.train block")
     corpus = OmegaConf.select(cfg, "tokenizer.train.corpus")
-    if corpus is not None and not _is_builtin(corpus) and not Path(str(corpus)).exists():
+    if corpus is not None and not is_builtin(corpus) and not Path(str(corpus)).exists():
         raise ConfigPathError(f"tokenizer.train.corpus: {corpus} does not exist")
 
 
@@ -198,60 +191,6 @@ def check_inputs(cfg: DictConfig) -> None:
     problems = input_problems(cfg)
     if problems:
         raise ConfigPathError("\n".join(problems))
-
-
-# ---------------------------------------------------------------------- 2. tokenizer
-def _corpus_texts(corpus: str, max_bytes: int | None) -> Iterator[str]:
-    """Texts for BPE training: builtin records, or .txt / .jsonl (`text`) files."""
-    if _is_builtin(corpus):
-        records = builtin_records(corpus.removeprefix("builtin:"), max_bytes=max_bytes)
-        texts: Iterator[str] = (r.get("text") or json.dumps(r) for r in records)
-    else:
-        root = Path(corpus)
-        files = sorted(root.rglob("*")) if root.is_dir() else [root]
-
-        def read() -> Iterator[str]:
-            for f in files:
-                if f.suffix == ".jsonl":
-                    with open(f, encoding="utf-8") as fh:
-                        for line in fh:
-                            if line.strip():
-                                yield json.loads(line).get("text", "")
-                elif f.suffix in (".txt", ".md", ".py"):
-                    yield f.read_text(encoding="utf-8", errors="replace")
-
-        texts = read()
-    total = 0
-    for text in texts:
-        if max_bytes is not None and total >= max_bytes:
-            return
-        total += len(text.encode("utf-8", errors="replace"))
-        yield text
-
-
-def prepare_tokenizer(tok_cfg: Mapping[str, Any], data_dir: str | Path) -> Path:
-    """The tokenizer directory: `path` as given, or trained from `train` once and cached."""
-    tok_cfg = dict(_container(tok_cfg) or {})
-    if tok_cfg.get("path"):
-        return Path(tok_cfg["path"])
-    spec = dict(tok_cfg.get("train") or {})
-    corpus = spec.pop("corpus")
-    vocab_size = int(spec.pop("vocab_size"))
-    max_bytes = spec.pop("max_bytes", None)
-    out = Path(data_dir) / "tokenizers" / f"bpe{vocab_size}-{digest(tok_cfg['train'])}"
-    if (out / "tokenizer.json").is_file():
-        return out
-    with file_lock(out.with_suffix(".lock")):
-        if (out / "tokenizer.json").is_file():  # another process finished it meanwhile
-            return out
-        log.info("training a %d-token BPE tokenizer on %s -> %s", vocab_size, corpus, out)
-        spec.setdefault("show_progress", sys.stderr.isatty())  # the tokenizers library's bar
-        tok = AutoTokenizer.train(_corpus_texts(corpus, max_bytes), vocab_size, **spec)
-        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tok.save_pretrained(tmp)
-        os.replace(tmp, out)
-    return out
 
 
 # ---------------------------------------------------------------------- 4. run

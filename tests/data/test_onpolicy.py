@@ -103,6 +103,11 @@ def test_bad_options_fail_before_sampling(policy, prompts, tmp_path):
         _pairs(policy, prompts, reward="nope")
 
 
+def test_a_bad_sampling_option_fails_before_the_checkpoint_is_read(policy, prompts):
+    with pytest.raises(ValueError, match=r"^OnPolicyPairs: top_p must be in \(0, 1\]"):
+        _pairs(policy, prompts, top_p=0.0)
+
+
 def test_no_pair_is_a_clear_error_unless_reference_fallback(policy, prompts):
     REWARDS["test_never"] = lambda record, completion: 0.0
     try:

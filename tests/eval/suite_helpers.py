@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 import sysconfig
 from collections.abc import Callable, Sequence
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from astrai.inference import BatchResult, InferenceEngine
+from astrai.inference import BatchResult, InferenceEngine, SamplingParams
 from astrai.model import ModelConfig, Transformer
 from astrai.tokenizer import AutoTokenizer
 
@@ -71,9 +72,16 @@ class ScriptedEngine:
         self.max_seq_len = 4096
 
     def run_batch(
-        self, prompt_ids_list: Sequence[Sequence[int]], *, seed: int = 0, **sampling: Any
+        self,
+        prompt_ids_list: Sequence[Sequence[int]],
+        params: SamplingParams | None = None,
+        *,
+        seed: int = 0,
+        **options: Any,
     ) -> list[BatchResult]:
-        self.calls.append({"n": len(prompt_ids_list), "seed": seed, **sampling})
+        """`InferenceEngine.run_batch`'s signature; `calls` records each call's settings."""
+        settings = {f.name: getattr(params, f.name) for f in fields(params or SamplingParams())}
+        self.calls.append({"n": len(prompt_ids_list), "seed": seed, **settings, **options})
         out = []
         for i, ids in enumerate(prompt_ids_list):
             text = self.reply(self.tokenizer.decode(ids), seed + i)

@@ -120,3 +120,9 @@ def test_bad_prompt_files_name_file_and_line(tmp_path, bad, message):
 def test_unknown_metric_fails_at_construction():
     with pytest.raises(KeyError, match="unknown reward 'nope'"):
         GenerationSuite(prompts=["x"], metrics=["nope"])
+
+
+@pytest.mark.parametrize(("option", "value"), [("top_p", 1.5), ("temperature", -1.0)])
+def test_a_bad_sampling_setting_fails_at_construction(option, value):
+    with pytest.raises(ValueError, match=f"^arith: {option} must be in"):
+        GenerationSuite("arith", prompts=["x"], **{option: value})

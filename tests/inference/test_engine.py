@@ -293,7 +293,7 @@ def test_check_request_is_the_one_check(model, tokenizer):
             ([1, 2], SamplingParams(max_tokens="4"), "^max_tokens must be an int"),
             ([1, 2], SamplingParams(logit_bias={384: 1.0}), "^logit_bias token id 384"),
             ([], ok, "empty prompt"),
-            (list(range(64)), ok, "prompt too long"),
+            (list(range(64)), ok, "prompt is too long: 64 tokens, the limit is 63"),
             ([1, 2], SamplingParams(max_tokens=0), "^max_tokens must be positive"),
             ([1, 384], ok, "outside the vocabulary"),
         ]
@@ -330,9 +330,9 @@ def test_max_tokens_beyond_the_context_follows_its_policy(model, tokenizer):
         assert "maximum context length is 32 tokens" in str(info.value)
         assert "33 were requested" in str(info.value) and "at most 22" in str(info.value)
         eng.check_request(list(range(9)), strict)  # 9 + 23 = 32: fits exactly
-        with pytest.raises(RequestRejected, match="prompt too long") as info:  # the prompt's
+        with pytest.raises(RequestRejected, match="prompt is too long") as info:  # the prompt's
             eng.check_request(list(range(32)), strict)
-        assert info.value.param is None
+        assert info.value.param == "prompt"
         r = eng.submit(list(range(10)), strict)
         assert r.finish_reason == "rejected" and r.task.error_param == "max_tokens"
         with pytest.raises(ValueError, match="max_tokens_policy must be one of clamp, error"):

@@ -232,7 +232,7 @@ def test_score_only_requests_need_prompt_logprobs_and_name_the_field(model, toke
             eng.check_request([1, 2, 3], SamplingParams(max_tokens=0))
         eng.check_request([1, 2, 3], SamplingParams(max_tokens=0, prompt_logprobs=0))
         eng.check_request([1] * 64, SamplingParams(max_tokens=0, prompt_logprobs=0))
-        with pytest.raises(ValueError, match="prompt too long"):
+        with pytest.raises(ValueError, match="prompt is too long"):
             eng.check_request([1] * 64, SamplingParams(max_tokens=1, prompt_logprobs=0))
         with pytest.raises(ValueError, match=r"^prompt_logprobs_start"):
             eng.check_request([1, 2, 3], SamplingParams(prompt_logprobs=0, prompt_logprobs_start=3))

@@ -5,12 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from astrai.inference.params import MAX_LOGPROBS, SamplingParams
 from astrai.inference.sampling import (
-    MAX_LOGPROBS,
     MinPStrategy,
     SamplingBatch,
     SamplingBatchCache,
-    SamplingParams,
     SamplingPipeline,
     TemperatureStrategy,
     TopKStrategy,

@@ -314,6 +314,17 @@ def test_grpo_rejects_bad_options(prompt_setup):
         _grpo(root, tok, tokenizer=None)
 
 
+@pytest.mark.parametrize(("option", "value"), [("top_p", 1.5), ("top_k", -2)])
+def test_a_bad_rollout_setting_fails_before_the_model_is_built(prompt_setup, option, value):
+    root, tok = prompt_setup
+
+    def model(*args, **kwargs):
+        pytest.fail("the model was built before the rollout settings were checked")
+
+    with pytest.raises(ValueError, match=f"^GRPO rollout sampling: {option} must be"):
+        _grpo(root, tok, model=model, **{option: value})
+
+
 @pytest.mark.slow
 def test_tiny_grpo_fast_via_entry_point(tmp_path, data_dir):
     from train_helpers import cli, run_dirs

@@ -20,7 +20,7 @@ from astrai.data.datasets import IGNORE_INDEX
 from astrai.model import preset_model
 from astrai.tokenizer import AutoTokenizer
 from astrai.tokenizer.bytes import corpus_metrics, token_byte_lengths
-from astrai.train import metrics
+from astrai.train import unigram
 from astrai.train.metrics import CorpusNLL, dataset_targets, unigram_baseline
 from astrai.train.optim import adamw, constant
 from astrai.train.strategies.pretrain import PretrainModule
@@ -184,17 +184,18 @@ def test_tally_is_idle_outside_validation(tokenizer_dir: Path) -> None:
 
 @pytest.mark.slow
 def test_unigram_cli_on_tiny_data(tmp_path: Path, data_dir: Path, capsys) -> None:
-    """`python -m astrai.train.metrics unigram OVERRIDES` on the tiny_pretrain data (small
+    """`python -m astrai.train.unigram OVERRIDES` on the tiny_pretrain data (small
     settings): the figures of a plain-Python count over the same prepared windows."""
     overrides = [*SMALL, *TINY_MODEL, f"paths.data_dir={data_dir}"]
     out = tmp_path / "unigram.json"
-    metrics.main(["unigram", "experiment=tiny_pretrain", *overrides, "--out", str(out)])
+    unigram.main(["+experiment=tiny_pretrain", *overrides, "--out", str(out)])
     result = json.loads(out.read_text())
     assert json.loads(capsys.readouterr().out) == result
 
     from hydra.utils import instantiate
 
-    from astrai.train.runner import compose, prepare_tokenizer
+    from astrai.train.runner import compose
+    from astrai.train.tokenizer_setup import prepare_tokenizer
 
     cfg = compose([*overrides, "paths.output_dir=unused"])
     tok_dir = prepare_tokenizer(cfg.tokenizer, data_dir)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from astrai.inference import InferenceEngine
+from astrai.inference import InferenceEngine, SamplingParams
 from astrai.train.module import LMModule, ReferencePolicy, token_logprobs
 from astrai.train.strategies.grpo_loss import check_loss_options, group_advantages, grpo_loss
 from astrai.train.strategies.grpo_rollouts import (
@@ -50,6 +50,22 @@ __all__ = ["GRPOModule", "Rollouts", "build_rollouts", "parse_rewards", "score"]
 
 
 # ---------------------------------------------------------------------------- the module
+def rollout_sampling(
+    max_new_tokens: int, temperature: float, top_p: float, top_k: int
+) -> SamplingParams:
+    """The rollouts' `SamplingParams`, checked now: a bad setting fails before the model is
+    built, not at the first training step. Log-probs come back ``scaled`` (see the class)."""
+    params = SamplingParams(
+        max_tokens=int(max_new_tokens),
+        temperature=float(temperature),
+        top_p=float(top_p),
+        top_k=int(top_k),
+        logprobs_mode="scaled",
+    )
+    try:
+        return params.validate()
+    except ValueError as err:
+        raise ValueError(f"GRPO rollout sampling: {err}") from None
 
 
 class GRPOModule(LMModule):
@@ -131,18 +147,14 @@ class GRPOModule(LMModule):
         self.epsilon, self.epsilon_high = check_loss_options(loss_type, epsilon, epsilon_high)
         check_sync_options(sync_interval, sync_alpha, kl_coef)
         reward_items = parse_rewards(plain_rewards(rewards))
+        sampling = rollout_sampling(max_new_tokens, temperature, top_p, top_k)  # before the model
         super().__init__(**kwargs)
         self.num_generations = int(num_generations)
-        self.temperature = float(temperature)
-        self.max_new_tokens = int(max_new_tokens)
-        self.sampling = {
-            "max_tokens": self.max_new_tokens,
-            "temperature": self.temperature,
-            "top_p": float(top_p),
-            "top_k": int(top_k),
-            "logprobs_mode": "scaled",
-        }
+        self.temperature = sampling.temperature
+        self.max_new_tokens = sampling.max_tokens
+        self.sampling = sampling
         self.val_max_new_tokens = int(val_max_new_tokens or max_new_tokens)
+        self.val_sampling = SamplingParams(max_tokens=self.val_max_new_tokens, temperature=0.0)
         self.rewards = reward_items
         self.loss_type = loss_type
         self.kl_coef = float(kl_coef)
@@ -171,13 +183,13 @@ class GRPOModule(LMModule):
         return self._engine
 
     def _generate(
-        self, prompts: Sequence[Sequence[int]], *, seed: int | None, **sampling: Any
+        self, prompts: Sequence[Sequence[int]], *, seed: int | None, params: SamplingParams
     ) -> list[Any]:
         # Generation runs in the parameters' dtype (fp32 master weights), outside any autocast:
         # the KV cache is allocated in that dtype.
         device_type = self.device.type if self.device.type in ("cuda", "cpu") else "cpu"
         with torch.autocast(device_type=device_type, enabled=False):
-            results = self.engine.run_batch(prompts, seed=seed, return_details=True, **sampling)
+            results = self.engine.run_batch(prompts, params, seed=seed, return_details=True)
         for i, r in enumerate(results):
             if r.error or r.finish_reason in ("rejected", "aborted"):
                 raise RuntimeError(
@@ -202,7 +214,7 @@ class GRPOModule(LMModule):
         prompts = [list(p) for p in batch["prompt_ids"] for _ in range(self.num_generations)]
         records = [r for r in batch["records"] for _ in range(self.num_generations)]
         seed = self.rollout_seed + self._micro_step() * len(prompts)
-        results = self._generate(prompts, seed=seed, **self.sampling)
+        results = self._generate(prompts, seed=seed, params=self.sampling)
         texts = self._decode(results)
         rewards, parts = score(records, texts, self.rewards)
         return {
@@ -360,9 +372,7 @@ class GRPOModule(LMModule):
         if self._engine is not None and self.global_step > self._engine.policy_version:
             self._engine.update_weights(version=int(self.global_step))
         prompts = [list(p) for p in batch["prompt_ids"]]
-        results = self._generate(
-            prompts, seed=None, max_tokens=self.val_max_new_tokens, temperature=0.0
-        )
+        results = self._generate(prompts, seed=None, params=self.val_sampling)
         rewards, parts = score(batch["records"], self._decode(results), self.rewards)
         bs = len(prompts)
         reward = rewards.mean().to(self.device)

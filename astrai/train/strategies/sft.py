@@ -13,17 +13,12 @@ from typing import Any
 from torch import Tensor
 
 from astrai.data.datasets import IGNORE_INDEX
-from astrai.train.module import LMModule, check_label_smoothing, lm_loss
+from astrai.train.module import LMModule
 
 
 class SFTModule(LMModule):
-    """Assistant-only cross entropy (mean over assistant tokens of the batch); the other
-    arguments are `LMModule`'s."""
-
-    def __init__(self, *, label_smoothing: float = 0.0, **kwargs: Any) -> None:
-        label_smoothing = check_label_smoothing(label_smoothing)  # before the model is built
-        super().__init__(**kwargs)
-        self.label_smoothing = label_smoothing
+    """Assistant-only cross entropy (mean over assistant tokens of the batch, with the
+    `LMModule`'s `label_smoothing`)."""
 
     def compute_loss(self, batch: dict[str, Any]) -> tuple[Tensor, dict[str, Tensor]]:
         labels = batch["labels"]
@@ -34,5 +29,5 @@ class SFTModule(LMModule):
             position_ids=batch.get("position_ids"),
             attention_mask=batch.get("attention_mask"),
         )
-        loss, n = lm_loss(logits, labels, label_smoothing=self.label_smoothing)
+        loss, n = self.token_loss(logits, labels)
         return loss, {"assistant_tokens": n.float()}

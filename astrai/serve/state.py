@@ -1,0 +1,80 @@
+"""What every protocol's handler shares: admission, the requests in flight, counters, the
+tokenizer pool, and shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from astrai.serve.errors import APIError
+from astrai.serve.parsing import ToolCallFormat
+from astrai.serve.protocol import RequestContext
+from astrai.serve.settings import ServeSettings
+
+if TYPE_CHECKING:
+    from astrai.inference import InferenceEngine
+
+
+class ServerState:
+    """What the handlers share: admission, requests in flight, counters, shutdown."""
+
+    def __init__(
+        self,
+        engine: InferenceEngine,
+        settings: ServeSettings,
+        tool_format: ToolCallFormat | None,
+    ) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.tool_format = tool_format
+        self.draining = False
+        self.inflight: set[RequestContext] = set()
+        self.requests_total = 0
+        self.requests_failed = 0
+        self.tokens_out = 0
+        self.started = time.time()
+        # Prompt rendering and tokenizing run here, so a large prompt never blocks the
+        # event loop (other streams, /health); `tokenizers` releases the GIL while encoding.
+        self.executor = ThreadPoolExecutor(
+            max_workers=max(1, settings.tokenizer_threads), thread_name_prefix="astrai-tokenize"
+        )
+
+    async def run_blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` on the tokenizer pool, awaited from the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def close(self) -> None:
+        """Stop the tokenizer pool (idle threads; queued work is dropped)."""
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    def check_ready(self) -> None:
+        retry = {"retry-after": str(self.settings.retry_after_s)}
+        if self.draining:
+            raise APIError(503, "server is shutting down", kind="overloaded", headers=retry)
+        if not self.engine.ready:
+            raise APIError(503, "engine not ready", kind="overloaded", headers=retry)
+        if self.engine.queue_full:
+            raise APIError(
+                503, "request queue is full, retry later", kind="overloaded", headers=retry
+            )
+
+    def begin_shutdown(self) -> None:
+        """Refuse new requests and end every open one (streams finish cleanly)."""
+        self.draining = True
+        for ctx in list(self.inflight):
+            for c in ctx.choices:
+                if not c.result.done:
+                    self.engine.cancel(c.result)
+
+    def stats(self) -> dict[str, Any]:
+        """HTTP-side counts (latencies: the engine's `get_stats()`, and `/metrics`)."""
+        return {
+            "requests_total": self.requests_total,
+            "requests_failed": self.requests_failed,
+            "requests_in_flight": len(self.inflight),
+            "output_tokens": self.tokens_out,
+            "draining": self.draining,
+        }
