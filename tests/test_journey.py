@@ -7,14 +7,13 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
+import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
+from server_process import free_port, stop, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
 # Small data so that the tokenizer and corpus are built in seconds (same keys as the train tests).
@@ -30,12 +29,6 @@ pytestmark = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env() -> dict[str, str]:
     # The clone's own sources must win over the editable install of this checkout.
     return {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
@@ -49,20 +42,6 @@ def _run(args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProc
         f"{' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     )
     return proc
-
-
-def _wait_ready(url: str, server: subprocess.Popen, timeout: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise AssertionError(f"server exited with {server.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"server at {url} not ready after {timeout} s")
 
 
 def test_train_serve_and_ask_through_openai(tmp_path: Path) -> None:
@@ -102,7 +81,7 @@ def test_train_serve_and_ask_through_openai(tmp_path: Path) -> None:
     assert (export / "model.safetensors").is_file() and (export / "tokenizer.json").is_file()
 
     # Serve: `make serve` is `python -m astrai.serve`, which serves outputs/latest/export.
-    port = _free_port()
+    port = free_port()
     log = (tmp_path / "serve.log").open("w")
     server = subprocess.Popen(
         [sys.executable, "-m", "astrai.serve", f"port={port}"],
@@ -113,7 +92,7 @@ def test_train_serve_and_ask_through_openai(tmp_path: Path) -> None:
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_ready(url, server)
+        wait_healthy(server, url, 180)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         (model,) = client.models.list().data
         reply = client.chat.completions.create(
@@ -148,11 +127,6 @@ def test_train_serve_and_ask_through_openai(tmp_path: Path) -> None:
         text = answer.choices[0].message.content
         assert re.search(r"The answer is -?\d+\.", text), text
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        code = stop(server, signal.SIGTERM)
         log.close()
-    assert server.returncode in (0, -15), (tmp_path / "serve.log").read_text()[-3000:]
+    assert code in (0, -15), (tmp_path / "serve.log").read_text()[-3000:]

@@ -11,17 +11,14 @@ import json
 import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import nbformat
 import pytest
+from server_process import free_port, stop, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
 EXPERIMENTS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))
@@ -109,16 +106,10 @@ def test_sft_1b_trains_and_exports_on_a_cpu(sft_1b: Path) -> None:
     assert (sft_1b / "export" / "tokenizer.json").is_file()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_serve_answers_the_openai_sdk(sft_1b: Path, tmp_path: Path) -> None:
     openai = pytest.importorskip("openai")
-    port = _free_port()
+    port = free_port()
     log = (tmp_path / "serve.log").open("w")
     server = subprocess.Popen(
         [sys.executable, "-m", "astrai.serve", f"port={port}"],
@@ -129,16 +120,7 @@ def test_serve_answers_the_openai_sdk(sft_1b: Path, tmp_path: Path) -> None:
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.5)
+        wait_healthy(server, url, 180)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         reply = client.chat.completions.create(
             model="export",
@@ -149,14 +131,9 @@ def test_serve_answers_the_openai_sdk(sft_1b: Path, tmp_path: Path) -> None:
         assert reply.model == "export" and 0 < reply.usage.completion_tokens <= 8
         assert reply.choices[0].finish_reason in ("stop", "length")
     finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        code = stop(server)
         log.close()
-    assert server.returncode == 0, (tmp_path / "serve.log").read_text()[-3000:]
+    assert code == 0, (tmp_path / "serve.log").read_text()[-3000:]
 
 
 # ------------------------------------------------------------------------- a W&B grid

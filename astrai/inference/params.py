@@ -66,6 +66,13 @@ def check_count(name: str, value: object, high: int, *, optional: bool = False) 
         raise ValueError(f"{name} must be {what} in [0, {high}], got {value!r}")
 
 
+def check_max_prompt_tokens(value: object) -> None:
+    """The prompt cap (`InferenceEngine(max_prompt_tokens=)`, the server's setting): None
+    or a positive int."""
+    if value is not None and (not is_int(value) or value < 1):
+        raise ValueError(f"max_prompt_tokens must be a positive int or None, got {value!r}")
+
+
 def check_choice(name: str, value: object, choices: tuple[str, ...]) -> str:
     """`value` if it is one of `choices`; otherwise a ValueError naming `name`."""
     if not isinstance(value, str) or value not in choices:

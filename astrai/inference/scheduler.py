@@ -34,7 +34,7 @@ from typing import Any
 from astrai.inference.cache import PagePool
 from astrai.inference.logprobs import PromptScores, TopLogprobs
 from astrai.inference.metrics import EngineMetrics
-from astrai.inference.params import SamplingParams, is_int
+from astrai.inference.params import SamplingParams, check_max_prompt_tokens
 from astrai.inference.processors import describe
 from astrai.inference.task import Rejection, Task, TaskState
 
@@ -82,12 +82,7 @@ class InferenceScheduler:
     ) -> None:
         if max_prefill_tokens <= 0:
             raise ValueError(f"max_prefill_tokens must be positive, got {max_prefill_tokens}")
-        if max_prompt_tokens is not None and (
-            not is_int(max_prompt_tokens) or max_prompt_tokens < 1
-        ):
-            raise ValueError(
-                f"max_prompt_tokens must be a positive int or None, got {max_prompt_tokens!r}"
-            )
+        check_max_prompt_tokens(max_prompt_tokens)
         self.pool = pool
         self.vocab_size = vocab_size
         self.max_batch_size = min(max_batch_size, pool.max_batch_size)

@@ -84,13 +84,17 @@ def check_port(host: str, port: int) -> None:
 def settings_of(cfg: dict[str, Any]) -> ServeSettings:
     """The `ServeSettings` that `cfg` describes; a bad value is a SystemExit naming it
     (checked before the model loads)."""
-    from astrai.inference.params import is_int
+    from astrai.inference.params import check_max_prompt_tokens
     from astrai.serve.parsing import tool_call_format
     from astrai.serve.settings import ServeSettings
 
     cap = cfg.get("max_prompt_tokens")  # the engine's setting (build_engine), checked now
-    if cap is not None and (not is_int(cap) or cap < 1):
-        raise SystemExit(f"max_prompt_tokens: must be a positive int or null, got {cap!r}")
+    try:
+        check_max_prompt_tokens(cap)
+    except ValueError:
+        raise SystemExit(
+            f"max_prompt_tokens: must be a positive int or null, got {cap!r}"
+        ) from None
     try:
         settings = ServeSettings(
             model_name=cfg.get("model_name") or Path(str(cfg["model_path"])).resolve().name,

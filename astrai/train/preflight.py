@@ -36,7 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from astrai.data.builtin import is_builtin
 from astrai.train import runner, wandb_run
-from astrai.train.sweep import job_configs
+from astrai.train.sweep import job_configs, swept_overrides
 
 __all__ = ["PreflightCallback", "format_problems", "problems"]
 
@@ -93,18 +93,12 @@ def format_sweep_problems(jobs: list[tuple[list[str], Any]], found: dict[int, li
         "nothing was run:"
     ]
     lines += [f"  - every job: {p}" for p in shared]
-    swept = _swept([o for o, _ in jobs])
+    swept = swept_overrides([o for o, _ in jobs])
     for i in bad:
         label = " ".join(o for o in jobs[i][0] if o in swept) or "base config"
         lines.append(f"  - job {i} ({label}):")
         lines += [f"      {p}" for p in found[i] if p not in shared]
     return "\n".join(lines)
-
-
-def _swept(jobs: list[list[str]]) -> set[str]:
-    """The overrides that differ between jobs (what names a job)."""
-    common = set.intersection(*(set(o) for o in jobs)) if len(jobs) > 1 else set()
-    return {o for job in jobs for o in job if o not in common}
 
 
 def format_problems(found: list[str]) -> str:

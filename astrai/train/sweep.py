@@ -21,7 +21,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["SweepReport", "job_configs", "job_overrides"]
+__all__ = ["SweepReport", "job_configs", "job_overrides", "swept_overrides"]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,12 @@ def job_configs(config: DictConfig) -> list[tuple[list[str], DictConfig | Except
     return out
 
 
+def swept_overrides(jobs: list[list[str]]) -> set[str]:
+    """The overrides that differ between jobs: what names a job (a lone job: all of its)."""
+    common = set.intersection(*(set(o) for o in jobs)) if len(jobs) > 1 else set()
+    return {o for job in jobs for o in job if o not in common}
+
+
 class SweepReport(Callback):
     """Hydra callback: at the end of a sweep, one line per job with its overrides and export."""
 
@@ -75,13 +81,13 @@ class SweepReport(Callback):
         if not jobs:
             return
         overrides = {job: _overrides(job) for job in jobs}
-        common = set.intersection(*(set(o) for o in overrides.values()))
+        swept = swept_overrides(list(overrides.values()))
         lines = []
         for job in jobs:
             export = job / "export"
             where = str(export) if (export / "config.json").is_file() else "no export"
-            swept = " ".join(o for o in overrides[job] if o not in common) or "(base config)"
-            lines.append(f"  job {job.name} ({swept}): {where}")
+            label = " ".join(o for o in overrides[job] if o in swept) or "(base config)"
+            lines.append(f"  job {job.name} ({label}): {where}")
         log.info(
             "sweep of %d jobs in %s (outputs/latest is left to single runs):\n%s",
             len(jobs),

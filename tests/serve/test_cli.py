@@ -13,7 +13,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
-from serve_helpers import free_port, wait_healthy
+from server_process import free_port, wait_healthy
 
 from astrai.inference import InferenceEngine
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from serve_helpers import free_port, wait_healthy
+from server_process import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 
