@@ -11,6 +11,7 @@ tasks.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -20,6 +21,7 @@ import numpy as np
 from astrai.eval.sandbox import run_programs
 from astrai.eval.suite import Suite, SuiteResult, progress_bar
 from astrai.eval.tasks import DataError, read_records, resolve_path, text_field
+from astrai.inference.params import MAX_N
 
 if TYPE_CHECKING:
     from astrai.inference import InferenceEngine
@@ -70,12 +72,12 @@ class CodeSuite(Suite):
         limit: read at most this many tasks.
         num_samples: completions per task (``n``); every ``k`` must be <= ``n``.
         k: the ``pass@k`` values reported.
-        max_tokens, temperature, top_p, top_k, seed: sampling (sample ``j`` of all prompts
-            draws with seed ``seed + j``).
+        max_tokens, temperature, top_p, top_k, seed: sampling (the seed of each sample:
+            `complete`).
         stop: stop sequences the completion is cut at.
         timeout, memory_mb: per-program wall-clock seconds and address space (sandbox).
         workers: programs run at once.
-        chunk_size: prompts per ``run_batch`` call.
+        chunk_size: prompts per ``run_batch`` call (each with its ``num_samples`` samples).
     """
 
     def __init__(
@@ -124,25 +126,37 @@ class CodeSuite(Suite):
         return longest + self.sampling.max_tokens
 
     def complete(self, engine: InferenceEngine, progress: bool = False) -> list[list[str]]:
-        """`num_samples` truncated completions per task."""
+        """`num_samples` truncated completions per task.
+
+        A task's samples are one group (`run_batch` with ``n=num_samples``): its prompt is
+        prefilled once and shared through the prefix cache of a paged engine. Above the
+        engine's `MAX_N` they come in blocks of at most `MAX_N` samples (the later blocks
+        find the prompt in the prefix cache too). Sample ``j0 + j`` of task ``i``, in the
+        block of ``m`` samples from ``j0``, draws with seed
+        ``seed + j0 * tasks + i * m + j``; with ``num_samples <= MAX_N`` that is
+        ``seed + i * num_samples + j``. (Before groups, sample ``j`` of every task came
+        from one call with seeds ``seed + j * tasks + i``: seeded completions changed.)
+        """
         tok = engine.tokenizer
         prompts = [tok.encode(t["prompt"]) for t in self.tasks]
         out: list[list[str]] = [[] for _ in self.tasks]
         total = len(prompts) * self.num_samples
         with progress_bar(total, f"eval {self.name}", progress, "sample") as bar:
-            for j in range(self.num_samples):  # sample j of every task shares seed + j
+            for j0 in range(0, self.num_samples, MAX_N):
+                m = min(MAX_N, self.num_samples - j0)
+                params = dataclasses.replace(self.sampling, n=m)
                 for start in range(0, len(prompts), self.chunk_size):
                     chunk = prompts[start : start + self.chunk_size]
                     results = engine.run_batch(
                         chunk,
-                        self.sampling,
-                        seed=self.seed + j * len(prompts) + start,
+                        params,
+                        seed=self.seed + j0 * len(prompts) + start * m,
                         return_details=True,
                     )
-                    for i, res in enumerate(results, start=start):
+                    for k, res in enumerate(results):  # prompt-major: k = i * m + j
                         text = tok.decode(res.token_ids, skip_special_tokens=True)
-                        out[i].append(truncate(text, self.stop))
-                    bar.update(len(chunk))
+                        out[start + k // m].append(truncate(text, self.stop))
+                    bar.update(len(results))
         return out
 
     def run(self, engine: InferenceEngine, *, progress: bool = False) -> SuiteResult:

@@ -6,6 +6,7 @@ forward and samples, and `InferenceScheduler.postprocess(...)` appends the token
 applies the stop rules. A request's settings travel as one `SamplingParams`
 (`astrai.inference.params`: the settings, their checks and the request limits). Prompt
 log-probs and `InferenceEngine.score` (log-likelihoods): `astrai.inference.logprobs`.
+`SamplingParams.n` samples of one prompt prefill it once (`astrai.inference.groups`).
 
 Everything is imported on first use (`astrai.lazy`): `astrai.inference.params` imports no
 torch, so a command can build and check its settings first.

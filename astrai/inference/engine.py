@@ -1,8 +1,9 @@
 """`InferenceEngine`: text in, text out, over a scheduler that plans and a runner that runs.
 
-Three callers share it: the HTTP server (`generate_async` / `submit`), evaluation
-(`run_batch`, and `score` for log-likelihoods), and GRPO rollouts (`run_batch`, token ids
-and log-probs).
+Three callers share it: the HTTP server (`generate_async` / `submit` / `submit_group`),
+evaluation (`run_batch`, and `score` for log-likelihoods), and GRPO rollouts (`run_batch`,
+token ids and log-probs). `SamplingParams.n` samples of one prompt run as a group that
+prefills the prompt once (`astrai.inference.groups`).
 Its step is nano-vllm's: `scheduler.schedule()` -> `runner.run(plan)` ->
 `scheduler.postprocess(...)`, driven by one background thread or, for `run_batch`, by the
 calling thread; both use `step()`.
@@ -16,19 +17,19 @@ import dataclasses
 import logging
 import threading
 from collections.abc import AsyncGenerator, Callable, Generator, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from tqdm.auto import tqdm
 
 from astrai.extension import BackendUnavailable, selected_backend
+from astrai.inference.batch import BatchResult, batch_output, group_tasks, single
 from astrai.inference.cache import PagePool
 from astrai.inference.grammar import grammar_compiler
 from astrai.inference.graph import DecodeGraphRunner
 from astrai.inference.handoff import Handoff
 from astrai.inference.logprobs import ScoreResult
-from astrai.inference.params import MAX_LOGPROBS, SamplingParams, check_count
+from astrai.inference.params import MAX_LOGPROBS, SamplingParams, check_count, params_from
 from astrai.inference.result import GenerateResult, interleave
 from astrai.inference.runner import ModelRunner
 from astrai.inference.scheduler import InferenceScheduler
@@ -70,16 +71,6 @@ class RequestRejected(ValueError):
     @property
     def param(self) -> str | None:
         return self.rejection.param
-
-
-@dataclass
-class BatchResult:
-    """One `run_batch` output: token ids, aligned log-probs, and why it ended."""
-
-    token_ids: list[int]
-    logprobs: list[float] | None
-    finish_reason: str
-    error: str | None = None
 
 
 class InferenceEngine:
@@ -342,10 +333,13 @@ class InferenceEngine:
         if problem is not None:
             raise RequestRejected(problem)
 
-    def _queue(self, task: Task, rejection: str | Rejection | None) -> Task:
+    def _queue(self, tasks: Sequence[Task], rejection: str | Rejection | None) -> None:
+        """Queue the tasks of one prompt as a group, or reject them all with `rejection`."""
         if rejection is None:
-            return self.scheduler.submit(task)
-        return self.scheduler.reject(task, rejection)
+            self.scheduler.submit_group(tasks)
+            return
+        for task in tasks:
+            self.scheduler.reject(task, rejection)
 
     def submit(
         self,
@@ -357,26 +351,46 @@ class InferenceEngine:
 
         Settings come as `params`; any `SamplingParams` field given as a keyword overrides
         it (a convenience: `submit(p, max_tokens=8)`). A seed may be any int (it is used
-        mod 2**64).
+        mod 2**64). One sequence: `n > 1` is a ValueError (`submit_group` runs those).
         Invalid settings raise `ValueError` naming the parameter before anything is queued;
         a prompt that can never run ends at once with finish reason `rejected` (see
         `check_request`).
         """
+        params = single(params_from(params, sampling), "submit")
+        return self.submit_group(prompt, params)[0]
+
+    def submit_group(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        **sampling: Any,
+    ) -> list[GenerateResult]:
+        """Queue the `params.n` samples of one prompt as one group; their results, in order.
+
+        Sample `j` draws with seed `seed + j` (with a seed). With a prefix cache, the prompt
+        is prefilled once: the other samples wait for the first one's prefill and then
+        compute only the prompt's last partial page (`astrai.inference.groups`). Checks as
+        `submit`'s, once for the group: a prompt that can never run rejects every sample
+        with the same `Rejection`.
+        """
         if self._closed:
             raise EngineNotReady("the engine has been shut down")
-        params = _params(params, sampling)
+        params = params_from(params, sampling)
         prompt_ids = self.encode(prompt)
         rejection = None
         try:
             self.check_request(prompt_ids, params)  # bad settings raise: nothing is queued
         except RequestRejected as err:
             rejection = err.rejection
-        task = Task(prompt_ids=prompt_ids, params=params, backend=selected_backend())
-        result = GenerateResult(task, self.tokenizer)
-        task.on_token = result.on_token
-        task.on_finish = result.on_finish
-        self._queue(task, rejection)
-        return result
+        tasks = group_tasks(prompt_ids, params, selected_backend())
+        results = []
+        for task in tasks:
+            result = GenerateResult(task, self.tokenizer)
+            task.on_token = result.on_token
+            task.on_finish = result.on_finish
+            results.append(result)
+        self._queue(tasks, rejection)
+        return results
 
     def cancel(self, result: GenerateResult | int) -> bool:
         return self.scheduler.cancel_task(result if isinstance(result, int) else result.id)
@@ -389,19 +403,31 @@ class InferenceEngine:
         *,
         stream: bool = False,
         **sampling: Any,
-    ) -> str | list[str] | Generator[str, None, None] | Generator[tuple[int, str], None, None]:
+    ) -> (
+        str
+        | list[str]
+        | list[list[str]]
+        | Generator[str, None, None]
+        | Generator[tuple[int, str], None, None]
+    ):
         """str -> str; list -> list[str]; `stream=True`: text deltas, or `(index, delta)`
         pairs for a list, in the order they are produced. Closing a stream before its end
         (`close()`, or dropping it mid-way) cancels the requests it still waits for.
-        Settings: as `submit`'s."""
-        params = _params(params, sampling)
-        if isinstance(prompt, str):
+        Settings: as `submit`'s. With `n > 1` each prompt is a group (`submit_group`, seeds
+        `seed + j`): a str gives a list of `n` texts, a list a list of such lists, and a
+        stream `(i * n + j, delta)` pairs (prompt `i`, sample `j`)."""
+        params = params_from(params, sampling)
+        if params.n == 1 and isinstance(prompt, str):
             result = self.submit(prompt, params)
             return self._stream(result) if stream else result.wait_completion()
-        results = [self.submit(p, params) for p in prompt]
-        if not stream:
-            return [r.wait_completion() for r in results]
-        return interleave(results, self.cancel)
+        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+        groups = [self.submit_group(p, params) for p in prompts]
+        if stream:
+            return interleave([r for group in groups for r in group], self.cancel)
+        texts = [[r.wait_completion() for r in group] for group in groups]
+        if params.n == 1:
+            return [group[0] for group in texts]
+        return texts[0] if isinstance(prompt, str) else texts
 
     def _stream(self, result: GenerateResult) -> Generator[str, None, None]:
         try:
@@ -420,7 +446,7 @@ class InferenceEngine:
         decoded here, and a consumer that falls behind gets several tokens' text at once."""
         loop = asyncio.get_running_loop()
         ready = asyncio.Event()
-        result = self.submit(prompt, params, **sampling)
+        result = self.submit(prompt, single(params_from(params, sampling), "generate_async"))
         result.listen(lambda: self.handoff.post(loop, ready.set))
         start = 0
         try:
@@ -452,7 +478,10 @@ class InferenceEngine:
         """Generate for every prompt on the calling thread; results in input order.
 
         Settings: as `submit`'s (`params`, any field as a keyword). With a seed, prompt `i`
-        draws with seed `seed + i` (any int: seeds are used mod 2**64). `structured`: one
+        draws with seed `seed + i` (any int: seeds are used mod 2**64). `params.n > 1`:
+        `len(prompts) * n` results, prompt-major (result `i * n + j` is sample `j` of prompt
+        `i`, seed `seed + i * n + j`), each prompt's samples one group that prefills it once
+        (`submit_group`). `structured`: one
         output constraint for every prompt, or one per prompt (`astrai.inference.structured`);
         None: `params.structured`. Returns token-id lists, or `(ids, logprobs)` pairs with
         `return_logprobs`, or `BatchResult`s with `return_details`. A rejected prompt (empty,
@@ -462,33 +491,27 @@ class InferenceEngine:
         background loop is paused for the call. RL wants `logprobs_mode="scaled"` (its
         trainer's forward divides the logits by the sampling temperature too).
         """
-        params = _params(params, sampling).validate(vocab_size=self.vocab_size)
+        params = params_from(params, sampling).validate(vocab_size=self.vocab_size)
         backend = selected_backend()
-        n, seed = len(prompt_ids_list), params.seed
-        constraints = None if structured is None else per_prompt(structured, n)
-        checked: list[tuple[Task, str | None]] = []
-        for i, ids in enumerate(prompt_ids_list):  # every check before anything runs
-            p = params if seed is None else dataclasses.replace(params, seed=seed + i)
+        n, seed = params.n, params.seed
+        constraints = None if structured is None else per_prompt(structured, len(prompt_ids_list))
+        groups: list[tuple[list[Task], Rejection | None]] = []
+        for i, prompt_ids in enumerate(prompt_ids_list):  # every check before anything runs
+            p = params if seed is None else dataclasses.replace(params, seed=seed + i * n)
             if constraints is not None:
                 p = dataclasses.replace(p, structured=constraints[i])
-            task = Task(prompt_ids=list(ids), params=p, backend=backend)
+            ids, rejection = list(prompt_ids), None
             try:
-                self.check_request(task.prompt_ids, p)
-                checked.append((task, None))
+                self.check_request(ids, p)
             except RequestRejected as err:
-                checked.append((task, str(err)))
-        tasks = [task for task, _ in checked]
-        self._run_here([checked])
-        results = []
-        for t in tasks:
-            lp = list(t.logprobs) if (return_logprobs or return_details) else None
-            if return_details:
-                results.append(BatchResult(list(t.output_ids), lp, t.finish_reason, t.error))
-            elif return_logprobs:
-                results.append((list(t.output_ids), lp))
-            else:
-                results.append(list(t.output_ids))
-        return results
+                rejection = err.rejection
+            groups.append((group_tasks(ids, p, backend), rejection))
+        self._run_here([groups])
+        return [
+            batch_output(t, return_logprobs=return_logprobs, return_details=return_details)
+            for tasks, _ in groups
+            for t in tasks
+        ]
 
     def score(
         self,
@@ -512,7 +535,8 @@ class InferenceEngine:
         """
         if top_logprobs is not None:
             check_count("top_logprobs", top_logprobs, MAX_LOGPROBS)
-        base = _params(params, {} if top_logprobs is None else {"prompt_logprobs": top_logprobs})
+        extra = {} if top_logprobs is None else {"prompt_logprobs": top_logprobs}
+        base = single(params_from(params, extra), "score")
         if base.prompt_logprobs is None:
             base = dataclasses.replace(base, prompt_logprobs=0)
         pairs = check_score_requests(
@@ -534,7 +558,7 @@ class InferenceEngine:
         ) as bar:
             for t in tasks:
                 t.on_finish = lambda _, bar=bar: bar.update(1)
-            self._run_here([[(tasks[i], None) for i in phase] for phase in phases])
+            self._run_here([[([tasks[i]], None) for i in phase] for phase in phases])
         results = []
         for i, (t, (context, _)) in enumerate(zip(tasks, pairs)):
             if t.finish_reason != "length":
@@ -542,14 +566,14 @@ class InferenceEngine:
             results.append(score_result(t, len(context)))
         return results
 
-    def _run_here(self, phases: Sequence[Sequence[tuple[Task, str | None]]]) -> None:
-        """Run checked tasks (with their rejection, if any) to the end on this thread, one
-        phase after the other; the background loop is paused meanwhile."""
+    def _run_here(self, phases: Sequence[Sequence[tuple[list[Task], Rejection | None]]]) -> None:
+        """Run checked groups of tasks (with their rejection, if any) to the end on this
+        thread, one phase after the other; the background loop is paused meanwhile."""
         with self._paused():
             try:
                 for phase in phases:
-                    for task, rejection in phase:
-                        self._queue(task, rejection)
+                    for tasks, rejection in phase:
+                        self._queue(tasks, rejection)
                     while self.scheduler.has_work():
                         self.step()
             finally:
@@ -562,13 +586,3 @@ class InferenceEngine:
         version to `version` (default: current + 1; an explicit one must be greater)."""
         with self._paused():
             return self.scheduler.apply_weight_update(version, fn or (lambda: None))
-
-
-def _params(params: SamplingParams | None, overrides: dict[str, Any]) -> SamplingParams:
-    """`params` with keyword overrides (or a fresh `SamplingParams` from the keywords): the
-    one way every entry point turns its settings into the request's `SamplingParams`."""
-    if params is None:
-        return SamplingParams(**overrides)
-    if not isinstance(params, SamplingParams):
-        raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-    return dataclasses.replace(params, **overrides) if overrides else params

@@ -11,11 +11,12 @@ both apply live here too, so the two cannot disagree. The tensor work on these s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from numbers import Integral, Real
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from astrai.inference.structured import KINDS, StructuredOutput
 
@@ -29,6 +30,9 @@ MAX_LOGPROBS = 20  # logprobs, prompt_logprobs, score's top_logprobs (OpenAI's t
 # Stop strings per request (the HTTP APIs' `stop` / `stop_sequences`): the server matches
 # each against every token's text. The engine's `stop_ids` are a set lookup: no count limit.
 MAX_STOPS = 16
+# Completions per prompt (`SamplingParams.n`, the HTTP APIs' `n`): one group of sequences
+# sharing the prompt's prefill (`astrai.inference.groups`).
+MAX_N = 16
 # What a prompt + max_tokens beyond the model's context does: "clamp" generates until the
 # context is full (finish reason length), "error" rejects the request at submission, naming
 # both numbers (OpenAI's and vLLM's rule for their APIs).
@@ -95,7 +99,9 @@ class SamplingParams:
     API's rule for an explicit `max_tokens`, as OpenAI's). `logprobs_mode`: the returned
     log-probs' distribution (`sampling.py`); `logprobs`, `prompt_logprobs` (None: off;
     allows `max_tokens=0`), `prompt_logprobs_start`: `logprobs.py`; `logits_processors`:
-    `processors.py`; `structured`: `structured.py`. Frozen (batches reuse).
+    `processors.py`; `structured`: `structured.py`. `n` (vLLM's name): completions of the
+    prompt, one group whose samples share its prefill; with a seed, sample `j` draws with
+    `seed + j` (`InferenceEngine.submit_group`, `run_batch`). Frozen (batches reuse).
     """
 
     temperature: float = 1.0
@@ -116,6 +122,7 @@ class SamplingParams:
     prompt_logprobs_start: int = 1
     logits_processors: Sequence[LogitsProcessor] = ()
     structured: StructuredOutput | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         stops = self.stop_ids
@@ -134,6 +141,8 @@ class SamplingParams:
         the vocabulary. Whether max_tokens fits the prompt and the context is the engine's
         question (`InferenceEngine.check_request`).
         """
+        if not is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an int in [1, {MAX_N}], got {self.n!r}")
         check_number("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
         check_number("top_p", self.top_p, 0.0, 1.0, low_open=True)
         if not is_int(self.top_k) or self.top_k < -1:
@@ -171,6 +180,16 @@ class SamplingParams:
         import torch  # only the engine calls this, and it has torch loaded
 
         return torch.Generator(device=device).manual_seed(self.seed % 2**64)
+
+
+def params_from(params: SamplingParams | None, overrides: dict[str, Any]) -> SamplingParams:
+    """`params` with keyword overrides (or a fresh `SamplingParams` from the keywords): the
+    one way every engine entry point turns its settings into the request's `SamplingParams`."""
+    if params is None:
+        return SamplingParams(**overrides)
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+    return dataclasses.replace(params, **overrides) if overrides else params
 
 
 def _check_logit_bias(bias: object, vocab_size: int | None) -> None:

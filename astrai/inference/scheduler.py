@@ -19,6 +19,11 @@ When the paged KV pool runs out while decoding, the newest running request is pr
 and it goes back to the front of the waiting queue with its generated tokens; re-admitted,
 it prefills prompt + generated tokens (mostly prefix-cache hits) and samples on, so its
 stream has no gap or repeat. Only a request that cannot fit alone is aborted.
+
+A prompt's complete pages enter the prefix cache as soon as its prefill completes. The `n`
+samples of one prompt are a group (`submit_group`): with a prefix cache, the followers are
+held (`groups.HeldFollowers`) until the leader's prefill completes, then queued first, and
+each prefills only the tail after the leader's pages.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from astrai.inference.cache import PagePool
+from astrai.inference.groups import HeldFollowers
 from astrai.inference.logprobs import PromptScores, TopLogprobs
 from astrai.inference.metrics import EngineMetrics
 from astrai.inference.params import SamplingParams, check_max_prompt_tokens
@@ -99,6 +105,7 @@ class InferenceScheduler:
 
         self._waiting: deque[Task] = deque()
         self._running: list[Task] = []
+        self._held = HeldFollowers()  # group followers waiting for their leader's prefill
         self._lock = threading.Lock()
 
         self.total_tasks = 0
@@ -114,10 +121,11 @@ class InferenceScheduler:
     # ------------------------------------------------------------------ queues
     @property
     def queue_full(self) -> bool:
-        return self.max_queue is not None and len(self._waiting) >= self.max_queue
+        queued = len(self._waiting) + len(self._held)
+        return self.max_queue is not None and queued >= self.max_queue
 
     def has_work(self) -> bool:
-        return bool(self._waiting or self._running)
+        return bool(self._waiting or self._running or len(self._held))
 
     def problem(self, prompt_ids: Sequence[int], params: SamplingParams) -> Rejection | None:
         """Why a request with valid `params` can never run (None: it can).
@@ -187,17 +195,35 @@ class InferenceScheduler:
     def submit(self, task: Task) -> Task:
         """Queue a checked task (`InferenceEngine.check_request`); rejected if the loop has
         crashed meanwhile, since nothing would ever run it."""
-        self.metrics.on_submit(task, time.perf_counter())
+        return self.submit_group([task])[0]
+
+    def submit_group(self, tasks: Sequence[Task]) -> list[Task]:
+        """Queue the checked samples of one prompt (`tasks[0]` leads; same prompt and
+        settings). When its prompt has pages to share, the followers are held until the
+        leader's prefill completes; otherwise all are queued now. Rejected, all of them, if
+        the loop has crashed meanwhile."""
+        leader, followers = tasks[0], list(tasks[1:])
+        now = time.perf_counter()
+        for t in tasks:
+            self.metrics.on_submit(t, now)
+        ids, p = leader.prefill_ids, leader.params
+        limit = p.prompt_logprobs_start - 1 if p.prompt_logprobs is not None else None
+        gate = bool(followers) and self.pool.shareable_tokens(len(ids), limit) > 0
         with self._lock:
-            self.total_tasks += 1
+            self.total_tasks += len(tasks)
             failure = self.failure
             if failure is None:
-                self._waiting.append(task)
+                self._waiting.append(leader)
+                if gate:
+                    self._held.hold(leader, followers)
+                else:
+                    self._waiting.extend(followers)
         if failure is not None:
-            self._finish(task, "rejected", f"engine not ready: {failure}")
-            return task
-        self.wakeup.set()
-        return task
+            for t in tasks:
+                self._finish(t, "rejected", f"engine not ready: {failure}")
+        else:
+            self.wakeup.set()
+        return list(tasks)
 
     def reject(self, task: Task, reason: str | Rejection) -> Task:
         """End a task that can never run at once (finish reason `rejected`, with `reason`;
@@ -211,7 +237,7 @@ class InferenceScheduler:
     def cancel_task(self, task_id: int) -> bool:
         """Request cancellation; `cleanup` ends the task and frees its KV after the step."""
         with self._lock:
-            for task in (*self._waiting, *self._running):
+            for task in (*self._waiting, *self._held, *self._running):
                 if task.id == task_id and not task.finished:
                     task.cancel_requested = True
                     self.wakeup.set()
@@ -221,7 +247,7 @@ class InferenceScheduler:
     def cancel_all(self) -> None:
         """Request cancellation of every waiting and running task."""
         with self._lock:
-            for task in (*self._waiting, *self._running):
+            for task in (*self._waiting, *self._held, *self._running):
                 task.cancel_requested = True
         self.wakeup.set()
 
@@ -232,7 +258,8 @@ class InferenceScheduler:
             "total_prompt_tokens": self.total_prompt_tokens,
             "cached_prompt_tokens": self.total_cached_tokens,
             "active_tasks": len(self._running),
-            "waiting_queue": len(self._waiting),
+            "waiting_queue": len(self._waiting) + len(self._held),
+            "held_followers": len(self._held),
             "steps": self.num_steps,
             "preemptions": self.preemptions,
             "policy_version": self.policy_version,
@@ -321,7 +348,10 @@ class InferenceScheduler:
         or whose `on_token` callback raises ends `aborted` with the cause; the rest go on.
         A sampler in `stopped` (its structured output is complete) ends `stop`."""
         for t, n in zip(plan.tasks, plan.q_lens):
+            was_prefilled = t.prefilled
             t.computed += n
+            if t.prefilled and not was_prefilled:
+                self._prefilled(t)
         for scores in prompt_logprobs or ():
             t = plan.tasks[scores.row]
             t.prompt_logprobs[scores.first : scores.first + len(scores.tokens)] = scores.tokens
@@ -360,6 +390,21 @@ class InferenceScheduler:
             elif len(t.output_ids) >= p.max_tokens or t.total_len >= self.max_seq_len:
                 self._finish(t, "length")
 
+    def _prefilled(self, task: Task) -> None:
+        """`task`'s prefill is complete: its complete pages enter the prefix cache (it keeps
+        its references), and its group's followers are queued first, to find them there."""
+        if self.pool.shares_prefixes:
+            self.pool.cache_task(task.row, task.materialized_ids())
+        self._release(task)
+
+    def _release(self, leader: Task) -> None:
+        """Queue `leader`'s held followers at the front, in their order."""
+        with self._lock:
+            followers = self._held.release(leader)
+            self._waiting.extendleft(reversed(followers))
+        if followers:
+            self.wakeup.set()
+
     def abort(self, plan: StepPlan, reason: str) -> None:
         """The plan could not run (e.g. its strict attention backend cannot serve it)."""
         for t in plan.tasks:
@@ -372,6 +417,7 @@ class InferenceScheduler:
             waiting_cancelled = [t for t in self._waiting if t.cancel_requested]
             for t in waiting_cancelled:
                 self._waiting.remove(t)
+            waiting_cancelled += self._held.take_cancelled()
             done = [t for t in self._running if t.finished or t.cancel_requested]
             if done:
                 self._running = [t for t in self._running if t not in done]
@@ -390,7 +436,7 @@ class InferenceScheduler:
         """The loop crashed: end every task (`aborted`), free its KV, reject new ones."""
         self.failure = reason
         with self._lock:
-            tasks = [*self._waiting, *self._running]
+            tasks = [*self._waiting, *self._held.drain(), *self._running]
             self._waiting.clear()
             self._running.clear()
         for task in tasks:
@@ -428,9 +474,11 @@ class InferenceScheduler:
                     break
 
     def _preempt(self, task: Task) -> None:
-        """Free `task`'s KV (caching its complete pages) and requeue it at the front."""
+        """Free `task`'s KV (caching its complete pages) and requeue it at the front (with
+        its group's followers behind it, if it was still prefilling)."""
         with self._lock:
             self._running.remove(task)
+            self._waiting.extendleft(reversed(self._held.release(task)))
             self._waiting.appendleft(task)
         if task.row is not None:
             if task.computed > 0:
@@ -507,6 +555,8 @@ class InferenceScheduler:
         task.finish_reason = reason
         task.error = error
         self.milestones += 1
+        if self._held.holds_for(task):  # a leader that ends before its prefill completed
+            self._release(task)
         self.metrics.on_finish(task)
         if task.on_finish is not None:
             try:

@@ -1,7 +1,8 @@
 """The run loop of one request, the same for every protocol: `ProtocolHandler`.
 
 It renders and tokenizes the request off the event loop (the builder's `prepare`), submits
-the `n` engine tasks with the builder's `SamplingParams` (the engine checks them: its
+each prompt's `n` choices as one engine group (`submit_group`: the prompt is prefilled
+once) with the builder's `SamplingParams` (the engine checks them: its
 refusals become the protocol's errors, `refusals.py`), merges their text streams on the
 event loop, applies stop strings and tool-call parsing (`OutputParser`), cancels on a stop
 string, a timeout or a client gone, and releases the request (its log line:
@@ -37,6 +38,9 @@ from astrai.serve.refusals import bad_settings, ended, failed, refused
 from astrai.serve.state import ServerState
 
 logger = logging.getLogger("astrai.serve")
+
+
+_REFUSED = ("rejected", "aborted")  # a task that ended like this at submission never ran
 
 
 class _ClientGone(Exception):
@@ -118,26 +122,31 @@ class ProtocolHandler:
                     raise refused(p, prompt, err.rejection) from None
                 except (TypeError, ValueError) as err:
                     raise bad_settings(err) from err
-        for i in range(len(p.prompts) * p.n):
-            params = p.params if seed is None else replace(p.params, seed=seed + i)
-            prompt = i // p.n
+        for prompt, ids in enumerate(p.prompts):
+            first = prompt * p.n  # choice `first + j` is sample j: seed `seed + first + j`
+            params = replace(p.params, n=p.n, seed=None if seed is None else seed + first)
             try:  # the engine's one request check: bad settings raise, naming the parameter
-                result = self.engine.submit(p.prompts[prompt], params=params)
+                results = self.engine.submit_group(ids, params=params)
             except EngineNotReady as err:
                 self._cancel_all(ctx)
                 raise APIError(503, str(err), kind="overloaded") from err
             except (TypeError, ValueError) as err:
                 self._cancel_all(ctx)
                 raise bad_settings(err) from err
-            if result.done and result.finish_reason in ("rejected", "aborted"):
+            ended_early = [r for r in results if r.done and r.finish_reason in _REFUSED]
+            if ended_early:
+                for r in results:  # a group is refused whole; cancel any that was queued
+                    if not r.done:
+                        self.engine.cancel(r)
                 self._cancel_all(ctx)
-                raise ended(p, prompt, result)
-            parser = OutputParser(p.stops, fmt, self.builder.tool_id_prefix)
-            ctx.choices.append(Choice(i, result, parser, prompt_index=prompt))
-            # The engine's thread only wakes this loop (once per step); the text is decoded
-            # here, by `_events`, off the scheduler's critical path.
-            result.listen(lambda i=i: post(loop, put, i))
-            put(i)  # whatever came before `listen`
+                raise ended(p, prompt, ended_early[0])
+            for i, result in enumerate(results, start=first):
+                parser = OutputParser(p.stops, fmt, self.builder.tool_id_prefix)
+                ctx.choices.append(Choice(i, result, parser, prompt_index=prompt))
+                # The engine's thread only wakes this loop (once per step); the text is
+                # decoded here, by `_events`, off the scheduler's critical path.
+                result.listen(lambda i=i: post(loop, put, i))
+                put(i)  # whatever came before `listen`
 
     def _cancel_all(self, ctx: RequestContext) -> None:
         for c in ctx.choices:

@@ -3,7 +3,7 @@
 Unknown fields are ignored (SDKs add new optional fields faster than we add support),
 but every field we read is typed and range-checked, so a bad value is a 400 that names
 the field rather than an error deep in the engine. The limits the engine applies too
-(penalties, logit bias, log-probs, stop strings) are the engine's constants.
+(penalties, logit bias, log-probs, stop strings, `n`) are the engine's constants.
 """
 
 from __future__ import annotations
@@ -12,9 +12,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
-from astrai.inference.params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_STOPS
-
-MAX_N = 16  # choices per request: the server's own limit (the engine serves one each)
+from astrai.inference.params import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_PENALTY,
+    MAX_STOPS,
+)
 
 
 class _Body(BaseModel):

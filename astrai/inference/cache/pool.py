@@ -258,12 +258,23 @@ class PagePool:
         row = self.req_pool.alloc()
         if row is None:
             return None
-        # Match all but the last token, so at least one prompt token is computed and no
-        # request ever writes into a shared page (matches are whole pages).
-        end = len(token_ids) - 1 if limit is None else min(len(token_ids) - 1, limit)
+        end = self._matchable(len(token_ids), limit)
         shared = self.prefix.match(token_ids[:end]) if end >= 1 else []
         self.allocator.open(row, shared)
         return row, len(shared) * self.page_size
+
+    def shareable_tokens(self, num_tokens: int, limit: int | None = None) -> int:
+        """Leading tokens of a `num_tokens` prompt a later request could reuse once its KV is
+        cached (`alloc_task`'s rule, whole pages); 0 without a prefix cache."""
+        if not self.shares_prefixes:
+            return 0
+        return max(self._matchable(num_tokens, limit), 0) // self.page_size * self.page_size
+
+    @staticmethod
+    def _matchable(num_tokens: int, limit: int | None) -> int:
+        # All but the last token, so at least one prompt token is computed and no request
+        # ever writes into a shared page (matches are whole pages).
+        return num_tokens - 1 if limit is None else min(num_tokens - 1, limit)
 
     def ensure(self, row: int, length: int) -> bool:
         """Back positions `[0, length)` of `row` with KV slots; False if memory ran out."""
@@ -274,7 +285,13 @@ class PagePool:
         return self.allocator.arrange(rows, prompt_lens)
 
     def cache_task(self, row: int, token_ids: list[int]) -> None:
-        """Index the complete pages of `token_ids` (tokens whose KV is materialised)."""
+        """Index the complete pages of `token_ids` (tokens whose KV is materialised).
+
+        Called when a prefill completes (the row keeps its references: a group's followers
+        then find the prompt's pages) and again when the row is released, over the longer
+        sequence: pages already in the tree are walked past, the new ones added. A page a
+        row references is never evicted (the LRU holds only unreferenced pages); when an
+        ancestor is evicted, a referenced descendant merely leaves the index."""
         self.prefix.insert(token_ids, self.allocator.pages(row))
 
     def free_task(self, row: int) -> None:

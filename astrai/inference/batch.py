@@ -1,0 +1,66 @@
+"""The tasks of `n` samples per prompt, and what `run_batch` returns for a finished task.
+
+One place decides the seeds of a group, so `submit_group`, `run_batch` and the server's
+`n` cannot disagree: sample `j` of a group whose settings carry seed `s` draws with
+`s + j`; `run_batch` gives prompt `i` the group seed `seed + i * n`, so its result
+`i * n + j` draws with `seed + i * n + j` (what the expanded list `[p0] * n + [p1] * n + ...`
+got before `n` existed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from astrai.inference.params import SamplingParams
+from astrai.inference.task import Task
+
+
+@dataclass
+class BatchResult:
+    """One `run_batch` output: token ids, aligned log-probs, and why it ended."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None
+    finish_reason: str
+    error: str | None = None
+
+
+def group_tasks(
+    prompt_ids: Sequence[int], params: SamplingParams, backend: str | None = None
+) -> list[Task]:
+    """The `params.n` tasks of one prompt, leader first: each one sequence (`n=1`), sample
+    `j` seeded with `params.seed + j` (unseeded: all unseeded)."""
+    one = dataclasses.replace(params, n=1) if params.n != 1 else params
+    seed = params.seed
+    return [
+        Task(
+            prompt_ids=list(prompt_ids),
+            params=one if seed is None or j == 0 else dataclasses.replace(one, seed=seed + j),
+            backend=backend,
+        )
+        for j in range(params.n)
+    ]
+
+
+def batch_output(task: Task, *, return_logprobs: bool, return_details: bool) -> Any:
+    """A finished task as `run_batch` returns it: token ids, `(ids, logprobs)` or a
+    `BatchResult`."""
+    ids = list(task.output_ids)
+    if return_details:
+        return BatchResult(ids, list(task.logprobs), task.finish_reason, task.error)
+    if return_logprobs:
+        return ids, list(task.logprobs)
+    return ids
+
+
+def single(params: SamplingParams, api: str) -> SamplingParams:
+    """`params` of an API that runs one sequence; `n > 1` is a ValueError naming `n`."""
+    if params.n != 1:
+        raise ValueError(
+            f"n must be 1 for {api} (got {params.n!r}): it runs one sequence; "
+            "use submit_group (or run_batch, generate) for n > 1"
+        )
+    return params
