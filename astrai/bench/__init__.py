@@ -10,6 +10,7 @@ BENCHMARKS: dict[str, str] = {
     "engine": "astrai.bench.engine",
     "eval": "astrai.bench.eval",
     "kernels": "astrai.bench.kernels",
+    "rollouts": "astrai.bench.rollouts",
     "serve": "astrai.bench.serve",
     "train": "astrai.bench.train",
 }

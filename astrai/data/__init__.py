@@ -30,7 +30,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "onpolicy": ("OnPolicyPairs", "RecordSource"),
     "prepare": ("PrepareResult",),
     "rewards": ("REWARDS", "get_reward", "register_reward"),
-    "sampler": ("ResumableSampler",),
+    "sampler": ("BatchReuse", "ResumableSampler"),
     "storage": (
         "DataError",
         "FingerprintMismatchError",

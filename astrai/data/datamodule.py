@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from astrai.data.cache import PreparedSource, prepared_source
 from astrai.data.fingerprint import DataChangedError, data_changes, dataset_fingerprint
-from astrai.data.sampler import ResumableSampler
+from astrai.data.sampler import BatchReuse, ResumableSampler
 from astrai.data.seeded import SeededSamples
 from astrai.tokenizer import AutoTokenizer
 
@@ -52,9 +52,15 @@ class _TrainLoader(DataLoader):
     does not warn that a mid-epoch checkpoint cannot be resumed exactly).
     """
 
-    def __init__(self, *args: Any, datamodule: AstraiDataModule, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, datamodule: AstraiDataModule, repeat: int = 1, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.datamodule = datamodule
+        self.repeat = repeat
+
+    def __len__(self) -> int:
+        return super().__len__() * self.repeat
 
     def state_dict(self) -> dict[str, Any]:
         return self.datamodule.state_dict()
@@ -71,9 +77,14 @@ class _TrainLoader(DataLoader):
         epoch = self.datamodule.sampler.epoch
         self.generator.manual_seed(self.datamodule.loader_seed(epoch))
         self.dataset.set_epoch(epoch)
+        # A batch reused by several steps (`BatchReuse`) is yielded that many times; a resumed
+        # run yields the first one only as often as the interrupted run had not.
+        skip = self.datamodule.repeats_done
         for batch in super().__iter__():
-            self.datamodule.loader_yielded_batch()
-            yield batch
+            for _ in range(self.repeat - skip):
+                self.datamodule.loader_yielded_batch()
+                yield batch
+            skip = 0
 
 
 class AstraiDataModule(L.LightningDataModule):
@@ -139,6 +150,12 @@ class AstraiDataModule(L.LightningDataModule):
         self._start_consumed = 0
         self._delivered_batches = 0
         self._iter_epoch = 0
+        # Set from the LightningModule's `batch_reuse` when the training loader is built.
+        self.reuse = BatchReuse()
+        self._saved_reuse: BatchReuse | None = None  # the reuse a loaded position was saved with
+        # Steps that had received the first batch of this iteration before it started (a run
+        # resumed in the middle of a reused batch).
+        self.repeats_done = 0
 
     # -- preparation --------------------------------------------------------------------------
     def connect(self, tokenizer_dir: str | os.PathLike, data_dir: str | os.PathLike) -> None:
@@ -279,16 +296,36 @@ class AstraiDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         ds = self._dataset("train")
+        self._set_reuse(getattr(self._module_or_none(), "batch_reuse", None) or BatchReuse())
         loader = _TrainLoader(
             SeededSamples(ds, self.seed),
-            batch_size=self.batch_size,
+            batch_size=self.batch_size * self.reuse.group,
             sampler=self.train_sampler(),
             drop_last=self.drop_last,
             collate_fn=self._collate(ds),
             datamodule=self,
+            repeat=self.reuse.repeat,
             **self._loader_kwargs(self.train_sampler().epoch),
         )
         return loader
+
+    def _module_or_none(self) -> Any:
+        trainer = self._trainer_or_none()
+        return getattr(trainer, "lightning_module", None) if trainer is not None else None
+
+    def _set_reuse(self, reuse: BatchReuse) -> None:
+        """Adopt the module's `BatchReuse`; a resumed position saved under another one would
+        continue on the wrong samples, so it is refused."""
+        saved = self._saved_reuse
+        if saved is not None and saved != reuse:
+            raise ValueError(
+                f"the checkpoint's data position is for loader batches of {saved.group} x "
+                f"batch_size samples, each used by {saved.repeat} steps, but this run uses "
+                f"{reuse.group} x batch_size and {reuse.repeat} (GRPO: strategy."
+                f"steps_per_generation and strategy.num_iterations); resume with the same "
+                f"settings, or start a new run from the checkpoint's export (init_from)"
+            )
+        self.reuse = reuse
 
     def _eval_loader(self, split: str) -> DataLoader | list:
         if split not in self.datasets:
@@ -319,9 +356,15 @@ class AstraiDataModule(L.LightningDataModule):
         if self._iter_epoch == s.epoch:
             # a previous iteration of this epoch stopped early: continue after what it yielded,
             # not after what its workers had prefetched
-            s.consumed = self._position()["consumed"]
+            position = self._position()
+            s.consumed = position["consumed"]
+            repeats = position.get("repeats", 0)
+        else:
+            repeats = 0
         if s.consumed >= s.num_samples_total:  # the sampler will move to the next epoch
             s.set_epoch(s.epoch + 1)
+            repeats = 0
+        self.repeats_done = repeats
         self._iter_epoch = s.epoch
         self._start_consumed = s.consumed
         self._delivered_batches = 0
@@ -387,13 +430,26 @@ class AstraiDataModule(L.LightningDataModule):
 
     def _position(self) -> dict[str, Any]:
         if self.sampler is None:
-            return dict(self._pending_state or {})
+            state = dict(self._pending_state or {})
+            saved = self._saved_reuse
+            if self.repeats_done or (saved is not None and saved != BatchReuse()):
+                saved = saved or BatchReuse()
+                state["reuse"] = [saved.group, saved.repeat]
+                state["repeats"] = self.repeats_done
+            return state
         s = self.sampler
         state = s.state_dict()
+        reuse = self.reuse
+        repeats = self.repeats_done
         if self._iter_epoch == s.epoch:
-            per_rank = self._delivered_batches * self.batch_size
+            steps = self.repeats_done + self._delivered_batches
+            batches, repeats = divmod(steps, reuse.repeat)
+            per_rank = batches * self.batch_size * reuse.group
             consumed = self._start_consumed + per_rank * s.world_size
             state["consumed"] = min(consumed, s.num_samples_total)
+        if reuse != BatchReuse() or repeats:
+            state["reuse"] = [reuse.group, reuse.repeat]
+            state["repeats"] = repeats
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -410,6 +466,9 @@ class AstraiDataModule(L.LightningDataModule):
                 "the checkpoint's data state has no fingerprint (written by an older astrai): "
                 "cannot check that this run reads the data it was trained on"
             )
+        reuse = state_dict.pop("reuse", None)
+        self._saved_reuse = BatchReuse(*reuse) if reuse is not None else BatchReuse()
+        self.repeats_done = int(state_dict.pop("repeats", 0))
         self._pending_state = state_dict
         self._delivered_batches = 0
         self._start_consumed = int(state_dict.get("consumed", 0))

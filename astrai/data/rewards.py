@@ -6,14 +6,23 @@ look rewards up by the names in their config::
 
     reward = get_reward("exact_match")
     r = reward({"prompt": "What is 2 + 3?", "answer": "5"}, "2 + 3 = 5. The answer is 5.")
+
+A reward that lives in a package this one must not import (``code_tests`` runs programs in
+``astrai.eval``'s sandbox) is registered by import path and imported on first use. A reward
+may also have a ``batch(records, completions) -> list[float]`` method, which callers that
+score many completions at once use instead (``code_tests`` runs its programs in parallel).
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import math
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
+
+from astrai.data.math_answer import math_answer
 
 RewardFn = Callable[[Mapping[str, Any], str], float]
 
@@ -23,7 +32,9 @@ _NUMBER = r"-?\d+(?:,\d{3})*(?:\.\d+)?"
 _NUMBER_RE = re.compile(_NUMBER)
 _FORMAT_RE = re.compile(rf"{ANSWER_PREFIX} ({_NUMBER})\.?\s*$")
 
-REWARDS: dict[str, RewardFn] = {}
+#: Registered rewards: a callable, or the dotted import path of one (or of a class whose
+#: default instance is one) that :func:`get_reward` imports on first use.
+REWARDS: dict[str, RewardFn | str] = {}
 
 
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
@@ -38,12 +49,37 @@ def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
     return deco
 
 
-def get_reward(name: str) -> RewardFn:
-    """The reward registered as ``name``; a ``KeyError`` lists the available ones."""
+def register_reward_path(name: str, path: str) -> None:
+    """Register the reward at dotted import ``path`` (a function, or a class built with its
+    defaults) under ``name`` without importing it: its module is imported by the first
+    :func:`get_reward` of ``name``, so this registry never imports the package it lives in."""
+    if name in REWARDS and REWARDS[name] != path:
+        raise ValueError(f"reward {name!r} is already registered ({REWARDS[name]!r})")
+    REWARDS[name] = path
+
+
+def _load(name: str, path: str) -> RewardFn:
+    module, _, attr = path.rpartition(".")
     try:
-        return REWARDS[name]
+        obj = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as err:
+        raise ImportError(f"reward {name!r}: cannot import {path!r}: {err}") from err
+    fn = obj() if inspect.isclass(obj) else obj
+    if not callable(fn):
+        raise TypeError(f"reward {name!r}: {path!r} is a {type(fn).__name__}, not callable")
+    return fn
+
+
+def get_reward(name: str) -> RewardFn:
+    """The reward registered as ``name`` (imported now if registered by path); a ``KeyError``
+    lists the available ones."""
+    try:
+        entry = REWARDS[name]
     except KeyError:
         raise KeyError(f"unknown reward {name!r}; available: {sorted(REWARDS)}") from None
+    if isinstance(entry, str):
+        entry = REWARDS[name] = _load(name, entry)
+    return entry
 
 
 def format_answer(answer: Any) -> str:
@@ -104,3 +140,7 @@ def closeness(record: Mapping[str, Any], completion: str) -> float:
     if got is None or not math.isfinite(got):
         return 0.0
     return 1.0 / (1.0 + abs(got - expected))
+
+
+register_reward("math_answer")(math_answer)
+register_reward_path("code_tests", "astrai.eval.code_reward.CodeTests")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -152,3 +153,21 @@ class ResumableSampler(DistributedSampler):
         self.consumed = consumed
         self._resume_consumed = consumed
         self._resume_world_size = int(state.get("world_size", self.world_size))
+
+
+@dataclass(frozen=True)
+class BatchReuse:
+    """How the training loop consumes loader batches: each holds ``group`` x ``batch_size``
+    samples and is handed to ``repeat`` consecutive training steps (TRL's ``RepeatSampler``).
+
+    GRPO's generation batch: ``steps_per_generation`` micro-steps' prompts generated at once,
+    then trained on over ``steps_per_generation * num_iterations`` micro-steps. A
+    LightningModule declares it as its ``batch_reuse`` attribute; the default reuses nothing.
+    """
+
+    group: int = 1
+    repeat: int = 1
+
+    def __post_init__(self) -> None:
+        if self.group < 1 or self.repeat < 1:
+            raise ValueError(f"BatchReuse: group and repeat must be >= 1, got {self}")

@@ -279,19 +279,25 @@ def instantiate_strategy(cfg: DictConfig, tokenizer_dir: str | Path | None) -> A
     """The strategy LightningModule, built by Hydra recursively (lightning-hydra-template's
     shape): `model` arrives as a model factory, `optimizer` (the `optim` node) and `scheduler`
     (`optim.schedule`) as factories, and nested `_target_` nodes of the strategy itself
-    (GRPO's `engine`) as objects or partials."""
+    (GRPO's `engine`) as objects or partials. GRPO's `rewards` reach the strategy as plain
+    config: their `_target_` entries carry `weight` and `name`, which `parse_rewards` takes
+    out before it builds them."""
     from hydra.utils import instantiate
 
     optim = dict(_container(cfg.optim))
     schedule = optim.pop("schedule", None)
-    return instantiate(
-        cfg.strategy,
+    spec = OmegaConf.to_container(cfg.strategy, resolve=True)
+    rewards = spec.pop("rewards", None)
+    build = instantiate(
+        spec,
         model=_container(cfg.model),
         optimizer=optim,
         scheduler=schedule,
         tokenizer=str(tokenizer_dir) if tokenizer_dir is not None else None,
+        _partial_=True,
         _convert_="all",
     )
+    return build() if rewards is None else build(rewards=rewards)
 
 
 def train(cfg: DictConfig) -> float | None:

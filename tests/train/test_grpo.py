@@ -7,14 +7,15 @@ import math
 
 import pytest
 import torch
+from grpo_helpers import FakeResult, make_grpo, prompt_data
 from train_helpers import quiet_trainer
 
 from astrai.data.rewards import register_reward
 from astrai.inference import InferenceEngine
 from astrai.model import preset_model
-from astrai.train.optim import adamw, constant
 from astrai.train.strategies.grpo import build_rollouts, parse_rewards, score
-from astrai.train.strategies.grpo_loss import group_advantages, grpo_loss, k3_kl
+from astrai.train.strategies.grpo_advantages import group_advantages
+from astrai.train.strategies.grpo_loss import grpo_loss, k3_kl
 
 
 def test_group_advantages_by_hand():
@@ -135,58 +136,14 @@ def test_rewards_config_and_scoring():
 
 @pytest.fixture(scope="module")
 def prompt_setup(tmp_path_factory):
-    """A tokenizer trained on the arithmetic chats and prepared prompt data."""
-    from astrai.data.builtin import arithmetic_problems, sft_records
-    from astrai.data.prepare import prepare
-    from astrai.tokenizer import AutoTokenizer
-
-    root = tmp_path_factory.mktemp("grpo")
-    texts = [m["content"] for r in sft_records(arithmetic_problems(300)) for m in r["messages"]]
-    tok = AutoTokenizer.train(texts * 2, vocab_size=320)
-    tok.save_pretrained(root / "tok")
-    prepare(
-        "prompt",
-        "builtin:arithmetic/prompt/train",
-        root,
-        root / "tok",
-        name="prompts",
-        required_fields=["answer"],
-        builtin={"n": 32, "seed": 0},
-        progress=False,
-    )
-    return root, tok
-
-
-def _grpo(root, tok, **kw):
-    from astrai.train.strategies.grpo import GRPOModule
-
-    torch.manual_seed(0)
-    args = dict(
-        model=functools.partial(preset_model, "tiny", vocab_size=320),
-        optimizer=functools.partial(adamw, lr=1e-3),
-        scheduler=constant,
-        tokenizer=str(root / "tok"),
-        num_generations=4,
-        max_new_tokens=6,
-        rewards=[{"name": "exact_match", "weight": 1.0}, {"name": "format", "weight": 0.5}],
-        kl_coef=0.1,
-        epsilon=0.2,
-        engine=functools.partial(InferenceEngine, max_batch_size=16, max_seq_len=64),
-    )
-    args.update(kw)
-    return GRPOModule(**args)
-
-
-class _Result:
-    def __init__(self, ids, lps):
-        self.token_ids, self.logprobs, self.finish_reason, self.error = ids, lps, "stop", None
+    return prompt_data(tmp_path_factory.mktemp("grpo"))
 
 
 def test_grpo_compute_loss_matches_hand_computation(prompt_setup, monkeypatch):
     """Fixed completions and rollout log-probs (off-policy, so clipping is exercised): the
     module's loss equals advantages, ratios, k3 KL and the token mean computed by hand."""
     root, tok = prompt_setup
-    module = _grpo(root, tok)
+    module = make_grpo(root, tok)
     with torch.no_grad():  # the policy drifts from the reference: KL > 0
         for p in module.model.parameters():
             p.add_(0.05 * torch.randn_like(p))
@@ -197,9 +154,9 @@ def test_grpo_compute_loss_matches_hand_computation(prompt_setup, monkeypatch):
     gen = torch.Generator().manual_seed(1)
     old = [(-3 * torch.rand(len(c), generator=gen)).tolist() for c in completions]
 
-    def fake_generate(prompt_list, *, seed, **sampling):
-        assert prompt_list == [p for p in prompts for _ in range(4)]
-        return [_Result(c, lp) for c, lp in zip(completions, old)]
+    def fake_generate(prompt_list, *, seed, params):
+        assert prompt_list == prompts and params.n == 4  # one group of 4 per prompt
+        return [FakeResult(c, lp) for c, lp in zip(completions, old)]
 
     monkeypatch.setattr(module, "_generate", fake_generate)
     loss, metrics = module.compute_loss({"prompt_ids": prompts, "records": recs})
@@ -241,7 +198,7 @@ def test_grpo_trains_under_lightning(prompt_setup, tmp_path):
     from astrai.data import AstraiDataModule, PromptDataset
 
     root, tok = prompt_setup
-    module = _grpo(root, tok)
+    module = make_grpo(root, tok)
     dm = AstraiDataModule(
         train=PromptDataset(str(root / "prompts.h5")),
         val=PromptDataset(str(root / "prompts.h5")),
@@ -289,7 +246,7 @@ def test_grpo_engine_version_follows_optimizer_steps(prompt_setup):
     import unittest.mock as mock
 
     root, tok = prompt_setup
-    module = _grpo(root, tok, kl_coef=0.0)
+    module = make_grpo(root, tok, kl_coef=0.0)
     assert module.reference is None  # kl_coef 0: no reference model
     engine = module.engine
     assert engine.model is module.model  # live weights, no copy
@@ -307,11 +264,11 @@ def test_grpo_engine_version_follows_optimizer_steps(prompt_setup):
 def test_grpo_rejects_bad_options(prompt_setup):
     root, tok = prompt_setup
     with pytest.raises(ValueError, match="num_generations"):
-        _grpo(root, tok, num_generations=1)
+        make_grpo(root, tok, num_generations=1)
     with pytest.raises(KeyError, match="available"):
-        _grpo(root, tok, rewards=["nope"])
+        make_grpo(root, tok, rewards=["nope"])
     with pytest.raises(ValueError, match="tokenizer"):
-        _grpo(root, tok, tokenizer=None)
+        make_grpo(root, tok, tokenizer=None)
 
 
 @pytest.mark.parametrize(("option", "value"), [("top_p", 1.5), ("top_k", -2)])
@@ -322,7 +279,7 @@ def test_a_bad_rollout_setting_fails_before_the_model_is_built(prompt_setup, opt
         pytest.fail("the model was built before the rollout settings were checked")
 
     with pytest.raises(ValueError, match=f"^GRPO rollout sampling: {option} must be"):
-        _grpo(root, tok, model=model, **{option: value})
+        make_grpo(root, tok, model=model, **{option: value})
 
 
 @pytest.mark.slow
@@ -377,7 +334,8 @@ def test_closeness_reward():
 
 
 def test_grpo_engine_comes_from_the_engine_group():
-    """strategy.engine is the conf/engine/ factory with GRPO's sizes; grpo_1b selects paged."""
+    """strategy.engine is the conf/engine/ factory with GRPO's sizes, paged (a prompt's G
+    samples share its pages); grpo_1b sizes its KV budget."""
     from hydra.utils import instantiate
 
     from astrai.train.runner import compose
@@ -386,10 +344,10 @@ def test_grpo_engine_comes_from_the_engine_group():
     factory = instantiate(cfg.strategy.engine)
     assert isinstance(factory, functools.partial) and factory.func is InferenceEngine
     kw = factory.keywords
-    assert (kw["cache_mode"], kw["max_batch_size"], kw["max_seq_len"]) == ("contiguous", 64, 512)
+    assert (kw["cache_mode"], kw["max_batch_size"], kw["max_seq_len"]) == ("paged", 64, 512)
     assert kw["page_size"] == 16  # the group's default, written once in conf/engine/
     tiny = compose(["experiment=tiny_grpo", "paths.output_dir=/tmp/unused"]).strategy.engine
-    assert (tiny.cache_mode, tiny.max_seq_len) == ("contiguous", 128)  # the recipe's sizes
+    assert (tiny.cache_mode, tiny.max_seq_len) == ("paged", 128)  # the recipe's sizes
     big = compose(["experiment=grpo_1b", "paths.output_dir=/tmp/unused"]).strategy.engine
     assert (big.cache_mode, big.max_seq_len, big.kv_tokens, big.page_size) == (
         "paged",
@@ -415,7 +373,7 @@ def _fit_one_step(root, tok, *, loss_type, batch_size, accumulate):
 
     from astrai.data import AstraiDataModule, PromptDataset
 
-    module = _grpo(
+    module = make_grpo(
         root,
         tok,
         loss_type=loss_type,
@@ -428,12 +386,13 @@ def _fit_one_step(root, tok, *, loss_type, batch_size, accumulate):
     ]
     order: dict[tuple[int, ...], int] = {}
 
-    def fake_generate(prompt_list, *, seed, **sampling):
+    def fake_generate(prompt_list, *, seed, params):
         out = []
-        for i, p in enumerate(prompt_list):
+        for p in prompt_list:
             k = order.setdefault(tuple(p), len(order))
-            ids = tok.encode(texts[k % 2][i % 4])
-            out.append(_Result(ids, [-0.5 - 0.1 * (j % 3) for j in range(len(ids))]))
+            for i in range(params.n):
+                ids = tok.encode(texts[k % 2][i])
+                out.append(FakeResult(ids, [-0.5 - 0.1 * (j % 3) for j in range(len(ids))]))
         return out
 
     module._generate = fake_generate
@@ -476,7 +435,7 @@ def test_training_logprobs_use_the_sampling_temperature(prompt_setup):
     """Real engine rollouts at temperature 0.7: the training forward (logits / 0.7) gives the
     rollout's own log-probs back, so the ratio is 1 and nothing is clipped."""
     root, tok = prompt_setup
-    module = _grpo(root, tok, temperature=0.7, kl_coef=0.0)
+    module = make_grpo(root, tok, temperature=0.7, kl_coef=0.0)
     prompts = [tok.encode("What is 2 + 3?"), tok.encode("What is 3 * 4?")]
     _, metrics = module.compute_loss({"prompt_ids": prompts, "records": [{"answer": "5"}] * 2})
     assert metrics["ratio"].item() == pytest.approx(1.0, abs=1e-5)
@@ -490,7 +449,9 @@ def _fit_resumable(root, tok, tmp_path, *, ckpt_path=None):
 
     from astrai.data import AstraiDataModule, PromptDataset
 
-    module = _grpo(root, tok, sync_interval=2, sync_alpha=0.5, kl_coef=0.5, rewards=[PARITY_REWARD])
+    module = make_grpo(
+        root, tok, sync_interval=2, sync_alpha=0.5, kl_coef=0.5, rewards=[PARITY_REWARD]
+    )
     dm = AstraiDataModule(train=PromptDataset(str(root / "prompts.h5")), batch_size=2, seed=0)
     ckpt = ModelCheckpoint(
         dirpath=tmp_path, filename="step{step}", every_n_train_steps=3, save_top_k=-1
@@ -514,7 +475,7 @@ def test_reference_sync_every_interval_and_exact_resume(prompt_setup, tmp_path):
     reference as the uninterrupted one, because the checkpoint carries the synced reference;
     without it the resumed step's KL term differs."""
     root, tok = prompt_setup
-    initial = _grpo(root, tok).model.state_dict()
+    initial = make_grpo(root, tok).model.state_dict()
     policy4, ref4 = _fit_resumable(root, tok, tmp_path / "a")
     key = next(k for k, v in ref4.items() if v.dim() == 2)
     assert not torch.equal(ref4[key], initial[key])  # the reference moved
@@ -551,17 +512,17 @@ def test_sync_reference_mixes_and_copies():
 def test_grpo_rejects_bad_loss_options(prompt_setup):
     root, tok = prompt_setup
     with pytest.raises(ValueError, match="clip_eps was renamed epsilon"):
-        _grpo(root, tok, clip_eps=0.2)
+        make_grpo(root, tok, clip_eps=0.2)
     with pytest.raises(ValueError, match="loss_type"):
-        _grpo(root, tok, loss_type="ppo")
+        make_grpo(root, tok, loss_type="ppo")
     with pytest.raises(ValueError, match="epsilon_high"):
-        _grpo(root, tok, epsilon_high=-0.1)
+        make_grpo(root, tok, epsilon_high=-0.1)
     with pytest.raises(ValueError, match="temperature"):
-        _grpo(root, tok, temperature=0.0)
+        make_grpo(root, tok, temperature=0.0)
     with pytest.raises(ValueError, match="sync_interval"):
-        _grpo(root, tok, sync_interval=2, kl_coef=0.0)
+        make_grpo(root, tok, sync_interval=2, kl_coef=0.0)
     with pytest.raises(ValueError, match="sync_alpha"):
-        _grpo(root, tok, sync_interval=2, sync_alpha=0.0)
+        make_grpo(root, tok, sync_interval=2, sync_alpha=0.0)
     with pytest.raises(ValueError, match="dr_grpo needs max_completion_length"):
         grpo_loss(
             torch.zeros(1, 2),

@@ -11,64 +11,29 @@ import torch
 
 trl = pytest.importorskip("trl")
 
+from trl_helpers import grpo_trainer, hf_parts, trl_loss  # noqa: E402
+
 from astrai.train.strategies.grpo_loss import LOSS_TYPES, grpo_loss  # noqa: E402
 
-VOCAB = 32
 EPSILON, EPSILON_HIGH, BETA, MAX_COMPLETION = 0.2, 0.28, 0.04, 6
 
 
 @pytest.fixture(scope="module")
-def hf_parts(tmp_path_factory):
-    """A saved tiny random Llama (TRL loads its reference model from the path) and a
-    word-level tokenizer built in memory: nothing is downloaded."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    root = tmp_path_factory.mktemp("trl")
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
-    LlamaForCausalLM(config).save_pretrained(root / "model")
-    word = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
-    word.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok = PreTrainedTokenizerFast(tokenizer_object=word, pad_token="t0", eos_token="t1")
-    return root, tok
+def parts(tmp_path_factory):
+    return hf_parts(tmp_path_factory.mktemp("trl"))
 
 
-def _trainer(hf_parts, loss_type: str, bias_correction: bool):
-    from datasets import Dataset
-
-    root, tok = hf_parts
-    args = trl.GRPOConfig(
-        output_dir=str(root / f"out-{loss_type}-{bias_correction}"),
-        per_device_train_batch_size=4,
-        num_generations=2,
+def _trainer(parts, loss_type: str, bias_correction: bool):
+    return grpo_trainer(
+        parts,
+        f"{loss_type}-{bias_correction}",
         max_completion_length=MAX_COMPLETION,
         beta=BETA,
         epsilon=EPSILON,
         epsilon_high=EPSILON_HIGH,
         loss_type=loss_type,
         use_bias_correction_kl=bias_correction,
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
     )
-    trainer = trl.GRPOTrainer(
-        model=str(root / "model"),
-        reward_funcs=lambda completions, **_: [0.0] * len(completions),
-        args=args,
-        train_dataset=Dataset.from_dict({"prompt": ["t2 t3"] * 4}),
-        processing_class=tok,
-    )
-    trainer.model.train()
-    trainer.current_gradient_accumulation_steps = 1  # set by Trainer's loop; one step here
-    return trainer
 
 
 def _batch():
@@ -86,36 +51,15 @@ def _batch():
     return logp, old, ref, adv, mask
 
 
-def _trl_loss(trainer, logp, old, ref, adv, mask):
-    """TRL's `_compute_loss` with its log-prob forward replaced by our fixed tensor."""
-    n, c = mask.shape
-    trainer._get_per_token_logps_and_entropies = lambda *a, **k: (
-        logp,
-        torch.zeros_like(logp),
-        None,
-    )
-    inputs = {
-        "prompt_ids": torch.full((n, 2), 2, dtype=torch.long),
-        "prompt_mask": torch.ones(n, 2, dtype=torch.long),
-        "completion_ids": torch.full((n, c), 3, dtype=torch.long),
-        "completion_mask": mask.long(),
-        "advantages": adv,
-        "old_per_token_logps": old,
-        "ref_per_token_logps": ref,
-        "num_items_in_batch": mask.sum(),
-    }
-    return trainer._compute_loss(trainer.model, inputs)
-
-
 @pytest.mark.parametrize("bias_correction", [True, False])
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_grpo_loss_equals_trl(hf_parts, loss_type, bias_correction):
-    trainer = _trainer(hf_parts, loss_type, bias_correction)
+def test_grpo_loss_equals_trl(parts, loss_type, bias_correction):
+    trainer = _trainer(parts, loss_type, bias_correction)
     assert (trainer.epsilon_low, trainer.epsilon_high) == (EPSILON, EPSILON_HIGH)
     logp, old, ref, adv, mask = _batch()
 
     theirs_lp = logp.clone().requires_grad_(True)
-    theirs = _trl_loss(trainer, theirs_lp, old, ref, adv, mask)
+    theirs = trl_loss(trainer, theirs_lp, old, ref, adv, mask)
     theirs.backward()
 
     ours_lp = logp.clone().requires_grad_(True)

@@ -1,24 +1,32 @@
 """Group relative policy optimisation (GRPO, Shao et al. 2024, DeepSeekMath).
 
-Per training step: for every prompt of the batch, ``G`` completions are sampled by the
-inference engine running on the *live* policy weights (``run_batch``, which also returns the
-rollout policy's log-probs per token, of the temperature-scaled distribution); rewards come
-from the reward registry; advantages are normalised within each prompt's group; the loss is
-the PPO clipped-ratio objective against the rollout log-probs plus ``kl_coef`` times the k3
-estimate of KL(policy || reference), aggregated over completion tokens as TRL's ``loss_type``
-(:mod:`astrai.train.strategies.grpo_loss`). Like TRL, the training forward divides the logits
-by the sampling temperature, so policy, rollout and reference log-probs are of one quantity.
+Per generation batch: for every prompt, ``G`` completions are sampled by the inference engine
+running on the *live* policy weights (``run_batch`` with ``n = G``: a prompt is prefilled
+once and its ``G`` samples share its KV pages; the log-probs of the rollout policy come back
+per token, of the temperature-scaled distribution); rewards come from the reward registry or
+a ``_target_``; advantages come from the chosen estimator (``advantage``: group-normalised
+GRPO, RLOO's leave-one-out, REINFORCE++; :mod:`~astrai.train.strategies.grpo_advantages`);
+the loss is the PPO clipped-ratio objective against the rollout log-probs plus ``kl_coef``
+times the k3 estimate of KL(policy || reference), aggregated over completion tokens as TRL's
+``loss_type`` (:mod:`~astrai.train.strategies.grpo_loss`). Like TRL, the training forward
+divides the logits by the sampling temperature, so policy, rollout and reference log-probs
+are of one quantity.
 
-One optimizer step is taken per batch of rollouts (``mu = 1`` in the paper's notation); with
-gradient accumulation the weights do not change between micro-batches, so the rollout
-log-probs stay on-policy and the ratio starts at 1. The engine's policy version is advanced
-after every optimizer step, which drops prefix-cache pages built with older weights. With
-``sync_interval > 0`` the reference moves towards the policy every that many optimizer steps
-(TRL's ``ref_model_sync_steps``) and travels in the checkpoint.
+A generation batch holds the prompts of ``steps_per_generation`` micro-steps and serves
+``steps_per_generation * num_iterations`` of them (TRL's options; ``num_iterations`` is the
+paper's ``mu``): the data module hands the same loader batch to each of those steps
+(``batch_reuse``), and :class:`~astrai.train.strategies.grpo_rollouts.Generation` keeps the
+rollouts, in the checkpoint too. With the defaults (1 and 1) one optimizer step is taken per
+batch of rollouts; with gradient accumulation the weights do not change between
+micro-batches, so the rollout log-probs stay on-policy and the ratio starts at 1. The engine's
+policy version is advanced after every optimizer step, which drops prefix-cache pages built
+with older weights. With ``sync_interval > 0`` the reference moves towards the policy every
+that many optimizer steps (TRL's ``ref_model_sync_steps``) and travels in the checkpoint.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -27,15 +35,29 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from astrai.data.sampler import BatchReuse
 from astrai.inference import InferenceEngine, SamplingParams
 from astrai.train.module import LMModule, ReferencePolicy, token_logprobs
-from astrai.train.strategies.grpo_loss import check_loss_options, group_advantages, grpo_loss
+from astrai.train.ranks import gather_over_ranks, sum_over_ranks
+from astrai.train.strategies.grpo_advantages import (
+    PER_TOKEN,
+    check_advantage_options,
+    compute_advantages,
+)
+from astrai.train.strategies.grpo_loss import (
+    check_loss_options,
+    grpo_loss,
+    high_entropy_mask,
+    token_entropy,
+)
+from astrai.train.strategies.grpo_rewards import parse_rewards, plain_rewards, score
 from astrai.train.strategies.grpo_rollouts import (
+    Generation,
     Rollouts,
     build_rollouts,
-    parse_rewards,
-    plain_rewards,
-    score,
+    completion_mask,
+    per_completion,
+    split_bounds,
 )
 from astrai.train.strategies.reference_sync import (
     check_sync_options,
@@ -50,6 +72,11 @@ __all__ = ["GRPOModule", "Rollouts", "build_rollouts", "parse_rewards", "score"]
 
 
 # ---------------------------------------------------------------------------- the module
+def _check_count(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"GRPO {name} must be an int >= 1, got {value!r}")
+
+
 def rollout_sampling(
     max_new_tokens: int, temperature: float, top_p: float, top_k: int
 ) -> SamplingParams:
@@ -77,23 +104,41 @@ class GRPOModule(LMModule):
             log-probs that come back are of the temperature-scaled, untruncated distribution
             (``logprobs_mode="scaled"``), as are the training forward's and the reference's
             (logits / temperature, as in TRL).
-        rewards: reward names from ``astrai.data.rewards`` with weights, e.g.
-            ``[{name: exact_match, weight: 1.0}, {name: format, weight: 0.1}]``.
+        rewards: registry names with weights, e.g. ``[{name: exact_match, weight: 1.0},
+            {name: format, weight: 0.1}]``, or ``_target_`` entries (docs/rewards.md).
         loss_type: ``grpo``, ``bnpo``, ``dr_grpo`` or ``dapo`` (TRL's definitions and default,
             see :mod:`~astrai.train.strategies.grpo_loss`). ``dapo`` divides by the completion
             tokens of the whole optimizer step (all ranks, all accumulated micro-batches):
             the gradients are rescaled once they are all in, before clipping and the step.
         epsilon, epsilon_high: the ratio is clipped to ``[1 - epsilon, 1 + epsilon_high]``
             (``epsilon_high`` None: symmetric; DAPO's clip-higher: 0.28).
+        delta: two-sided clipping (INTELLECT-2): the unclipped ratio is capped at ``delta``
+            (> 1 + epsilon_high; None: off).
+        importance_sampling_level: ``token`` or ``sequence`` (GSPO: one ratio per completion,
+            the exponentiated mean of its tokens' log-ratios).
+        num_iterations: optimisation passes over each generation batch (``mu``); from the
+            second on the policy has moved, so the ratio and its clip engage.
+        steps_per_generation: micro-steps whose prompts are generated at once (TRL's name;
+            None: ``accumulate_grad_batches``, TRL's default); the completions are shuffled and
+            split into that many micro-batches of ``batch_size x G``.
+        advantage: ``grpo``, ``rloo``, ``reinforce_pp`` or ``reinforce_pp_baseline`` (verl's
+            estimators), with ``scale_rewards`` (TRL's ``group`` / ``batch`` / ``none``; None:
+            the estimator's default) and ``gamma`` (REINFORCE++'s discount);
+            :mod:`~astrai.train.strategies.grpo_advantages`.
+        mask_truncated_completions: completions cut by ``max_new_tokens`` carry no loss
+            (DAPO's overlong filtering); they still count in their group's advantages.
+        top_entropy_quantile: only this top fraction of completion tokens by entropy carries
+            the policy term ("Beyond the 80/20 rule": 0.2; 1: every token).
         kl_coef: weight of the k3 KL to the reference, a copy of the initial policy (0: no
             reference model is kept at all).
         use_bias_correction_kl: weight the per-token k3 by the importance ratio (TRL 1.16's
             default and name; the tokens were sampled by the rollout policy).
         sync_interval: every that many optimizer steps the reference becomes
             ``sync_alpha * policy + (1 - sync_alpha) * reference`` (0: frozen reference).
-        adv_eps: added to the group std.
-        rollout_seed: rollouts are seeded by this plus the micro-batch count, so a resumed
-            run samples the same completions as an uninterrupted one.
+        adv_eps: added to the std that scales the advantages.
+        rollout_seed: rollouts are seeded by this plus the micro-batch count (and the rank),
+            so a resumed run samples the same completions as an uninterrupted one, and two
+            DDP ranks of batch b sample what one process of batch 2b would for b = 1.
         engine: the rollout engine factory, called once, lazily, as ``engine(model,
             tokenizer, start=False)`` on the live weights: the ``engine`` group
             (conf/engine/) as a Hydra partial, sized in conf/strategy/grpo.yaml; None:
@@ -119,6 +164,15 @@ class GRPOModule(LMModule):
         loss_type: str = "dapo",
         epsilon: float = 0.2,
         epsilon_high: float | None = None,
+        delta: float | None = None,
+        importance_sampling_level: str = "token",
+        num_iterations: int = 1,
+        steps_per_generation: int | None = 1,
+        advantage: str = "grpo",
+        scale_rewards: str | bool | None = None,
+        gamma: float = 1.0,
+        mask_truncated_completions: bool = False,
+        top_entropy_quantile: float = 1.0,
         kl_coef: float = 0.04,
         use_bias_correction_kl: bool = True,
         sync_interval: int = 0,
@@ -144,7 +198,18 @@ class GRPOModule(LMModule):
                 f"GRPO temperature must be > 0 (the training log-probs are of logits / "
                 f"temperature; greedy groups have no variance), got {temperature}"
             )
-        self.epsilon, self.epsilon_high = check_loss_options(loss_type, epsilon, epsilon_high)
+        self.epsilon, self.epsilon_high = check_loss_options(
+            loss_type,
+            epsilon,
+            epsilon_high,
+            importance_sampling_level=importance_sampling_level,
+            delta=delta,
+            top_entropy_quantile=top_entropy_quantile,
+        )
+        self.scale_rewards = check_advantage_options(advantage, scale_rewards, gamma)
+        _check_count("num_iterations", num_iterations)
+        if steps_per_generation is not None:
+            _check_count("steps_per_generation", steps_per_generation)
         check_sync_options(sync_interval, sync_alpha, kl_coef)
         reward_items = parse_rewards(plain_rewards(rewards))
         sampling = rollout_sampling(max_new_tokens, temperature, top_p, top_k)  # before the model
@@ -152,11 +217,19 @@ class GRPOModule(LMModule):
         self.num_generations = int(num_generations)
         self.temperature = sampling.temperature
         self.max_new_tokens = sampling.max_tokens
-        self.sampling = sampling
+        self.sampling = dataclasses.replace(sampling, n=self.num_generations)
         self.val_max_new_tokens = int(val_max_new_tokens or max_new_tokens)
         self.val_sampling = SamplingParams(max_tokens=self.val_max_new_tokens, temperature=0.0)
         self.rewards = reward_items
         self.loss_type = loss_type
+        self.delta = None if delta is None else float(delta)
+        self.importance_sampling_level = importance_sampling_level
+        self.num_iterations = int(num_iterations)
+        self.steps_per_generation = steps_per_generation
+        self.advantage = advantage
+        self.gamma = float(gamma)
+        self.mask_truncated_completions = bool(mask_truncated_completions)
+        self.top_entropy_quantile = float(top_entropy_quantile)
         self.kl_coef = float(kl_coef)
         self.use_bias_correction_kl = bool(use_bias_correction_kl)
         self.sync_interval = int(sync_interval)
@@ -169,6 +242,7 @@ class GRPOModule(LMModule):
         if self.kl_coef > 0:  # else no reference model is kept at all
             self.reference = ReferencePolicy(self.model, reference_dtype)
         self._engine: InferenceEngine | None = None
+        self.generation: Generation | None = None  # the rollouts being trained on
         self._gen_seconds = 0.0
         self._batch_started: float | None = None
 
@@ -185,6 +259,7 @@ class GRPOModule(LMModule):
     def _generate(
         self, prompts: Sequence[Sequence[int]], *, seed: int | None, params: SamplingParams
     ) -> list[Any]:
+        """``params.n`` results per prompt, prompt-major (``run_batch``'s order and seeds)."""
         # Generation runs in the parameters' dtype (fp32 master weights), outside any autocast:
         # the KV cache is allocated in that dtype.
         device_type = self.device.type if self.device.type in ("cuda", "cpu") else "cpu"
@@ -194,8 +269,8 @@ class GRPOModule(LMModule):
             if r.error or r.finish_reason in ("rejected", "aborted"):
                 raise RuntimeError(
                     f"GRPO rollout {i} failed ({r.finish_reason}): {r.error}; prompt length "
-                    f"{len(prompts[i])}, engine context {self.engine.max_seq_len} (raise "
-                    "strategy.engine.max_seq_len?)"
+                    f"{len(prompts[i // params.n])}, engine context {self.engine.max_seq_len} "
+                    "(raise strategy.engine.max_seq_len?)"
                 )
         return results
 
@@ -205,57 +280,127 @@ class GRPOModule(LMModule):
         except (AttributeError, RuntimeError):
             return 0
 
+    def _rollout_index(self) -> int:
+        """Which rank's which micro-batch this is, counted over all ranks (seeds)."""
+        trainer = self._trainer
+        if trainer is None or trainer.world_size == 1:
+            return self._micro_step()
+        return self._micro_step() * int(trainer.world_size) + int(trainer.global_rank)
+
     def _decode(self, results: Sequence[Any]) -> list[str]:
         return [self.tokenizer.decode(r.token_ids, skip_special_tokens=True) for r in results]
 
-    # ------------------------------------------------------------------ loss
-    def rollout(self, batch: Mapping[str, Any]) -> dict[str, Any]:
-        """Sample ``G`` completions per prompt and score them (no gradient)."""
-        prompts = [list(p) for p in batch["prompt_ids"] for _ in range(self.num_generations)]
-        records = [r for r in batch["records"] for _ in range(self.num_generations)]
-        seed = self.rollout_seed + self._micro_step() * len(prompts)
+    # ------------------------------------------------------------------ generation batches
+    @property
+    def generation_steps(self) -> int:
+        """Micro-steps per generation batch (``steps_per_generation``, resolved)."""
+        if self.steps_per_generation is not None:
+            return int(self.steps_per_generation)
+        trainer = self._trainer
+        return int(trainer.accumulate_grad_batches) if trainer is not None else 1
+
+    @property
+    def batch_reuse(self) -> BatchReuse:
+        """The data module's loader batches: ``steps_per_generation`` micro-steps' prompts,
+        each handed to ``steps_per_generation * num_iterations`` micro-steps."""
+        steps = self.generation_steps
+        return BatchReuse(group=steps, repeat=steps * self.num_iterations)
+
+    def rollout(self, batch: Mapping[str, Any]) -> Generation:
+        """Sample ``G`` completions per prompt, score them and compute their advantages (no
+        gradient): the generation batch the next micro-steps train on."""
+        started = time.perf_counter()
+        prompts = [list(p) for p in batch["prompt_ids"]]
+        g = self.num_generations
+        records = [r for r in batch["records"] for _ in range(g)]
+        seed = self.rollout_seed + self._rollout_index() * len(prompts) * g
         results = self._generate(prompts, seed=seed, params=self.sampling)
         texts = self._decode(results)
         rewards, parts = score(records, texts, self.rewards)
-        return {
-            "prompts": prompts,
-            "results": results,
-            "texts": texts,
-            "rewards": rewards,
-            "reward_parts": parts,
+        lengths = [len(r.token_ids) for r in results]
+        mask = completion_mask(lengths, self.device) if self.advantage in PER_TOKEN else None
+        adv = compute_advantages(
+            rewards.to(self.device),
+            g,
+            advantage=self.advantage,
+            scale_rewards=self.scale_rewards,
+            mask=mask,
+            gamma=self.gamma,
+            eps=self.adv_eps,
+            all_sum=sum_over_ranks(self._trainer),
+        )
+        order = list(range(len(results)))
+        steps = self.generation_steps
+        if steps > 1:  # TRL shuffles the generation batch before splitting it
+            gen = torch.Generator().manual_seed(seed)
+            order = torch.randperm(len(results), generator=gen).tolist()
+        advantages = per_completion(adv, lengths)
+        grouped = rewards.view(-1, g)
+        metrics = {
+            "reward_mean": rewards.mean().item(),
+            "reward_std": rewards.std().item(),
+            "zero_var_frac": (grouped.std(dim=1) == 0).float().mean().item(),
+            "truncated_frac": sum(r.finish_reason == "length" for r in results) / len(results),
+            **{f"reward/{k}": v.item() for k, v in parts.items()},
         }
-
-    def compute_loss(self, batch: dict[str, Any]) -> tuple[Tensor, dict[str, Tensor]]:
-        started = time.perf_counter()
-        ro = self.rollout(batch)
+        generation = Generation(
+            prompt_ids=prompts,
+            prompts=[prompts[i // g] for i in order],
+            completions=[list(results[i].token_ids) for i in order],
+            logprobs=[list(results[i].logprobs) for i in order],
+            truncated=[results[i].finish_reason == "length" for i in order],
+            advantages=[advantages[i] for i in order],
+            bounds=split_bounds(len(results), steps),
+            repeats=steps * self.num_iterations,
+            metrics=metrics,
+        )
         self._gen_seconds = time.perf_counter() - started
-        rewards = ro["rewards"].view(-1, self.num_generations).to(self.device)
-        adv = group_advantages(rewards, self.adv_eps).flatten()
-        results = ro["results"]
+        return generation
+
+    def _generation_for(self, batch: Mapping[str, Any]) -> Generation:
+        """The current generation batch, or a new one when it has served all its steps."""
+        current = self.generation
+        if current is None or current.spent:
+            current = self.generation = self.rollout(batch)
+        elif not current.matches(batch["prompt_ids"]):
+            raise RuntimeError(
+                f"GRPO: the loader handed over other prompts while a generation batch had "
+                f"{current.repeats - current.used} of its {current.repeats} micro-steps left "
+                "(the data module must repeat each batch: LMModule.batch_reuse)"
+            )
+        return current
+
+    # ------------------------------------------------------------------ loss
+    def compute_loss(self, batch: dict[str, Any]) -> tuple[Tensor, dict[str, Tensor]]:
+        generation = self._generation_for(batch)
+        index = generation.take()
         pad = self.tokenizer.pad_token_id
-        r = build_rollouts(
-            ro["prompts"],
-            [x.token_ids for x in results],
-            [x.logprobs for x in results],
+        part = generation.slice(
+            index,
             pad_id=pad if pad is not None else 0,
             device=self.device,
+            mask_truncated=self.mask_truncated_completions,
         )
+        r, mask = part.rollouts, part.loss_mask
         self.flops_per_batch = self.flops_per_token * r.input_ids.numel()
         targets = r.input_ids[:, 1:]
-        logp = token_logprobs(self._scaled(self.model(r.input_ids)[:, :-1]), targets)
-        ref_logp = None
-        if self.reference is not None:
-            with torch.no_grad():
-                ref_logits = self.reference.on(self.device)(r.input_ids)
-                ref_logp = token_logprobs(self._scaled(ref_logits[:, :-1]), targets)
+        logits = self._scaled(self.model(r.input_ids)[:, :-1])
+        logp = token_logprobs(logits, targets)
+        entropy = token_entropy(logits, r.mask)
+        keep = None
+        if self.top_entropy_quantile < 1.0:
+            keep = high_entropy_mask(
+                entropy, mask, self.top_entropy_quantile, gather_over_ranks(self._trainer)
+            )
+        ref_logp = self._reference_logp(generation, index, r.input_ids, targets)
         # dapo under a trainer: the gradient is that of sum / max_new_tokens, rescaled to the
         # window's global token count in `optimizer_step`; the value is this batch's mean.
         deferred = self.loss_type == "dapo" and self._trainer is not None and self.training
         loss, metrics = grpo_loss(
             logp,
             r.old_logp,
-            adv,
-            r.mask,
+            part.advantages,
+            mask,
             loss_type=self.loss_type,
             epsilon=self.epsilon,
             epsilon_high=self.epsilon_high,
@@ -264,23 +409,36 @@ class GRPOModule(LMModule):
             use_bias_correction_kl=self.use_bias_correction_kl,
             max_completion_length=self.max_new_tokens,
             num_items=self.max_new_tokens if deferred else None,
+            importance_sampling_level=self.importance_sampling_level,
+            delta=self.delta,
+            entropy_mask=keep,
         )
         if deferred:
-            n_tokens = r.mask.sum()
+            n_tokens = mask.sum()
             self._window_tokens = self._window_tokens.to(n_tokens.device) + n_tokens
             mean = loss.detach() * self.max_new_tokens / n_tokens.clamp(min=1.0)
             loss = loss + (mean - loss.detach())
-        group_std = rewards.std(dim=1)
-        metrics.update(
-            {
-                "reward_mean": rewards.mean(),
-                "reward_std": rewards.std(),
-                "zero_var_frac": (group_std == 0).float().mean(),
-                "completion_len": r.completion_lengths.mean(),
-                **{f"reward/{k}": v for k, v in ro["reward_parts"].items()},
-            }
-        )
+        metrics.update({k: torch.tensor(v) for k, v in generation.metrics.items()})
+        metrics["completion_len"] = r.completion_lengths.mean()
+        metrics["entropy"] = (entropy * r.mask).sum() / r.mask.sum().clamp(min=1.0)
         return loss, metrics
+
+    def _reference_logp(
+        self, generation: Generation, index: int, input_ids: Tensor, targets: Tensor
+    ) -> Tensor | None:
+        """The reference's log-probs of slice ``index``, computed at its first use and kept
+        for the other iterations (as TRL computes them once per generation)."""
+        if self.reference is None:
+            return None
+        cached = generation.ref_logp.get(index)
+        if cached is not None:
+            return cached.to(self.device)
+        with torch.no_grad():
+            ref_logits = self.reference.on(self.device)(input_ids)
+            ref_logp = token_logprobs(self._scaled(ref_logits[:, :-1]), targets)
+        if self.num_iterations > 1:
+            generation.ref_logp[index] = ref_logp
+        return ref_logp
 
     def _scaled(self, logits: Tensor) -> Tensor:
         """Logits of the sampling distribution (TRL: ``logits / temperature``)."""
@@ -343,9 +501,13 @@ class GRPOModule(LMModule):
         super().on_save_checkpoint(checkpoint)
         if self.sync_interval and self.reference is not None:  # a moving reference
             checkpoint["grpo_reference"] = reference_state(self.reference.model, self._synced_step)
+        if self.generation is not None and not self.generation.spent:  # mid-reuse
+            checkpoint["grpo_generation"] = self.generation.state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
+        generation = checkpoint.get("grpo_generation")
+        self.generation = Generation.from_state(generation) if generation is not None else None
         saved = checkpoint.get("grpo_reference")
         if self.sync_interval and self.reference is not None:
             if saved is None:

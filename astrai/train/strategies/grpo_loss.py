@@ -1,14 +1,18 @@
-"""GRPO's loss as pure functions: group advantages, the k3 KL and the clipped objective with
-TRL's four token aggregations (``loss_type``).
+"""GRPO's loss as pure functions: the k3 KL, the high-entropy token mask and the clipped
+objective with TRL's four token aggregations (``loss_type``).
 
 The names and formulas follow TRL 1.16 (``GRPOTrainer._compute_loss``), so a researcher can
-compare runs across the two frameworks. Per token, with ``r = exp(logp - old_logp)``::
+compare runs across the two frameworks. With the importance weight ``w``: per token
+``exp(logp - old_logp)`` (``importance_sampling_level="token"``), or one per sequence,
+``exp(mean over its tokens of (logp - old_logp))`` (``"sequence"``, GSPO)::
 
-    l = -min(r * A, clamp(r, 1 - epsilon, 1 + epsilon_high) * A) + kl_coef * k3(logp, ref) [* r]
+    l = -min(min(w, delta) * A, clamp(w, 1 - epsilon, 1 + epsilon_high) * A) [* entropy mask]
+        + kl_coef * k3(logp, ref) [* w]
 
-(``* r`` with ``use_bias_correction_kl``, TRL 1.16's default: the k3 estimate weighted by the
-importance ratio, since the tokens were sampled by the rollout policy; DeepSeek-V3.2) and the
-loss aggregates ``l`` over the completion tokens (``mask``):
+(``min(w, delta)`` only with ``delta``, INTELLECT-2's two-sided clipping; the entropy mask
+only with ``top_entropy_quantile < 1``; ``* w`` with ``use_bias_correction_kl``, TRL 1.16's
+default: the k3 estimate weighted by the importance ratio, since the tokens were sampled by
+the rollout policy) and the loss aggregates ``l`` over the completion tokens (``mask``):
 
 - ``grpo``: mean over each sequence's tokens, then mean over sequences (the paper's; favours
   short correct and long wrong completions);
@@ -18,29 +22,20 @@ loss aggregates ``l`` over the completion tokens (``mask``):
   every accumulated micro-batch of one optimizer step (DAPO; TRL's default). ``num_items`` is
   TRL's normaliser: that global count divided by the number of processes, since DDP averages
   the ranks' gradients.
+
+Advantages come from :mod:`astrai.train.strategies.grpo_advantages`: one per completion
+``[N]`` or one per token ``[N, T]`` (REINFORCE++).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
-
-
-def group_advantages(rewards: Tensor, eps: float = 1e-4) -> Tensor:
-    """``(r - mean_g) / (std_g + eps)`` within each group: ``[B, G] -> [B, G]``.
-
-    ``std`` is the unbiased sample standard deviation (as in DeepSeekMath / TRL); a group whose
-    completions all got the same reward has zero advantage and contributes no policy gradient.
-    """
-    if rewards.dim() != 2:
-        raise ValueError(f"group_advantages: expected [prompts, G], got {tuple(rewards.shape)}")
-    if rewards.shape[1] < 2:
-        raise ValueError("group_advantages: need at least 2 completions per prompt")
-    mean = rewards.mean(dim=1, keepdim=True)
-    std = rewards.std(dim=1, keepdim=True)
-    return (rewards - mean) / (std + eps)
+IS_LEVELS = ("token", "sequence")
 
 
 def k3_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:
@@ -51,7 +46,13 @@ def k3_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:
 
 
 def check_loss_options(
-    loss_type: str, epsilon: float, epsilon_high: float | None
+    loss_type: str,
+    epsilon: float,
+    epsilon_high: float | None,
+    *,
+    importance_sampling_level: str = "token",
+    delta: float | None = None,
+    top_entropy_quantile: float = 1.0,
 ) -> tuple[float, float]:
     """Raise a ValueError naming the bad field; return ``(epsilon_low, epsilon_high)``."""
     if loss_type not in LOSS_TYPES:
@@ -61,10 +62,62 @@ def check_loss_options(
     high = float(epsilon if epsilon_high is None else epsilon_high)
     if high < 0.0:
         raise ValueError(f"GRPO epsilon_high must be >= 0 (or null = epsilon), got {epsilon_high}")
+    if importance_sampling_level not in IS_LEVELS:
+        raise ValueError(
+            f"GRPO importance_sampling_level must be one of {IS_LEVELS}, "
+            f"got {importance_sampling_level!r}"
+        )
+    if delta is not None and not float(delta) > 1.0 + high:
+        raise ValueError(
+            f"GRPO delta (the two-sided clip's upper bound on the ratio) must be > 1 + "
+            f"epsilon_high = {1.0 + high:g}, or null, got {delta}"
+        )
+    if not 0.0 <= float(top_entropy_quantile) <= 1.0:
+        raise ValueError(
+            f"GRPO top_entropy_quantile must be in [0, 1] (1: every token), got "
+            f"{top_entropy_quantile}"
+        )
     return float(epsilon), high
 
 
+def token_entropy(logits: Tensor, mask: Tensor, chunk: int = 1024) -> Tensor:
+    """Entropy of each position's distribution ``[N, T, V] -> [N, T]`` (fp32, no gradient),
+    computed only where ``mask`` is set (0 elsewhere) and ``chunk`` positions at a time, so no
+    second ``[N, T, V]`` tensor exists."""
+    out = torch.zeros(mask.shape, dtype=torch.float32, device=logits.device)
+    where = mask.bool().nonzero(as_tuple=True)
+    with torch.no_grad():
+        rows = logits[where]
+        values = []
+        for start in range(0, rows.shape[0], chunk):
+            logp = torch.log_softmax(rows[start : start + chunk].float(), dim=-1)
+            values.append(-(logp.exp() * logp).sum(-1))
+        if values:
+            out[where] = torch.cat(values)
+    return out
+
+
+def high_entropy_mask(
+    entropies: Tensor,
+    mask: Tensor,
+    top_entropy_quantile: float,
+    gather: Callable[[Tensor], Tensor] | None = None,
+) -> Tensor:
+    """TRL's ``get_high_entropy_mask``: keep the completion tokens whose entropy is at least
+    the ``1 - top_entropy_quantile`` quantile of every completion token's entropy (all ranks:
+    ``gather`` concatenates a tensor over them; None: this process only). "Beyond the 80/20
+    rule" trains on the top 20% (``top_entropy_quantile=0.2``)."""
+    local = entropies[mask.bool()].float()
+    pooled = gather(local) if gather is not None else local
+    if pooled.numel() == 0:
+        return torch.zeros_like(mask, dtype=torch.bool)
+    threshold = torch.quantile(pooled, 1.0 - float(top_entropy_quantile))
+    return ((entropies * mask.to(entropies.dtype)) >= threshold) & mask.bool()
+
+
 def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    if x.shape[-1] == 1:  # one value per sequence (importance_sampling_level="sequence")
+        return x.mean().detach()
     return ((x * mask).sum() / mask.sum().clamp(min=1.0)).detach()
 
 
@@ -82,43 +135,69 @@ def grpo_loss(
     use_bias_correction_kl: bool = False,
     max_completion_length: int | None = None,
     num_items: float | Tensor | None = None,
+    importance_sampling_level: str = "token",
+    delta: float | None = None,
+    entropy_mask: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The clipped-ratio policy loss plus ``kl_coef`` * k3 KL, aggregated as ``loss_type``.
 
     Args:
         logp: current policy log-probs of the sampled tokens ``[N, T]`` (with grad).
         old_logp: log-probs of the policy that sampled them (the rollout) ``[N, T]``.
-        advantages: one per completion ``[N]`` (broadcast over its tokens).
-        mask: 1 on completion tokens ``[N, T]``.
+        advantages: one per completion ``[N]`` (broadcast over its tokens) or per token
+            ``[N, T]``.
+        mask: 1 on completion tokens ``[N, T]`` (0 on truncated completions with
+            ``mask_truncated_completions``).
         epsilon, epsilon_high: the ratio is clipped to ``[1 - epsilon, 1 + epsilon_high]``
             (``epsilon_high`` None: ``epsilon``; DAPO's "clip-higher" uses 0.28).
         ref_logp: reference log-probs ``[N, T]`` (needed when ``kl_coef > 0``).
-        use_bias_correction_kl: weight the per-token k3 by the ratio ``r`` (with gradient).
+        use_bias_correction_kl: weight the per-token k3 by the importance weight.
         max_completion_length: ``dr_grpo``'s constant (the rollout's ``max_new_tokens``).
         num_items: ``dapo``'s normaliser (global completion tokens / number of processes);
             None: this batch's completion tokens.
+        importance_sampling_level: ``token`` (one weight per token) or ``sequence`` (GSPO: the
+            exponentiated mean log-ratio of each sequence).
+        delta: two-sided clipping (INTELLECT-2): the unclipped term's weight is capped at
+            ``delta`` (> 1 + epsilon_high), so a negative advantage cannot blow up.
+        entropy_mask: bool ``[N, T]`` (:func:`high_entropy_mask`): only these tokens carry
+            the policy term; the KL term keeps every completion token (as TRL).
     Returns:
         the loss and detached metrics (TRL's names): ``kl`` (token mean of k3),
-        ``clip_ratio/low_mean`` (tokens with ``r < 1 - epsilon`` and ``A < 0``: the clip is
-        active), ``clip_ratio/high_mean`` (``r > 1 + epsilon_high`` and ``A > 0``),
-        ``clip_ratio/region_mean`` (either), ``ratio`` (token mean of ``r``).
+        ``clip_ratio/low_mean`` (tokens, or sequences at the sequence level, with
+        ``w < 1 - epsilon`` and ``A < 0``: the clip is active), ``clip_ratio/high_mean``
+        (``w > 1 + epsilon_high`` and ``A > 0``), ``clip_ratio/region_mean`` (either),
+        ``ratio`` (mean of ``w``).
     """
-    eps_low, eps_high = check_loss_options(loss_type, epsilon, epsilon_high)
+    eps_low, eps_high = check_loss_options(
+        loss_type, epsilon, epsilon_high, importance_sampling_level=importance_sampling_level
+    )
     mask = mask.to(logp.dtype)
-    adv = advantages.to(logp.dtype).unsqueeze(-1)
-    ratio = torch.exp(logp - old_logp)
-    clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
-    per_token = -torch.minimum(ratio * adv, clipped * adv)
+    adv = advantages.to(logp.dtype)
+    if adv.dim() == 1:
+        adv = adv.unsqueeze(-1)
+    log_ratio = logp - old_logp
+    if importance_sampling_level == "sequence":
+        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    ratio = torch.exp(log_ratio)
     metrics: dict[str, Tensor] = {}
     if kl_coef and ref_logp is None:
         raise ValueError("grpo_loss: kl_coef > 0 needs ref_logp")
+    kl = None
     if ref_logp is not None:
         kl = k3_kl(logp, ref_logp)
         if use_bias_correction_kl:
             kl = kl * ratio
-        if kl_coef:
-            per_token = per_token + kl_coef * kl
         metrics["kl"] = _masked_mean(kl, mask)
+
+    clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    if delta is not None:
+        ratio = torch.clamp(ratio, max=float(delta))
+    per_token = -torch.minimum(ratio * adv, clipped * adv)
+    if entropy_mask is not None:
+        per_token = per_token * entropy_mask.to(per_token.dtype)
+    if kl is not None and kl_coef:
+        per_token = per_token + kl_coef * kl
+    per_token = per_token.expand_as(mask)  # a sequence-level term with no KL is [N, 1]
 
     masked = per_token * mask
     if loss_type == "grpo":

@@ -1,17 +1,22 @@
-"""GRPO's rollout plumbing: prompt + completion batches aligned with the rollout log-probs,
-and the weighted rewards of the registry (``astrai.data.rewards``)."""
+"""GRPO's rollouts as training data: prompt + completion batches aligned with the rollout
+log-probs, and one generation batch's reuse across micro-steps (TRL's ``_buffered_inputs``).
+
+The prompts of ``steps_per_generation`` micro-steps are generated and scored at once; the
+completions are shuffled (when there is more than one slice) and split into that many
+slices, and the slices are trained on in turn, ``num_iterations`` times over (``mu`` in the
+GRPO paper). Every use reads the rollout's own log-probs as ``old_logp``, so from the second
+iteration on the ratio moves away from 1 and the clip engages. The whole state travels in
+the checkpoint, so a run interrupted between two uses resumes bit for bit.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
 from torch import Tensor
-
-from astrai.data.rewards import get_reward
 
 
 @dataclass
@@ -63,43 +68,145 @@ def build_rollouts(
     return Rollouts(ids, mask, old, lens)
 
 
-def parse_rewards(rewards: Any) -> list[tuple[str, float]]:
-    """Config -> ``[(name, weight)]``: a name, a list of names, a list of ``{name, weight}``
-    or a ``{name: weight}`` mapping. Unknown names fail here, before any model is built."""
-    if isinstance(rewards, str):
-        items: list[tuple[str, float]] = [(rewards, 1.0)]
-    elif isinstance(rewards, Mapping):
-        items = [(str(k), float(v)) for k, v in rewards.items()]
-    else:
-        items = []
-        for r in rewards:
-            if isinstance(r, str):
-                items.append((r, 1.0))
-            else:
-                items.append((str(r["name"]), float(r.get("weight", 1.0))))
-    if not items:
-        raise ValueError("GRPO needs at least one reward")
-    for name, _ in items:
-        get_reward(name)  # raises a KeyError listing the registered rewards
-    return items
+@dataclass
+class Slice:
+    """The training tensors of one micro-step: ``Rollouts`` plus the advantages (``[N]``, or
+    ``[N, S-1]`` aligned with the targets like ``mask``), the loss mask (``mask`` with
+    truncated completions zeroed under ``mask_truncated_completions``) and which completions
+    were cut by ``max_new_tokens``."""
+
+    rollouts: Rollouts
+    advantages: Tensor
+    loss_mask: Tensor
+    truncated: Tensor
 
 
-def score(
-    records: Sequence[Mapping[str, Any]], texts: Sequence[str], rewards: Sequence[tuple[str, float]]
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """Weighted sum of the rewards per completion ``[N]``, and each reward's mean."""
-    total = torch.zeros(len(texts))
-    parts: dict[str, Tensor] = {}
-    for name, weight in rewards:
-        fn = get_reward(name)
-        vals = torch.tensor([float(fn(rec, txt)) for rec, txt in zip(records, texts)])
-        parts[name] = vals.mean()
-        total += weight * vals
-    return total, parts
+@dataclass
+class Generation:
+    """The completions of one generation batch, in training order, and how far their reuse got.
+
+    ``prompt_ids`` are the loader batch's prompts (one per group), by which the same batch is
+    recognised when the loader hands it over again. Per completion: ``prompts``,
+    ``completions``, ``logprobs`` (the rollout's), ``truncated``, ``advantages`` (a float, or
+    one per completion token). ``bounds`` are the slices' ``[start, end)`` in that order;
+    ``repeats`` the micro-steps the generation serves (``num_iterations * len(bounds)``),
+    ``used`` how many it has served. ``ref_logp`` keeps each slice's reference log-probs from
+    its first use (TRL computes them once per generation), ``metrics`` the generation's reward
+    statistics.
+    """
+
+    prompt_ids: list[list[int]]
+    prompts: list[list[int]]
+    completions: list[list[int]]
+    logprobs: list[list[float]]
+    truncated: list[bool]
+    advantages: list[Any]
+    bounds: list[tuple[int, int]]
+    repeats: int
+    used: int = 0
+    ref_logp: dict[int, Tensor] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def spent(self) -> bool:
+        return self.used >= self.repeats
+
+    def matches(self, prompt_ids: Sequence[Sequence[int]]) -> bool:
+        return [list(p) for p in prompt_ids] == self.prompt_ids
+
+    def take(self) -> int:
+        """The slice the next micro-step trains on (slices in turn, ``num_iterations`` times)."""
+        if self.spent:
+            raise RuntimeError("this generation batch has served all its micro-steps")
+        index = self.used % len(self.bounds)
+        self.used += 1
+        return index
+
+    def slice(
+        self, index: int, *, pad_id: int, device: torch.device, mask_truncated: bool
+    ) -> Slice:
+        start, end = self.bounds[index]
+        rows = range(start, end)
+        r = build_rollouts(
+            [self.prompts[i] for i in rows],
+            [self.completions[i] for i in rows],
+            [self.logprobs[i] for i in rows],
+            pad_id=pad_id,
+            device=device,
+        )
+        truncated = torch.tensor([self.truncated[i] for i in rows], device=device)
+        loss_mask = (
+            r.mask * (~truncated).unsqueeze(-1).to(r.mask.dtype) if mask_truncated else r.mask
+        )
+        values = [self.advantages[i] for i in rows]
+        if values and isinstance(values[0], list):  # one per completion token: align with mask
+            adv = torch.zeros_like(r.mask)
+            for row, (i, per_token) in enumerate(zip(rows, values)):
+                first = len(self.prompts[i]) - 1
+                adv[row, first : first + len(per_token)] = torch.tensor(per_token)
+        else:
+            adv = torch.tensor(values, dtype=torch.float32, device=device)
+        return Slice(r, adv, loss_mask, truncated)
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "prompt_ids": self.prompt_ids,
+            "prompts": self.prompts,
+            "completions": self.completions,
+            "logprobs": self.logprobs,
+            "truncated": self.truncated,
+            "advantages": self.advantages,
+            "bounds": [list(b) for b in self.bounds],
+            "repeats": self.repeats,
+            "used": self.used,
+            "ref_logp": {int(k): v.cpu() for k, v in self.ref_logp.items()},
+            "metrics": self.metrics,
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> Generation:
+        return cls(
+            prompt_ids=state["prompt_ids"],
+            prompts=state["prompts"],
+            completions=state["completions"],
+            logprobs=state["logprobs"],
+            truncated=state["truncated"],
+            advantages=state["advantages"],
+            bounds=[(int(a), int(b)) for a, b in state["bounds"]],
+            repeats=int(state["repeats"]),
+            used=int(state["used"]),
+            ref_logp={int(k): v for k, v in state["ref_logp"].items()},
+            metrics=dict(state["metrics"]),
+        )
 
 
-def plain_rewards(rewards: Any) -> Any:
-    """An OmegaConf rewards config as plain containers (what :func:`parse_rewards` reads)."""
-    return (
-        OmegaConf.to_container(rewards, resolve=True) if OmegaConf.is_config(rewards) else rewards
-    )
+def split_bounds(n: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous ranges covering ``[0, n)``, sizes differing by at most one."""
+    if n < parts:
+        raise ValueError(
+            f"GRPO steps_per_generation={parts} needs at least that many completions per "
+            f"generation batch, got {n}"
+        )
+    size, extra = divmod(n, parts)
+    bounds, start = [], 0
+    for i in range(parts):
+        end = start + size + (1 if i < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def per_completion(advantages: Tensor, lengths: Sequence[int]) -> list[Any]:
+    """Advantages as stored per completion: a float each (``[N]``), or the first
+    ``lengths[i]`` values of row ``i`` (``[N, T]``, completion-aligned)."""
+    if advantages.dim() == 1:
+        return advantages.tolist()
+    return [row[:n].tolist() for row, n in zip(advantages.cpu(), lengths)]
+
+
+def completion_mask(lengths: Sequence[int], device: torch.device | None = None) -> Tensor:
+    """``[N, max length]`` float mask: 1 on each completion's tokens."""
+    width = max(max(lengths, default=0), 1)
+    positions = torch.arange(width, device=device)
+    return (positions < torch.tensor(list(lengths), device=device).unsqueeze(-1)).float()

@@ -1,0 +1,64 @@
+"""Helpers for the GRPO tests: a tiny module on built-in arithmetic prompts, canned results."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from astrai.inference import InferenceEngine
+from astrai.model import preset_model
+from astrai.train.optim import adamw, constant
+
+
+def prompt_data(root: Path) -> tuple[Path, Any]:
+    """A tokenizer trained on the arithmetic chats and 32 prepared prompts (`prompts.h5`)."""
+    from astrai.data.builtin import arithmetic_problems, sft_records
+    from astrai.data.prepare import prepare
+    from astrai.tokenizer import AutoTokenizer
+
+    texts = [m["content"] for r in sft_records(arithmetic_problems(300)) for m in r["messages"]]
+    tok = AutoTokenizer.train(texts * 2, vocab_size=320)
+    tok.save_pretrained(root / "tok")
+    prepare(
+        "prompt",
+        "builtin:arithmetic/prompt/train",
+        root,
+        root / "tok",
+        name="prompts",
+        required_fields=["answer"],
+        builtin={"n": 32, "seed": 0},
+        progress=False,
+    )
+    return root, tok
+
+
+def make_grpo(root: Path, tok: Any, **kw: Any) -> Any:
+    """A `GRPOModule` on the tiny preset (seeded: equal arguments give equal weights)."""
+    from astrai.train.strategies.grpo import GRPOModule
+
+    torch.manual_seed(0)
+    args = dict(
+        model=functools.partial(preset_model, "tiny", vocab_size=320),
+        optimizer=functools.partial(adamw, lr=1e-3),
+        scheduler=constant,
+        tokenizer=str(root / "tok"),
+        num_generations=4,
+        max_new_tokens=6,
+        rewards=[{"name": "exact_match", "weight": 1.0}, {"name": "format", "weight": 0.5}],
+        kl_coef=0.1,
+        epsilon=0.2,
+        engine=functools.partial(InferenceEngine, max_batch_size=16, max_seq_len=64),
+    )
+    args.update(kw)
+    return GRPOModule(**args)
+
+
+class FakeResult:
+    """A `BatchResult` stand-in: canned token ids and log-probs."""
+
+    def __init__(self, ids: list[int], lps: list[float], finish_reason: str = "stop") -> None:
+        self.token_ids, self.logprobs = ids, lps
+        self.finish_reason, self.error = finish_reason, None
