@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from astrai.bench.__main__ import bench_config, main
+from astrai.cli_keys import command_line
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -94,7 +95,9 @@ def test_recorded_commands_still_compose():
     commands = _recorded_commands()
     assert len(commands) >= 5 and ["kernels", "out=experiments/bench/kernels-gpu.json"] in commands
     for name, *overrides in commands:
-        bench_config(name, overrides)  # every recorded option still exists, typed as before
+        # every recorded option still exists, typed as before (as the command line reads it:
+        # model_path=<dir> is model=pretrained model.path=<dir>)
+        bench_config(name, command_line("bench", overrides))
     gpu = next(c for c in commands if "model=qwen3-0.6b" in c)
     cfg = bench_config(gpu[0], gpu[1:])
     assert cfg["model"]["name"] == "qwen3-0.6b" and cfg["engine"]["cache_mode"] == "paged"

@@ -41,13 +41,8 @@ def _dataset(n: int) -> Any:
     return Dataset.from_dict({"prompt": ["t2 t3"] * n})
 
 
-def grpo_trainer(parts: tuple[Path, Any], name: str, reward_funcs: Any = None, **config: Any):
-    """A ``trl.GRPOTrainer`` (train mode, one accumulation step unless ``config`` says) with
-    ``config`` on top of small defaults; rewards 0 unless ``reward_funcs`` is given."""
-    import trl
-
-    root, tok = parts
-    args = {
+def _args(config: dict[str, Any]) -> dict[str, Any]:
+    return {
         "per_device_train_batch_size": 4,
         "num_generations": 2,
         "max_completion_length": 6,
@@ -56,10 +51,21 @@ def grpo_trainer(parts: tuple[Path, Any], name: str, reward_funcs: Any = None, *
         "bf16": False,
         **config,
     }
-    trainer = trl.GRPOTrainer(
+
+
+def _trainer(kind: str, parts: tuple[Path, Any], name: str, reward_funcs: Any, config: dict):
+    import trl
+
+    root, tok = parts
+    trainer_cls, config_cls = {
+        "grpo": (trl.GRPOTrainer, trl.GRPOConfig),
+        "rloo": (trl.RLOOTrainer, trl.RLOOConfig),
+    }[kind]
+    args = _args(config)
+    trainer = trainer_cls(
         model=str(root / "model"),
-        reward_funcs=reward_funcs or (lambda completions, **_: [0.0] * len(completions)),
-        args=trl.GRPOConfig(output_dir=str(root / f"out-{name}"), **args),
+        reward_funcs=reward_funcs,
+        args=config_cls(output_dir=str(root / f"out-{kind}-{name}"), **args),
         train_dataset=_dataset(8),
         processing_class=tok,
     )
@@ -68,29 +74,16 @@ def grpo_trainer(parts: tuple[Path, Any], name: str, reward_funcs: Any = None, *
     return trainer
 
 
+def grpo_trainer(parts: tuple[Path, Any], name: str, reward_funcs: Any = None, **config: Any):
+    """A ``trl.GRPOTrainer`` (train mode, one accumulation step unless ``config`` says) with
+    ``config`` on top of small defaults; rewards 0 unless ``reward_funcs`` is given."""
+    zero = lambda completions, **_: [0.0] * len(completions)  # noqa: E731
+    return _trainer("grpo", parts, name, reward_funcs or zero, config)
+
+
 def rloo_trainer(parts: tuple[Path, Any], name: str, reward_funcs: Any, **config: Any):
     """A ``trl.RLOOTrainer`` set up like :func:`grpo_trainer`."""
-    import trl
-
-    root, tok = parts
-    args = {
-        "per_device_train_batch_size": 4,
-        "num_generations": 2,
-        "max_completion_length": 6,
-        "report_to": "none",
-        "use_cpu": True,
-        "bf16": False,
-        **config,
-    }
-    trainer = trl.RLOOTrainer(
-        model=str(root / "model"),
-        reward_funcs=reward_funcs,
-        args=trl.RLOOConfig(output_dir=str(root / f"out-rloo-{name}"), **args),
-        train_dataset=_dataset(8),
-        processing_class=tok,
-    )
-    trainer.model.train()
-    return trainer
+    return _trainer("rloo", parts, name, reward_funcs, config)
 
 
 def trl_loss(trainer, logp, old, ref, adv, mask, *, entropies=None, num_items=None):
