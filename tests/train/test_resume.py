@@ -4,7 +4,8 @@ step: LoRA dropout draws from the global torch RNG at every training step.
 A run is SIGKILLed right after each of its checkpoints in turn (the kill lands in the next
 optimizer step, before the weights change), including checkpoints written just before a
 validation and at the end of an epoch, and once in the middle of a validation, and resumed; every resumed run must end with the
-uninterrupted run's weights and optimizer state, bit for bit. Before the fix, a checkpoint
+uninterrupted run's weights and optimizer state, bit for bit (one reference without loader
+workers serves the runs with and without them). Before the fix, a checkpoint
 followed by a validation or a new epoch resumed with a shifted random stream: creating the
 validation or next-epoch DataLoader iterator drew its workers' base seed from the global RNG.
 """
@@ -40,14 +41,27 @@ RUN = [
 # (callback, step): killed in the optimizer step after each checkpoint in turn, and in the
 # middle of the validation that follows the checkpoint of step 4
 KILLS = [("KillAtStep", step) for step in (2, 4, 6, 8)] + [("KillInValidation", 4)]
+# With loader workers, the kills where their prefetching could shift the data position: in
+# the middle of an epoch, at its end (a new iterator follows) and inside the validation.
+KILLS_WITH_WORKERS = [("KillAtStep", 2), ("KillAtStep", 4), ("KillInValidation", 4)]
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_kill_after_every_checkpoint_resumes_bit_identical(tmp_path, data_dir, workers):
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, data_dir) -> Path:
+    """The uninterrupted run every resumed one must equal, with no loader workers: a run
+    with workers draws the same samples in the same order, so it must end there too."""
+    where = tmp_path_factory.mktemp("resume-reference")
+    cli([*RUN, "data.num_workers=0", *run_dirs(where, data_dir)])
+    assert any("lora" in k for k in final_state(where / "run", 10)[0])
+    return where / "run"
+
+
+@pytest.mark.parametrize(("workers", "kills"), [(0, KILLS), (2, KILLS_WITH_WORKERS)])
+def test_kill_after_every_checkpoint_resumes_bit_identical(
+    reference, tmp_path, data_dir, workers, kills
+):
     common = [*RUN, f"data.num_workers={workers}"]
-    cli([*common, *run_dirs(tmp_path / "ref", data_dir)])
-    assert any("lora" in k for k in final_state(tmp_path / "ref" / "run", 10)[0])
-    for callback, step in KILLS:
+    for callback, step in kills:
         where = tmp_path / f"{callback}{step}"
         run = [*common, *run_dirs(where, data_dir)]
         killed = cli(
@@ -61,15 +75,14 @@ def test_kill_after_every_checkpoint_resumes_bit_identical(tmp_path, data_dir, w
         )
         assert killed.returncode == -9, killed.stderr[-3000:]
         cli([*run, "ckpt_path=last"])
-        different = checkpoint_differences(tmp_path / "ref" / "run", where / "run", 10)
+        different = checkpoint_differences(reference, where / "run", 10)
         assert not different, f"workers={workers}, {callback}({step}): {different}"
         shutil.rmtree(where)
 
 
-def test_a_cut_short_checkpoint_is_skipped_for_the_previous_good_one(tmp_path, data_dir):
+def test_a_cut_short_checkpoint_is_skipped_for_the_previous_good_one(reference, tmp_path, data_dir):
     """A checkpoint cut short while written (simulated by truncating `last.ckpt`) is never
     resumed from: the newest complete one is, with a log line naming both."""
-    cli([*RUN, *run_dirs(tmp_path / "ref", data_dir)])
     run = [*RUN, *run_dirs(tmp_path / "b", data_dir)]
     killed = cli(
         [*run, "+callbacks.kill._target_=_callbacks.KillAtStep", "+callbacks.kill.step=6"],
@@ -84,4 +97,4 @@ def test_a_cut_short_checkpoint_is_skipped_for_the_previous_good_one(tmp_path, d
     out = resumed.stdout + resumed.stderr
     assert f"checkpoint {last} is incomplete" in out, out[-3000:]
     assert f"resuming from {checkpoints / 'step000006.ckpt'}" in out, out[-3000:]
-    assert not checkpoint_differences(tmp_path / "ref" / "run", tmp_path / "b" / "run", 10)
+    assert not checkpoint_differences(reference, tmp_path / "b" / "run", 10)
