@@ -9,6 +9,7 @@ BENCHMARKS: dict[str, str] = {
     "data": "astrai.bench.data",
     "engine": "astrai.bench.engine",
     "eval": "astrai.bench.eval",
+    "grpo_async": "astrai.bench.grpo_async",
     "kernels": "astrai.bench.kernels",
     "rollouts": "astrai.bench.rollouts",
     "serve": "astrai.bench.serve",

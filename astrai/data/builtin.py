@@ -8,8 +8,10 @@
   training question.
 
 Everything is reproducible from its arguments. ``python -m astrai.data.prepare`` reads these
-directly with ``input=builtin:stdlib/train``, ``builtin:arithmetic/sft``, ... (see
-:func:`builtin_records`), or write them to JSONL with :func:`write_builtin_jsonl`.
+directly with ``input=builtin:stdlib/train``, ``builtin:arithmetic/sft``,
+``builtin:arithmetic/tools`` (chats that call a ``calc`` tool:
+the tool chats below), ... (see :func:`builtin_records`), or write them to JSONL
+with :func:`write_builtin_jsonl`.
 """
 
 from __future__ import annotations
@@ -292,6 +294,54 @@ def prompt_records(problems: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
+# ----------------------------------------------------------------------------- tool chats
+# GRPO with a calculator can only reinforce tool calls the starting policy already makes, so
+# the SFT start (`arithmetic/tools`) sees both ways of answering: a seeded `tool_fraction` of
+# the problems call `calc` (Hermes/Qwen-style `tool_calls`), read the value from the tool
+# turn and state it; the rest are the worked solutions of `arithmetic/sft`. No `tools` schema
+# (the tiny model's context is too short); astrai.train.environments.Calculator answers
+# exactly this conversation.
+
+TOOL_NAME = "calc"
+
+
+def tool_messages(problem: dict[str, Any]) -> list[dict[str, Any]]:
+    """The four turns: question, ``calc`` call, the value, the plain answer."""
+    expression, answer = problem["expression"], problem["answer"]
+    call = {"type": "function", "function": {"name": TOOL_NAME, "arguments": {"expr": expression}}}
+    return [
+        {"role": "user", "content": problem["prompt"]},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": answer},
+        {"role": "assistant", "content": solution_text(expression, answer, "plain")},
+    ]
+
+
+def check_tool_fraction(tool_fraction: Any) -> float:
+    """``tool_fraction`` as a float in [0, 1], else a ValueError naming the field."""
+    if isinstance(tool_fraction, bool) or not isinstance(tool_fraction, int | float):
+        raise ValueError(f"tool_fraction must be a number in [0, 1], got {tool_fraction!r}")
+    if not 0.0 <= tool_fraction <= 1.0:
+        raise ValueError(f"tool_fraction must be in [0, 1], got {tool_fraction!r}")
+    return float(tool_fraction)
+
+
+def tool_records(
+    problems: list[dict[str, Any]], tool_fraction: float = 0.5, seed: int = 0
+) -> list[dict[str, Any]]:
+    """``{"id", "messages", "answer"}`` per problem: the tool conversation with probability
+    ``tool_fraction`` (seeded apart from the problem draw, one choice per record, so a
+    longer list keeps the choices of a shorter one), else the direct SFT chat."""
+    fraction = check_tool_fraction(tool_fraction)
+    rng = random.Random(f"arithmetic/tools:{seed}")
+    out = []
+    for problem, direct in zip(problems, sft_records(problems)):
+        if rng.random() < fraction:
+            direct = {**direct, "messages": tool_messages(problem)}
+        out.append(direct)
+    return out
+
+
 # ----------------------------------------------------------------------------------- by name
 
 #: a data or corpus source `builtin:<name>` names records that ship with the package
@@ -309,6 +359,7 @@ BUILTIN_NAMES = (
     "arithmetic/sft",
     "arithmetic/preference",
     "arithmetic/prompt",
+    "arithmetic/tools",
 )
 
 
@@ -324,7 +375,8 @@ def builtin_records(
 
     Arithmetic names take an optional split suffix (``/train`` default, ``/val``); ``n``,
     ``seed`` and further ``options`` go to :func:`arithmetic_problems` or
-    :func:`stdlib_files`.
+    :func:`stdlib_files`; ``arithmetic/tools`` also takes ``tool_fraction``
+    (the tool chats below).
     """
     parts = name.strip("/").split("/")
     source = parts[0]
@@ -348,6 +400,9 @@ def builtin_records(
             return
         if task == "prompt":
             yield from prompt_records(problems)
+            return
+        if task == "tools":
+            yield from tool_records(problems, options.get("tool_fraction", 0.5), seed=seed)
             return
     raise ValueError(
         f"unknown builtin data {name!r}; available: {', '.join(BUILTIN_NAMES)} "

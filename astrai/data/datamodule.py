@@ -23,6 +23,7 @@ transforms in ``on_after_batch_transfer`` or ``training_step`` instead.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -53,11 +54,17 @@ class _TrainLoader(DataLoader):
     """
 
     def __init__(
-        self, *args: Any, datamodule: AstraiDataModule, repeat: int = 1, **kwargs: Any
+        self,
+        *args: Any,
+        datamodule: AstraiDataModule,
+        repeat: int = 1,
+        lookahead: int = 0,
+        **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.datamodule = datamodule
         self.repeat = repeat
+        self.lookahead = lookahead
 
     def __len__(self) -> int:
         return super().__len__() * self.repeat
@@ -80,11 +87,29 @@ class _TrainLoader(DataLoader):
         # A batch reused by several steps (`BatchReuse`) is yielded that many times; a resumed
         # run yields the first one only as often as the interrupted run had not.
         skip = self.datamodule.repeats_done
-        for batch in super().__iter__():
+        for batch in with_upcoming(super().__iter__(), self.lookahead):
             for _ in range(self.repeat - skip):
                 self.datamodule.loader_yielded_batch()
                 yield batch
             skip = 0
+
+
+def with_upcoming(batches: Iterator[Any], lookahead: int) -> Iterator[Any]:
+    """Each batch (a mapping) with ``upcoming``: the next ``lookahead`` batches of the same
+    epoch, drawn ahead of their turn (asynchronous GRPO samples them early). Drawing ahead
+    moves no position: the data module counts the batches the training step receives."""
+    if lookahead <= 0:
+        yield from batches
+        return
+    window: collections.deque[Any] = collections.deque()
+    for batch in batches:
+        window.append(batch)
+        if len(window) > lookahead:
+            head = window.popleft()
+            yield {**head, "upcoming": list(window)}
+    while window:
+        head = window.popleft()
+        yield {**head, "upcoming": list(window)}
 
 
 class AstraiDataModule(L.LightningDataModule):
@@ -305,6 +330,7 @@ class AstraiDataModule(L.LightningDataModule):
             collate_fn=self._collate(ds),
             datamodule=self,
             repeat=self.reuse.repeat,
+            lookahead=int(getattr(self._module_or_none(), "batch_lookahead", 0) or 0),
             **self._loader_kwargs(self.train_sampler().epoch),
         )
         return loader

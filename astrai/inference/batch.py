@@ -20,12 +20,14 @@ from astrai.inference.task import Task
 
 @dataclass
 class BatchResult:
-    """One `run_batch` output: token ids, aligned log-probs, and why it ended."""
+    """One `run_batch` output: token ids, aligned log-probs, why it ended, and how many of
+    its prompt tokens the prefix cache served."""
 
     token_ids: list[int]
     logprobs: list[float] | None
     finish_reason: str
     error: str | None = None
+    cached_prompt_tokens: int = 0
 
 
 def group_tasks(
@@ -50,7 +52,9 @@ def batch_output(task: Task, *, return_logprobs: bool, return_details: bool) -> 
     `BatchResult`."""
     ids = list(task.output_ids)
     if return_details:
-        return BatchResult(ids, list(task.logprobs), task.finish_reason, task.error)
+        return BatchResult(
+            ids, list(task.logprobs), task.finish_reason, task.error, task.cached_tokens
+        )
     if return_logprobs:
         return ids, list(task.logprobs)
     return ids

@@ -545,6 +545,7 @@ class InferenceScheduler:
             task.computed = min(cached, len(ids) - 1)
             task.state = TaskState.RUNNING
             if not task.preemptions:  # prompt figures count each request once
+                task.cached_tokens = task.computed
                 self.total_prompt_tokens += len(task.prompt_ids)
                 self.total_cached_tokens += task.computed
 

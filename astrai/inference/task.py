@@ -76,6 +76,7 @@ class Task:
     top_logprobs: list[TopLogprobs] = field(default_factory=list)
     recompute: int = 0
     preemptions: int = 0
+    cached_tokens: int = 0  # prompt tokens the prefix cache served at its first admission
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:

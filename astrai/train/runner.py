@@ -275,19 +275,24 @@ def nothing_to_resume(output_dir: Path, log_dir: Path, name: str) -> str:
     )
 
 
+#: strategy keys passed on as plain config, not built by Hydra's recursive instantiation
+PLAIN_STRATEGY_KEYS = ("rewards", "environment", "async_rollouts")
+
+
 def instantiate_strategy(cfg: DictConfig, tokenizer_dir: str | Path | None) -> Any:
     """The strategy LightningModule, built by Hydra recursively (lightning-hydra-template's
     shape): `model` arrives as a model factory, `optimizer` (the `optim` node) and `scheduler`
     (`optim.schedule`) as factories, and nested `_target_` nodes of the strategy itself
-    (GRPO's `engine`) as objects or partials. GRPO's `rewards` reach the strategy as plain
-    config: their `_target_` entries carry `weight` and `name`, which `parse_rewards` takes
-    out before it builds them."""
+    (GRPO's `engine`) as objects or partials. GRPO's `rewards` and `environment` reach the
+    strategy as plain config: reward `_target_` entries carry `weight` and `name`, which
+    `parse_rewards` takes out before it builds them, and an environment is built once per
+    episode."""
     from hydra.utils import instantiate
 
     optim = dict(_container(cfg.optim))
     schedule = optim.pop("schedule", None)
     spec = OmegaConf.to_container(cfg.strategy, resolve=True)
-    rewards = spec.pop("rewards", None)
+    plain = {key: spec.pop(key) for key in PLAIN_STRATEGY_KEYS if spec.get(key) is not None}
     build = instantiate(
         spec,
         model=_container(cfg.model),
@@ -297,7 +302,7 @@ def instantiate_strategy(cfg: DictConfig, tokenizer_dir: str | Path | None) -> A
         _partial_=True,
         _convert_="all",
     )
-    return build() if rewards is None else build(rewards=rewards)
+    return build(**plain)
 
 
 def train(cfg: DictConfig) -> float | None:

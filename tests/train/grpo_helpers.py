@@ -35,6 +35,15 @@ def prompt_data(root: Path) -> tuple[Path, Any]:
     return root, tok
 
 
+def prompt_module(root: Path, batch_size: int = 2) -> Any:
+    """A data module over `prompt_data`'s 32 prompts (seed 0)."""
+    from astrai.data import AstraiDataModule, PromptDataset
+
+    return AstraiDataModule(
+        train=PromptDataset(str(root / "prompts.h5")), batch_size=batch_size, seed=0
+    )
+
+
 def make_grpo(root: Path, tok: Any, **kw: Any) -> Any:
     """A `GRPOModule` on the tiny preset (seeded: equal arguments give equal weights)."""
     from astrai.train.strategies.grpo import GRPOModule

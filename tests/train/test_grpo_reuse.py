@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from grpo_helpers import make_grpo, prompt_data
+from grpo_helpers import make_grpo, prompt_data, prompt_module
 from lightning.pytorch.callbacks import Callback
 from train_helpers import quiet_trainer
 
-from astrai.data import AstraiDataModule, BatchReuse, PromptDataset
+from astrai.data import BatchReuse
 from astrai.data.rewards import register_reward
 from astrai.inference import InferenceEngine
 from astrai.train.module import token_logprobs
@@ -33,12 +33,6 @@ def _length(record, completion):
 @pytest.fixture(scope="module")
 def prompt_setup(tmp_path_factory):
     return prompt_data(tmp_path_factory.mktemp("grpo-reuse"))
-
-
-def _data(root, batch_size=2):
-    return AstraiDataModule(
-        train=PromptDataset(str(root / "prompts.h5")), batch_size=batch_size, seed=0
-    )
 
 
 class _Record(Callback):
@@ -74,14 +68,14 @@ def test_defaults_equal_a_plain_grpo_loop(prompt_setup):
     )
     module = make_grpo(root, tok, **kw)
     trainer = quiet_trainer(max_steps=3, limit_val_batches=0, use_distributed_sampler=False)
-    trainer.fit(module, datamodule=_data(root))
+    trainer.fit(module, datamodule=prompt_module(root))
 
     by_hand = make_grpo(root, tok, **kw)  # the same initial weights
     model, reference = by_hand.model, by_hand.reference.model
     optimizer = by_hand.configure_optimizers()["optimizer"]
     engine = InferenceEngine(model, by_hand.tokenizer, max_batch_size=16, max_seq_len=64)
     rewards = parse_rewards([LENGTH_REWARD])
-    loader = _data(root).train_dataloader()
+    loader = prompt_module(root).train_dataloader()
     g, params = 4, by_hand.sampling
     single = dataclasses.replace(params, n=1)
     for step, batch in zip(range(3), loader):
@@ -147,7 +141,7 @@ def test_two_iterations_engage_the_clip(prompt_setup):
     trainer = quiet_trainer(
         max_steps=4, limit_val_batches=0, use_distributed_sampler=False, callbacks=[record]
     )
-    trainer.fit(module, datamodule=_data(root))
+    trainer.fit(module, datamodule=prompt_module(root))
     assert calls == [2, 2]  # 2 prompts per generation, 2 generations for 4 steps
     clip = [s["train/clip_ratio/region_mean"] for s in record.steps]
     ratio = [s["train/ratio"] for s in record.steps]
@@ -175,7 +169,7 @@ def test_steps_per_generation_splits_one_generation(prompt_setup):
 
     module.compute_loss = compute_loss
     trainer = quiet_trainer(max_steps=2, limit_val_batches=0, use_distributed_sampler=False)
-    trainer.fit(module, datamodule=_data(root))
+    trainer.fit(module, datamodule=prompt_module(root))
     assert calls == [4]  # 2 micro-steps x 2 prompts, one engine call
     assert seen == [list(range(8)), list(range(8, 16))]
     gen = module.generation
@@ -195,7 +189,7 @@ def test_steps_per_generation_null_is_the_accumulation(prompt_setup):
         limit_val_batches=0,
         use_distributed_sampler=False,
     )
-    trainer.fit(module, datamodule=_data(root))
+    trainer.fit(module, datamodule=prompt_module(root))
     assert module.batch_reuse == BatchReuse(group=3, repeat=3)
     assert calls == [6]
 
@@ -205,8 +199,8 @@ def test_the_loader_repeats_batches_and_resumes_mid_repeat(prompt_setup):
     """Each loader batch goes to `repeat` steps; a position saved after some of them resumes
     with the rest of that batch, then the next ones."""
     root, _ = prompt_setup
-    dm = _data(root)
-    plain = [b["prompt_ids"] for b in _data(root, batch_size=4).train_dataloader()]
+    dm = prompt_module(root)
+    plain = [b["prompt_ids"] for b in prompt_module(root, batch_size=4).train_dataloader()]
     loader = _loader_with(dm, BatchReuse(group=2, repeat=3))
     got = []
     for i, b in enumerate(loader):
@@ -216,13 +210,13 @@ def test_the_loader_repeats_batches_and_resumes_mid_repeat(prompt_setup):
             break
     assert got == [plain[0]] * 3 + [plain[1]] * 2
     assert state["consumed"] == 4 and state["repeats"] == 2 and state["reuse"] == [2, 3]
-    resumed = _data(root)
+    resumed = prompt_module(root)
     resumed.load_state_dict(state)
     rest = [b["prompt_ids"] for b in _loader_with(resumed, BatchReuse(group=2, repeat=3))]
     assert rest[:4] == [plain[1]] + [plain[2]] * 3
     assert len(rest) == (len(plain) - 1) * 3 - 2
     with pytest.raises(ValueError, match="num_iterations"):
-        mismatch = _data(root)
+        mismatch = prompt_module(root)
         mismatch.load_state_dict(state)
         _loader_with(mismatch, BatchReuse(group=1, repeat=3))
 
@@ -414,7 +408,7 @@ def _fit_every_option(root, tok, tmp_path, *, ckpt_path=None):
         limit_val_batches=0,
         use_distributed_sampler=False,
     )
-    trainer.fit(module, datamodule=_data(root), ckpt_path=ckpt_path)
+    trainer.fit(module, datamodule=prompt_module(root), ckpt_path=ckpt_path)
     return {k: v.clone() for k, v in module.state_dict().items()}, module
 
 

@@ -86,8 +86,9 @@ def rloo_trainer(parts: tuple[Path, Any], name: str, reward_funcs: Any, **config
     return _trainer("rloo", parts, name, reward_funcs, config)
 
 
-def trl_loss(trainer, logp, old, ref, adv, mask, *, entropies=None, num_items=None):
-    """TRL's ``_compute_loss`` with its log-prob forward replaced by our fixed tensors."""
+def trl_loss(trainer, logp, old, ref, adv, mask, *, entropies=None, num_items=None, is_ratio=None):
+    """TRL's ``_compute_loss`` with its log-prob forward replaced by our fixed tensors;
+    ``is_ratio``: its ``importance_sampling_ratio`` input (TRL applies it under vLLM)."""
     n, c = mask.shape
     ent = torch.zeros_like(logp) if entropies is None else entropies
     trainer._get_per_token_logps_and_entropies = lambda *a, **k: (logp, ent, None)
@@ -101,6 +102,9 @@ def trl_loss(trainer, logp, old, ref, adv, mask, *, entropies=None, num_items=No
         "ref_per_token_logps": ref,
         "num_items_in_batch": mask.sum() if num_items is None else torch.as_tensor(num_items),
     }
+    if is_ratio is not None:
+        trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
+        inputs["importance_sampling_ratio"] = is_ratio
     return trainer._compute_loss(trainer.model, inputs)
 
 

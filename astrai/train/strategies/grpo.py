@@ -12,16 +12,12 @@ times the k3 estimate of KL(policy || reference), aggregated over completion tok
 divides the logits by the sampling temperature, so policy, rollout and reference log-probs
 are of one quantity.
 
-A generation batch holds the prompts of ``steps_per_generation`` micro-steps and serves
-``steps_per_generation * num_iterations`` of them (TRL's options; ``num_iterations`` is the
-paper's ``mu``): the data module hands the same loader batch to each of those steps
-(``batch_reuse``), and :class:`~astrai.train.strategies.grpo_rollouts.Generation` keeps the
-rollouts, in the checkpoint too. With the defaults (1 and 1) one optimizer step is taken per
-batch of rollouts; with gradient accumulation the weights do not change between
-micro-batches, so the rollout log-probs stay on-policy and the ratio starts at 1. The engine's
-policy version is advanced after every optimizer step, which drops prefix-cache pages built
-with older weights. With ``sync_interval > 0`` the reference moves towards the policy every
-that many optimizer steps (TRL's ``ref_model_sync_steps``) and travels in the checkpoint.
+Generation batches (``steps_per_generation``, ``num_iterations``: ``batch_reuse``),
+multi-turn episodes (``environment``) and asynchronous rollouts (``async_rollouts``) are
+described in docs/training.md ("GRPO options") and their modules: grpo_rollouts,
+grpo_sampling, grpo_async. The engine's policy version advances after every optimizer step,
+which drops prefix-cache pages built with older weights; a moving reference
+(``sync_interval``) travels in the checkpoint.
 """
 
 from __future__ import annotations
@@ -30,6 +26,8 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from functools import partial
 from typing import Any
 
 import torch
@@ -44,6 +42,14 @@ from astrai.train.strategies.grpo_advantages import (
     check_advantage_options,
     compute_advantages,
 )
+from astrai.train.strategies.grpo_async import (
+    AsyncRollouts,
+    RolloutQueue,
+    RolloutWorker,
+    correct_staleness,
+    policy_copy,
+)
+from astrai.train.strategies.grpo_dapo import GlobalTokenNormaliser
 from astrai.train.strategies.grpo_loss import (
     check_loss_options,
     grpo_loss,
@@ -54,10 +60,18 @@ from astrai.train.strategies.grpo_rewards import parse_rewards, plain_rewards, s
 from astrai.train.strategies.grpo_rollouts import (
     Generation,
     Rollouts,
+    action_mask,
     build_rollouts,
-    completion_mask,
+    generation_of,
     per_completion,
-    split_bounds,
+)
+from astrai.train.strategies.grpo_sampling import (
+    Samples,
+    check_count,
+    engine_generate,
+    environment_factory,
+    rollout_sampling,
+    sample_batch,
 )
 from astrai.train.strategies.reference_sync import (
     check_sync_options,
@@ -68,34 +82,12 @@ from astrai.train.strategies.reference_sync import (
 
 log = logging.getLogger(__name__)
 
+
 __all__ = ["GRPOModule", "Rollouts", "build_rollouts", "parse_rewards", "score"]
 
 
 # ---------------------------------------------------------------------------- the module
-def _check_count(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"GRPO {name} must be an int >= 1, got {value!r}")
-
-
-def rollout_sampling(
-    max_new_tokens: int, temperature: float, top_p: float, top_k: int
-) -> SamplingParams:
-    """The rollouts' `SamplingParams`, checked now: a bad setting fails before the model is
-    built, not at the first training step. Log-probs come back ``scaled`` (see the class)."""
-    params = SamplingParams(
-        max_tokens=int(max_new_tokens),
-        temperature=float(temperature),
-        top_p=float(top_p),
-        top_k=int(top_k),
-        logprobs_mode="scaled",
-    )
-    try:
-        return params.validate()
-    except ValueError as err:
-        raise ValueError(f"GRPO rollout sampling: {err}") from None
-
-
-class GRPOModule(LMModule):
+class GRPOModule(GlobalTokenNormaliser, LMModule):
     """GRPO on prompt batches (``prompt_ids`` + ``records``, see ``PromptDataset``).
 
     Args:
@@ -146,6 +138,15 @@ class GRPOModule(LMModule):
         val_max_new_tokens: greedy validation generations (``val/reward``, ``val/<reward>``;
             ``val/loss`` is the negated weighted reward so that "lower is better" monitors work).
         reference_dtype: e.g. ``bfloat16`` to halve the frozen reference's memory.
+        environment: multi-turn episodes instead of single-turn completions: a ``_target_``
+            entry (an :class:`~astrai.train.environments.Environment`, built once per episode;
+            docs/training.md). The reward is the environment's plus ``rewards``' on the final
+            assistant message (``rewards`` may then be empty); observation and template tokens
+            carry no loss.
+        max_turns: the model's turns per episode at most (with ``environment``).
+        async_rollouts: ``{max_staleness: K, ...}`` samples the next ``K`` generation batches
+            on a generator thread while the trainer trains
+            (:mod:`~astrai.train.strategies.grpo_async`); None: synchronous.
 
     The other arguments (``model``, ``optimizer``, ``tokenizer`` (required: rewards read
     decoded completions), ``init_from`` (typically the SFT stage's export), ...) are
@@ -182,6 +183,9 @@ class GRPOModule(LMModule):
         engine: Callable[..., InferenceEngine] | None = None,
         val_max_new_tokens: int | None = None,
         reference_dtype: str | None = None,
+        environment: Any = None,
+        max_turns: int = 4,
+        async_rollouts: Any = None,
         **kwargs: Any,
     ) -> None:
         if num_generations < 2:
@@ -207,11 +211,15 @@ class GRPOModule(LMModule):
             top_entropy_quantile=top_entropy_quantile,
         )
         self.scale_rewards = check_advantage_options(advantage, scale_rewards, gamma)
-        _check_count("num_iterations", num_iterations)
+        check_count("num_iterations", num_iterations)
         if steps_per_generation is not None:
-            _check_count("steps_per_generation", steps_per_generation)
+            check_count("steps_per_generation", steps_per_generation)
         check_sync_options(sync_interval, sync_alpha, kl_coef)
-        reward_items = parse_rewards(plain_rewards(rewards))
+        check_count("max_turns", max_turns)
+        make_env = environment_factory(plain_rewards(environment))
+        rewards = plain_rewards(rewards)
+        reward_items = [] if make_env is not None and not rewards else parse_rewards(rewards)
+        self.async_rollouts = AsyncRollouts.parse(plain_rewards(async_rollouts))
         sampling = rollout_sampling(max_new_tokens, temperature, top_p, top_k)  # before the model
         super().__init__(**kwargs)
         self.num_generations = int(num_generations)
@@ -235,16 +243,20 @@ class GRPOModule(LMModule):
         self.sync_interval = int(sync_interval)
         self.sync_alpha = float(sync_alpha)
         self._synced_step = 0  # the optimizer step the reference was last synced at
-        self._window_tokens = torch.zeros(())  # dapo: completion tokens of this step's window
         self.adv_eps = float(adv_eps)
         self.rollout_seed = int(rollout_seed)
         self.make_engine: Callable[..., InferenceEngine] = engine or InferenceEngine
         if self.kl_coef > 0:  # else no reference model is kept at all
             self.reference = ReferencePolicy(self.model, reference_dtype)
         self._engine: InferenceEngine | None = None
+        self.make_env = make_env
+        self.max_turns = int(max_turns)
         self.generation: Generation | None = None  # the rollouts being trained on
         self._gen_seconds = 0.0
         self._batch_started: float | None = None
+        # asynchronous rollouts: the generator thread and the batches queued on it
+        self.queue = RolloutQueue(self._start_worker)
+        self.idle_seconds = 0.0  # this micro-step's wait for rollouts (all the sampling when sync)
 
     # ------------------------------------------------------------------ engine
     @property
@@ -259,20 +271,14 @@ class GRPOModule(LMModule):
     def _generate(
         self, prompts: Sequence[Sequence[int]], *, seed: int | None, params: SamplingParams
     ) -> list[Any]:
-        """``params.n`` results per prompt, prompt-major (``run_batch``'s order and seeds)."""
-        # Generation runs in the parameters' dtype (fp32 master weights), outside any autocast:
-        # the KV cache is allocated in that dtype.
+        """``params.n`` results per prompt from the trainer thread's engine."""
+        return engine_generate(self.engine, prompts, seed=seed, params=params)
+
+    def _no_autocast(self) -> Any:
+        """Generation runs in the parameters' dtype (fp32 master weights), outside any
+        autocast: the KV cache is allocated in that dtype."""
         device_type = self.device.type if self.device.type in ("cuda", "cpu") else "cpu"
-        with torch.autocast(device_type=device_type, enabled=False):
-            results = self.engine.run_batch(prompts, params, seed=seed, return_details=True)
-        for i, r in enumerate(results):
-            if r.error or r.finish_reason in ("rejected", "aborted"):
-                raise RuntimeError(
-                    f"GRPO rollout {i} failed ({r.finish_reason}): {r.error}; prompt length "
-                    f"{len(prompts[i // params.n])}, engine context {self.engine.max_seq_len} "
-                    "(raise strategy.engine.max_seq_len?)"
-                )
-        return results
+        return torch.autocast(device_type=device_type, enabled=False)
 
     def _micro_step(self) -> int:
         try:
@@ -280,15 +286,14 @@ class GRPOModule(LMModule):
         except (AttributeError, RuntimeError):
             return 0
 
-    def _rollout_index(self) -> int:
-        """Which rank's which micro-batch this is, counted over all ranks (seeds)."""
+    def _rollout_index(self, ahead: int = 0) -> int:
+        """Which rank's which micro-batch this is (or, ``ahead`` generation batches on, will
+        be), counted over all ranks (seeds)."""
+        micro = self._micro_step() + ahead * self.batch_reuse.repeat
         trainer = self._trainer
         if trainer is None or trainer.world_size == 1:
-            return self._micro_step()
-        return self._micro_step() * int(trainer.world_size) + int(trainer.global_rank)
-
-    def _decode(self, results: Sequence[Any]) -> list[str]:
-        return [self.tokenizer.decode(r.token_ids, skip_special_tokens=True) for r in results]
+            return micro
+        return micro * int(trainer.world_size) + int(trainer.global_rank)
 
     # ------------------------------------------------------------------ generation batches
     @property
@@ -306,22 +311,66 @@ class GRPOModule(LMModule):
         steps = self.generation_steps
         return BatchReuse(group=steps, repeat=steps * self.num_iterations)
 
+    @property
+    def batch_lookahead(self) -> int:
+        """Loader batches the data module shows ahead (``batch["upcoming"]``): asynchronous
+        rollouts sample that many generation batches ahead."""
+        return self.async_rollouts.max_staleness if self.async_rollouts is not None else 0
+
+    def sample(
+        self,
+        batch: Mapping[str, Any],
+        seed: int | None,
+        params: SamplingParams | None = None,
+        engine: InferenceEngine | None = None,
+    ) -> Samples:
+        """The rollouts of one loader batch (``params``: the rollout sampling) on ``engine``
+        (None: the trainer thread's): no trainer state is touched, so the generator thread
+        runs this too, on its own engine."""
+        with self._no_autocast():
+            return sample_batch(
+                batch,
+                seed,
+                params or self.sampling,
+                generate=self._generate if engine is None else partial(engine_generate, engine),
+                engine_of=lambda: engine or self.engine,
+                tokenizer=self.tokenizer,
+                make_env=self.make_env,
+                max_turns=self.max_turns,
+                rewards=self.rewards,
+                version=int(self.global_step if engine is None else engine.policy_version),
+            )
+
+    def _seed(self, batch: Mapping[str, Any], ahead: int = 0) -> int:
+        count = len(batch["prompt_ids"]) * self.num_generations
+        return self.rollout_seed + self._rollout_index(ahead) * count
+
     def rollout(self, batch: Mapping[str, Any]) -> Generation:
-        """Sample ``G`` completions per prompt, score them and compute their advantages (no
-        gradient): the generation batch the next micro-steps train on."""
+        """Sample ``G`` completions per prompt (or take them from the generator thread), score
+        them and compute their advantages (no gradient): the generation batch the next
+        micro-steps train on."""
         started = time.perf_counter()
-        prompts = [list(p) for p in batch["prompt_ids"]]
-        g = self.num_generations
-        records = [r for r in batch["records"] for _ in range(g)]
-        seed = self.rollout_seed + self._rollout_index() * len(prompts) * g
-        results = self._generate(prompts, seed=seed, params=self.sampling)
-        texts = self._decode(results)
-        rewards, parts = score(records, texts, self.rewards)
-        lengths = [len(r.token_ids) for r in results]
-        mask = completion_mask(lengths, self.device) if self.advantage in PER_TOKEN else None
+        seed = self._seed(batch)
+        if self.async_rollouts is None:
+            waited = time.perf_counter()
+            samples = self.sample(batch, seed)
+        else:
+            future = self._queued(batch, seed)
+            waited = time.perf_counter()
+            samples = future.result()
+        self.idle_seconds = time.perf_counter() - waited
+        generation = self._generation_of(batch, samples, seed)
+        self._gen_seconds = time.perf_counter() - started
+        return generation
+
+    def _generation_of(self, batch: Mapping[str, Any], samples: Samples, seed: int) -> Generation:
+        lengths = [len(c) for c in samples.completions]
+        mask = None
+        if self.advantage in PER_TOKEN:
+            mask = action_mask(lengths, samples.action_masks, self.device)
         adv = compute_advantages(
-            rewards.to(self.device),
-            g,
+            samples.reward_tensor.to(self.device),
+            self.num_generations,
             advantage=self.advantage,
             scale_rewards=self.scale_rewards,
             mask=mask,
@@ -329,33 +378,54 @@ class GRPOModule(LMModule):
             eps=self.adv_eps,
             all_sum=sum_over_ranks(self._trainer),
         )
-        order = list(range(len(results)))
-        steps = self.generation_steps
-        if steps > 1:  # TRL shuffles the generation batch before splitting it
-            gen = torch.Generator().manual_seed(seed)
-            order = torch.randperm(len(results), generator=gen).tolist()
-        advantages = per_completion(adv, lengths)
-        grouped = rewards.view(-1, g)
-        metrics = {
-            "reward_mean": rewards.mean().item(),
-            "reward_std": rewards.std().item(),
-            "zero_var_frac": (grouped.std(dim=1) == 0).float().mean().item(),
-            "truncated_frac": sum(r.finish_reason == "length" for r in results) / len(results),
-            **{f"reward/{k}": v.item() for k, v in parts.items()},
-        }
-        generation = Generation(
-            prompt_ids=prompts,
-            prompts=[prompts[i // g] for i in order],
-            completions=[list(results[i].token_ids) for i in order],
-            logprobs=[list(results[i].logprobs) for i in order],
-            truncated=[results[i].finish_reason == "length" for i in order],
-            advantages=[advantages[i] for i in order],
-            bounds=split_bounds(len(results), steps),
-            repeats=steps * self.num_iterations,
-            metrics=metrics,
+        generation = generation_of(
+            batch["prompt_ids"],
+            samples,
+            per_completion(adv, lengths),
+            group=self.num_generations,
+            steps=self.generation_steps,
+            repeats=self.generation_steps * self.num_iterations,
+            seed=seed,
         )
-        self._gen_seconds = time.perf_counter() - started
+        if self.async_rollouts is not None:
+            gap = int(self.global_step) - samples.version
+            generation.metrics.update(self.queue.record(gap))
+            if gap > 0 and self.async_rollouts.importance_sampling_correction != "none":
+                pad = self.tokenizer.pad_token_id
+                generation.metrics.update(
+                    correct_staleness(
+                        generation,
+                        self.async_rollouts,
+                        self._logp_of,
+                        pad_id=pad if pad is not None else 0,
+                        device=self.device,
+                    )
+                )
         return generation
+
+    # ------------------------------------------------------------------ asynchronous rollouts
+    def _start_worker(self) -> RolloutWorker:
+        """The generator thread, its engine on a copy of the policy as it is now."""
+        model = policy_copy(self.model)
+        engine = self.make_engine(model, self.tokenizer, start=False)
+        if self.global_step > engine.policy_version:
+            engine.update_weights(version=int(self.global_step))
+        return RolloutWorker(engine, model, self.async_rollouts.generator_threads)
+
+    def _job(self, batch: Mapping[str, Any], seed: int) -> Callable[[InferenceEngine], Samples]:
+        part = {"prompt_ids": [list(p) for p in batch["prompt_ids"]], "records": batch["records"]}
+        return lambda engine: self.sample(part, seed, engine=engine)
+
+    def _queued(self, batch: Mapping[str, Any], seed: int) -> Future:
+        """This batch's rollouts from the generator, after queueing the next ones the loader
+        showed (``batch["upcoming"]``)."""
+        upcoming = list(batch.get("upcoming") or [])[: self.batch_lookahead]
+        later = [(b, self._seed(b, ahead)) for ahead, b in enumerate(upcoming, start=1)]
+        return self.queue.take(batch, seed, later, self._job, self.model, int(self.global_step))
+
+    def _logp_of(self, rollouts: Rollouts) -> Tensor:
+        logits = self._scaled(self.model(rollouts.input_ids)[:, :-1])
+        return token_logprobs(logits, rollouts.input_ids[:, 1:])
 
     def _generation_for(self, batch: Mapping[str, Any]) -> Generation:
         """The current generation batch, or a new one when it has served all its steps."""
@@ -412,10 +482,11 @@ class GRPOModule(LMModule):
             importance_sampling_level=self.importance_sampling_level,
             delta=self.delta,
             entropy_mask=keep,
+            is_weight=part.is_weight,
         )
         if deferred:
             n_tokens = mask.sum()
-            self._window_tokens = self._window_tokens.to(n_tokens.device) + n_tokens
+            self.count_window_tokens(n_tokens)
             mean = loss.detach() * self.max_new_tokens / n_tokens.clamp(min=1.0)
             loss = loss + (mean - loss.detach())
         metrics.update({k: torch.tensor(v) for k, v in generation.metrics.items()})
@@ -444,45 +515,11 @@ class GRPOModule(LMModule):
         """Logits of the sampling distribution (TRL: ``logits / temperature``)."""
         return logits if self.temperature == 1.0 else logits.float() / self.temperature
 
-    def optimizer_step(
-        self,
-        epoch: int,
-        batch_idx: int,
-        optimizer: Any,
-        optimizer_closure: Callable[[], Any] | None = None,
-    ) -> None:
-        """``dapo``: once the last micro-batch's backward is done (inside the closure, so
-        before the ``on_before_optimizer_step`` hooks, clipping and the step), rescale the
-        gradients from ``sum / max_new_tokens`` per micro-batch to ``sum / T``, where ``T`` is
-        the completion-token count of the window summed over all ranks (TRL's
-        ``num_items_in_batch``). Lightning divided each micro-batch's loss by
-        ``accumulate_grad_batches`` and DDP averaged the ranks, hence the factors."""
-        if self.loss_type == "dapo" and optimizer_closure is not None:
-            closure = optimizer_closure
-
-            def optimizer_closure() -> Any:
-                out = closure()
-                self._normalise_by_global_tokens()
-                return out
-
-        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
-
-    @torch.no_grad()
-    def _normalise_by_global_tokens(self) -> None:
-        tokens = self._window_tokens.to(self.device, torch.float32)
-        total = self.trainer.strategy.reduce(tokens, reduce_op="sum")
-        factors = self.trainer.world_size * self.trainer.accumulate_grad_batches
-        scale = factors * self.max_new_tokens / total.clamp(min=1.0)
-        for p in self.parameters():
-            if p.grad is not None:
-                p.grad.mul_(scale.to(p.grad.dtype))
-        self._window_tokens = torch.zeros(())
-
     # ------------------------------------------------------------------ hooks
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> Any:
         out = super().on_train_batch_start(batch, batch_idx)  # restores RNG states on resume
         self._batch_started = time.perf_counter()
-        self._gen_seconds = 0.0
+        self._gen_seconds = self.idle_seconds = 0.0
         self._maybe_sync_reference()
         return out
 
@@ -503,11 +540,14 @@ class GRPOModule(LMModule):
             checkpoint["grpo_reference"] = reference_state(self.reference.model, self._synced_step)
         if self.generation is not None and not self.generation.spent:  # mid-reuse
             checkpoint["grpo_generation"] = self.generation.state_dict()
+        if self.queue.pending:  # asynchronous: wait for the queued batches, keep their samples
+            checkpoint["grpo_pending"] = self.queue.state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
         generation = checkpoint.get("grpo_generation")
         self.generation = Generation.from_state(generation) if generation is not None else None
+        self.queue.load_state_dict(checkpoint.get("grpo_pending", []))
         saved = checkpoint.get("grpo_reference")
         if self.sync_interval and self.reference is not None:
             if saved is None:
@@ -524,28 +564,30 @@ class GRPOModule(LMModule):
             total = time.perf_counter() - self._batch_started
             if total > 0:
                 self.log("train/gen_time_frac", self._gen_seconds / total, batch_size=1)
+                self.log("train/trainer_idle_frac", self.idle_seconds / total, batch_size=1)
         # New weights after an optimizer step: bump the policy version (drops prefix-cache
         # pages computed with the old weights).
         if self._engine is not None and self.global_step > self._engine.policy_version:
             self._engine.update_weights(version=int(self.global_step))
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
-        """Greedy completions for the val prompts; the reward is the metric."""
+        """Greedy completions (or episodes) for the val prompts; the reward is the metric."""
         if self._engine is not None and self.global_step > self._engine.policy_version:
             self._engine.update_weights(version=int(self.global_step))
-        prompts = [list(p) for p in batch["prompt_ids"]]
-        results = self._generate(prompts, seed=None, params=self.val_sampling)
-        rewards, parts = score(batch["records"], self._decode(results), self.rewards)
-        bs = len(prompts)
-        reward = rewards.mean().to(self.device)
+        samples = self.sample(batch, None, self.val_sampling)
+        bs = len(batch["prompt_ids"])
+        reward = samples.reward_tensor.mean().to(self.device)
         self.log("val/reward", reward, prog_bar=True, sync_dist=True, batch_size=bs)
         self.log("val/loss", -reward, sync_dist=True, batch_size=bs)
-        for k, v in parts.items():
-            self.log(f"val/{k}", v.to(self.device), sync_dist=True, batch_size=bs)
+        for k, v in samples.parts.items():
+            self.log(f"val/{k}", torch.tensor(v, device=self.device), sync_dist=True, batch_size=bs)
+        for k, v in samples.stats.items():
+            self.log(f"val/{k}", torch.tensor(v, device=self.device), sync_dist=True, batch_size=bs)
         return -reward
 
     def teardown(self, stage: str) -> None:
         super().teardown(stage)
+        self.queue.close()
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = None

@@ -29,6 +29,7 @@ Advantages come from :mod:`astrai.train.strategies.grpo_advantages`: one per com
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -36,6 +37,9 @@ from torch import Tensor
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 IS_LEVELS = ("token", "sequence")
+#: TRL's ``vllm_importance_sampling_mode`` values: the off-policy correction's granularity and
+#: what happens outside ``[clip_min, clip_max]`` (truncated to it, or masked to 0)
+IS_CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 def k3_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:
@@ -115,6 +119,36 @@ def high_entropy_mask(
     return ((entropies * mask.to(entropies.dtype)) >= threshold) & mask.bool()
 
 
+def importance_sampling_ratio(
+    old_logp: Tensor,
+    behaviour_logp: Tensor,
+    mask: Tensor,
+    *,
+    mode: str = "token_truncate",
+    clip_min: float | None = None,
+    clip_max: float | None = 3.0,
+) -> Tensor:
+    """TRL's ``importance_sampling_ratio`` (``vllm_importance_sampling_correction``): the
+    weight of each sampled token (``[N, T]``, ``token_*`` modes) or sequence (``[N, 1]``,
+    ``sequence_*``: the exponentiated *sum* of its tokens' log-ratios) between the policy the
+    loss treats as ``old`` and the one that sampled (``behaviour``): an older one under
+    asynchronous rollouts. ``*_truncate`` clamps it to ``[clip_min, clip_max]``; ``*_mask``
+    sets weights outside that range to 0. No gradient flows through it."""
+    if mode not in IS_CORRECTIONS:
+        raise ValueError(f"importance sampling mode must be one of {IS_CORRECTIONS}, got {mode!r}")
+    diff = ((old_logp - behaviour_logp) * mask).detach()
+    if mode.startswith("sequence"):
+        diff = diff.sum(-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if mode.endswith("truncate"):
+        if clip_min is None and clip_max is None:
+            return ratio
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    low = -math.inf if clip_min is None else clip_min
+    high = math.inf if clip_max is None else clip_max
+    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+
+
 def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     if x.shape[-1] == 1:  # one value per sequence (importance_sampling_level="sequence")
         return x.mean().detach()
@@ -138,6 +172,7 @@ def grpo_loss(
     importance_sampling_level: str = "token",
     delta: float | None = None,
     entropy_mask: Tensor | None = None,
+    is_weight: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The clipped-ratio policy loss plus ``kl_coef`` * k3 KL, aggregated as ``loss_type``.
 
@@ -161,6 +196,8 @@ def grpo_loss(
             ``delta`` (> 1 + epsilon_high), so a negative advantage cannot blow up.
         entropy_mask: bool ``[N, T]`` (:func:`high_entropy_mask`): only these tokens carry
             the policy term; the KL term keeps every completion token (as TRL).
+        is_weight: the off-policy correction (:func:`importance_sampling_ratio`, ``[N, T]`` or
+            ``[N, 1]``) multiplying the policy term, not the KL (as TRL).
     Returns:
         the loss and detached metrics (TRL's names): ``kl`` (token mean of k3),
         ``clip_ratio/low_mean`` (tokens, or sequences at the sequence level, with
@@ -195,6 +232,8 @@ def grpo_loss(
     per_token = -torch.minimum(ratio * adv, clipped * adv)
     if entropy_mask is not None:
         per_token = per_token * entropy_mask.to(per_token.dtype)
+    if is_weight is not None:
+        per_token = per_token * is_weight.to(per_token.dtype)
     if kl is not None and kl_coef:
         per_token = per_token + kl_coef * kl
     per_token = per_token.expand_as(mask)  # a sequence-level term with no KL is [N, 1]

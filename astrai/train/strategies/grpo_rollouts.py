@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from astrai.train.strategies.grpo_sampling import Samples
+
 
 @dataclass
 class Rollouts:
@@ -39,9 +41,12 @@ def build_rollouts(
     logprobs: Sequence[Sequence[float]],
     pad_id: int = 0,
     device: torch.device | str | None = None,
+    action_masks: Sequence[Sequence[int] | None] | None = None,
 ) -> Rollouts:
     """Concatenate each prompt with its completion and align the rollout log-probs with the
-    shifted targets: completion token ``k`` of a prompt of length ``p`` is target ``p - 1 + k``."""
+    shifted targets: completion token ``k`` of a prompt of length ``p`` is target ``p - 1 + k``.
+    ``action_masks`` (multi-turn episodes): 1 on the model's own completion tokens, 0 on the
+    environment's and the chat template's, which then carry no loss (None: every token)."""
     if not (len(prompts) == len(completions) == len(logprobs)):
         raise ValueError("build_rollouts: prompts, completions and logprobs differ in length")
     lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
@@ -60,7 +65,18 @@ def build_rollouts(
         ids[i, : len(p)] = torch.tensor(list(p), dtype=torch.long)
         if c:
             ids[i, len(p) : len(p) + len(c)] = torch.tensor(list(c), dtype=torch.long)
-            mask[i, len(p) - 1 : len(p) - 1 + len(c)] = 1.0
+            action = action_masks[i] if action_masks is not None else None
+            if action is None:
+                mask[i, len(p) - 1 : len(p) - 1 + len(c)] = 1.0
+            elif len(action) != len(c):
+                raise ValueError(
+                    f"build_rollouts: completion {i} has {len(c)} tokens but an action mask of "
+                    f"{len(action)}"
+                )
+            else:
+                mask[i, len(p) - 1 : len(p) - 1 + len(c)] = torch.tensor(
+                    list(action), dtype=torch.float32
+                )
             old[i, len(p) - 1 : len(p) - 1 + len(c)] = torch.tensor(list(lp), dtype=torch.float32)
     lens = torch.tensor([len(c) for c in completions], dtype=torch.float32)
     if device is not None:
@@ -73,12 +89,15 @@ class Slice:
     """The training tensors of one micro-step: ``Rollouts`` plus the advantages (``[N]``, or
     ``[N, S-1]`` aligned with the targets like ``mask``), the loss mask (``mask`` with
     truncated completions zeroed under ``mask_truncated_completions``) and which completions
-    were cut by ``max_new_tokens``."""
+    were cut by ``max_new_tokens``; ``is_weight`` the off-policy correction of asynchronous
+    rollouts (``[N, S-1]`` or ``[N, 1]``; None: on-policy), with ``rollouts.old_logp`` then the
+    log-probs of the policy the generation was first trained with."""
 
     rollouts: Rollouts
     advantages: Tensor
     loss_mask: Tensor
     truncated: Tensor
+    is_weight: Tensor | None = None
 
 
 @dataclass
@@ -92,7 +111,12 @@ class Generation:
     ``repeats`` the micro-steps the generation serves (``num_iterations * len(bounds)``),
     ``used`` how many it has served. ``ref_logp`` keeps each slice's reference log-probs from
     its first use (TRL computes them once per generation), ``metrics`` the generation's reward
-    statistics.
+    statistics. Multi-turn episodes add ``action_masks`` (1 on the model's tokens; None: all).
+    Asynchronous rollouts add ``versions`` (the policy version that sampled each completion),
+    and, for completions sampled by an older policy than the one that first trains on them,
+    ``old_logprobs`` (that policy's log-probs, the ratio's denominator) and ``is_weights``
+    (the truncated importance weight towards it: a list per token, or a float per sequence);
+    a ``None`` row is on-policy.
     """
 
     prompt_ids: list[list[int]]
@@ -106,6 +130,10 @@ class Generation:
     used: int = 0
     ref_logp: dict[int, Tensor] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
+    action_masks: list[list[int]] | None = None
+    versions: list[int] | None = None
+    old_logprobs: list[list[float] | None] | None = None
+    is_weights: list[Any] | None = None
 
     @property
     def spent(self) -> bool:
@@ -127,12 +155,16 @@ class Generation:
     ) -> Slice:
         start, end = self.bounds[index]
         rows = range(start, end)
+        old = self.old_logprobs
         r = build_rollouts(
             [self.prompts[i] for i in rows],
             [self.completions[i] for i in rows],
-            [self.logprobs[i] for i in rows],
+            [self.logprobs[i] if old is None or old[i] is None else old[i] for i in rows],
             pad_id=pad_id,
             device=device,
+            action_masks=None
+            if self.action_masks is None
+            else [self.action_masks[i] for i in rows],
         )
         truncated = torch.tensor([self.truncated[i] for i in rows], device=device)
         loss_mask = (
@@ -146,7 +178,24 @@ class Generation:
                 adv[row, first : first + len(per_token)] = torch.tensor(per_token)
         else:
             adv = torch.tensor(values, dtype=torch.float32, device=device)
-        return Slice(r, adv, loss_mask, truncated)
+        return Slice(r, adv, loss_mask, truncated, self._is_weight(rows, r.mask))
+
+    def _is_weight(self, rows: range, mask: Tensor) -> Tensor | None:
+        """The rows' importance weights aligned like ``mask`` (1 on on-policy rows)."""
+        if self.is_weights is None or all(self.is_weights[i] is None for i in rows):
+            return None
+        per_sequence = any(isinstance(self.is_weights[i], float) for i in rows)
+        weight = torch.ones((len(rows), 1) if per_sequence else mask.shape, device=mask.device)
+        for row, i in enumerate(rows):
+            value = self.is_weights[i]
+            if value is None:
+                continue
+            if per_sequence:
+                weight[row, 0] = float(value)
+            else:
+                first = len(self.prompts[i]) - 1
+                weight[row, first : first + len(value)] = torch.tensor(value)
+        return weight
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
@@ -162,6 +211,10 @@ class Generation:
             "used": self.used,
             "ref_logp": {int(k): v.cpu() for k, v in self.ref_logp.items()},
             "metrics": self.metrics,
+            "action_masks": self.action_masks,
+            "versions": self.versions,
+            "old_logprobs": self.old_logprobs,
+            "is_weights": self.is_weights,
         }
 
     @classmethod
@@ -178,6 +231,10 @@ class Generation:
             used=int(state["used"]),
             ref_logp={int(k): v for k, v in state["ref_logp"].items()},
             metrics=dict(state["metrics"]),
+            action_masks=state.get("action_masks"),
+            versions=state.get("versions"),
+            old_logprobs=state.get("old_logprobs"),
+            is_weights=state.get("is_weights"),
         )
 
 
@@ -210,3 +267,59 @@ def completion_mask(lengths: Sequence[int], device: torch.device | None = None) 
     width = max(max(lengths, default=0), 1)
     positions = torch.arange(width, device=device)
     return (positions < torch.tensor(list(lengths), device=device).unsqueeze(-1)).float()
+
+
+def action_mask(
+    lengths: Sequence[int],
+    action_masks: Sequence[Sequence[int]] | None,
+    device: torch.device | None = None,
+) -> Tensor:
+    """``[N, max length]``: 1 on the completion tokens that are the model's actions (all of
+    them, or the episodes' ``action_masks``)."""
+    mask = completion_mask(lengths, device)
+    if action_masks is not None:
+        for row, action in enumerate(action_masks):
+            mask[row, : len(action)] = torch.tensor(list(action), dtype=mask.dtype)
+    return mask
+
+
+def generation_of(
+    prompt_ids: Sequence[Sequence[int]],
+    samples: Samples,
+    advantages: list[Any],
+    *,
+    group: int,
+    steps: int,
+    repeats: int,
+    seed: int,
+) -> Generation:
+    """The generation batch of a loader batch's samples (``group`` per prompt) and their
+    advantages: shuffled (seeded, as TRL shuffles before splitting) when it is split into
+    ``steps > 1`` slices, served ``repeats`` micro-steps; with its reward statistics."""
+    n = len(samples.completions)
+    order = list(range(n))
+    if steps > 1:
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    rewards = samples.reward_tensor
+    metrics = {
+        "reward_mean": rewards.mean().item(),
+        "reward_std": rewards.std().item(),
+        "zero_var_frac": (rewards.view(-1, group).std(dim=1) == 0).float().mean().item(),
+        "truncated_frac": sum(samples.truncated) / n,
+        **{f"reward/{k}": v for k, v in samples.parts.items()},
+        **samples.stats,
+    }
+    masks = samples.action_masks
+    return Generation(
+        prompt_ids=[list(p) for p in prompt_ids],
+        prompts=[samples.prompts[i] for i in order],
+        completions=[samples.completions[i] for i in order],
+        logprobs=[samples.logprobs[i] for i in order],
+        truncated=[samples.truncated[i] for i in order],
+        advantages=[advantages[i] for i in order],
+        bounds=split_bounds(n, steps),
+        repeats=repeats,
+        metrics=metrics,
+        action_masks=None if masks is None else [masks[i] for i in order],
+        versions=[samples.version] * n,
+    )
