@@ -86,7 +86,7 @@ def _recorded_commands():
     found = []
     for text in texts:
         text = re.sub(r"\s+", " ", text)
-        for m in re.finditer(r"-m astrai\.bench ([a-z]+(?: [a-z_+.]+=[^ `]+)*)", text):
+        for m in re.finditer(r"-m astrai\.bench ([a-z_]+(?: [a-z_+.]+=[^ `]+)*)", text):
             found.append(shlex.split(m.group(1)))
     return found
 

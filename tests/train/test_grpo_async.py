@@ -143,6 +143,17 @@ def test_staleness_one_is_sampled_ahead_and_its_loss_is_the_reference(prompt_set
     assert trace.generations[0].is_weights is None
 
 
+def test_staleness_two_samples_two_batches_ahead(prompt_setup):
+    """K = 2: the first batch queues the next two with its weights; from then on each new
+    batch is queued two ahead, so the staleness runs 0, 1, 2, 2."""
+    root, tok = prompt_setup
+    trace = _Trace()
+    _fit(root, tok, 4, trace=trace, async_rollouts={"max_staleness": 2})
+    assert [m["train/async/staleness"] for m in trace.metrics] == [0.0, 1.0, 2.0, 2.0]
+    assert [g.versions[0] for g in trace.generations] == [0, 0, 0, 1]
+    assert trace.metrics[-1]["train/async/staleness_frac/2"] == pytest.approx(0.5)
+
+
 def test_staleness_one_resumes_exactly(prompt_setup, tmp_path):
     """The checkpoint waits for the batch queued ahead and carries its samples: resumed from
     step 2, the run ends where the uninterrupted one does, bit for bit."""
