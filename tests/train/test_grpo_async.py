@@ -154,26 +154,38 @@ def test_staleness_two_samples_two_batches_ahead(prompt_setup):
     assert trace.metrics[-1]["train/async/staleness_frac/2"] == pytest.approx(0.5)
 
 
-def test_staleness_one_resumes_exactly(prompt_setup, tmp_path):
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_async_resume_is_exact(prompt_setup, tmp_path, staleness):
     """The checkpoint waits for the batch queued ahead and carries its samples: resumed from
-    step 2, the run ends where the uninterrupted one does, bit for bit."""
+    step 2, the run ends where the uninterrupted one does, bit for bit (staleness 0 has
+    nothing queued between steps)."""
     root, tok = prompt_setup
-    options = {"async_rollouts": {"max_staleness": 1}}
+    options = {"async_rollouts": {"max_staleness": staleness}}
     final, _ = _fit(root, tok, 4, ckpt_dir=tmp_path / "a", **options)
     (mid,) = (tmp_path / "a").glob("s*2.ckpt")
     saved = torch.load(mid, weights_only=False)
-    (pending,) = saved["grpo_pending"]
-    assert pending["samples"]["version"] == 1  # sampled by the weights that started step 1
     resumed, _ = _fit(root, tok, 4, ckpt_dir=tmp_path / "b", ckpt_path=mid, **options)
     for key, value in final.items():
         assert torch.equal(resumed[key], value), key
-    # without the queued samples the resumed run samples them again with newer weights
+    if staleness == 0:
+        assert "grpo_pending" not in saved
+        return
+    (pending,) = saved["grpo_pending"]
+    assert pending["samples"]["version"] == 1  # sampled by the weights that started step 1
+    # Without the queued samples (a checkpoint written without them) the resumed run samples
+    # them again, with the checkpoint's weights and the same seed: another run, but the same
+    # one every time.
     del saved["grpo_pending"]
     torch.save(saved, tmp_path / "no-pending.ckpt")
-    other, _ = _fit(
-        root, tok, 4, ckpt_dir=tmp_path / "c", ckpt_path=tmp_path / "no-pending.ckpt", **options
-    )
-    assert any(not torch.equal(other[k], v) for k, v in final.items())
+    again = [
+        _fit(
+            root, tok, 4, ckpt_dir=tmp_path / d, ckpt_path=tmp_path / "no-pending.ckpt", **options
+        )[0]
+        for d in ("c", "d")
+    ]
+    assert any(not torch.equal(again[0][k], v) for k, v in final.items())
+    for key, value in again[0].items():
+        assert torch.equal(again[1][key], value), key
 
 
 def test_the_loader_shows_the_next_batches(prompt_setup):
