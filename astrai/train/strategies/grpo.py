@@ -56,7 +56,7 @@ from astrai.train.strategies.grpo_loss import (
     high_entropy_mask,
     token_entropy,
 )
-from astrai.train.strategies.grpo_rewards import parse_rewards, plain_rewards, score
+from astrai.train.strategies.grpo_rewards import parse_rewards, plain_config, score
 from astrai.train.strategies.grpo_rollouts import (
     Generation,
     Rollouts,
@@ -216,10 +216,10 @@ class GRPOModule(GlobalTokenNormaliser, LMModule):
             check_count("steps_per_generation", steps_per_generation)
         check_sync_options(sync_interval, sync_alpha, kl_coef)
         check_count("max_turns", max_turns)
-        make_env = environment_factory(plain_rewards(environment))
-        rewards = plain_rewards(rewards)
+        make_env = environment_factory(plain_config(environment))
+        rewards = plain_config(rewards)
         reward_items = [] if make_env is not None and not rewards else parse_rewards(rewards)
-        self.async_rollouts = AsyncRollouts.parse(plain_rewards(async_rollouts))
+        self.async_rollouts = AsyncRollouts.parse(plain_config(async_rollouts))
         sampling = rollout_sampling(max_new_tokens, temperature, top_p, top_k)  # before the model
         super().__init__(**kwargs)
         self.num_generations = int(num_generations)
@@ -424,8 +424,11 @@ class GRPOModule(GlobalTokenNormaliser, LMModule):
         return self.queue.take(batch, seed, later, self._job, self.model, int(self.global_step))
 
     def _logp_of(self, rollouts: Rollouts) -> Tensor:
-        logits = self._scaled(self.model(rollouts.input_ids)[:, :-1])
-        return token_logprobs(logits, rollouts.input_ids[:, 1:])
+        return token_logprobs(self._policy_logits(rollouts.input_ids), rollouts.input_ids[:, 1:])
+
+    def _policy_logits(self, input_ids: Tensor) -> Tensor:
+        """The policy's logits of the sampling distribution at every target position."""
+        return self._scaled(self.model(input_ids)[:, :-1])
 
     def _generation_for(self, batch: Mapping[str, Any]) -> Generation:
         """The current generation batch, or a new one when it has served all its steps."""
@@ -454,7 +457,7 @@ class GRPOModule(GlobalTokenNormaliser, LMModule):
         r, mask = part.rollouts, part.loss_mask
         self.flops_per_batch = self.flops_per_token * r.input_ids.numel()
         targets = r.input_ids[:, 1:]
-        logits = self._scaled(self.model(r.input_ids)[:, :-1])
+        logits = self._policy_logits(r.input_ids)
         logp = token_logprobs(logits, targets)
         entropy = token_entropy(logits, r.mask)
         keep = None

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from astrai.train.strategies.grpo_loss import IS_CORRECTIONS, importance_sampling_ratio
-from astrai.train.strategies.grpo_rollouts import Generation, Rollouts, build_rollouts
+from astrai.train.strategies.grpo_rollouts import Generation, Rollouts
 from astrai.train.strategies.grpo_sampling import Samples
 
 log = logging.getLogger(__name__)
@@ -270,17 +270,10 @@ def correct_staleness(
     old_rows: list[list[float]] = []
     weights: list[Any] = []
     ratios = []
-    masks = generation.action_masks
-    for start, end in generation.bounds:
+    for index, (start, end) in enumerate(generation.bounds):
         rows = range(start, end)
-        r = build_rollouts(
-            [generation.prompts[i] for i in rows],
-            [generation.completions[i] for i in rows],
-            [generation.logprobs[i] for i in rows],
-            pad_id=pad_id,
-            device=device,
-            action_masks=None if masks is None else [masks[i] for i in rows],
-        )
+        # before old_logprobs is set, a slice's old_logp are the behaviour log-probs
+        r = generation.slice(index, pad_id=pad_id, device=device, mask_truncated=False).rollouts
         old = logp_of(r).float()
         ratio = importance_sampling_ratio(
             old,

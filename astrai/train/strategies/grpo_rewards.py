@@ -144,7 +144,7 @@ def parse_rewards(rewards: Any, where: str = "strategy.rewards") -> list[Weighte
     _partial_?, **kwargs}`` (a function with ``_partial_: true`` or a class whose instance is
     the reward; Hydra builds it after ``weight``, default 1, and ``name``, default the
     target's last dotted component, are taken out). Log names must be unique."""
-    rewards = plain_rewards(rewards)
+    rewards = plain_config(rewards)
     if isinstance(rewards, str):
         entries: list[tuple[Any, str]] = [(rewards, where)]
     elif isinstance(rewards, Mapping) and ("_target_" in rewards or "name" in rewards):
@@ -228,8 +228,7 @@ def score(
     return total, parts
 
 
-def plain_rewards(rewards: Any) -> Any:
-    """An OmegaConf rewards config as plain containers (what :func:`parse_rewards` reads)."""
-    return (
-        OmegaConf.to_container(rewards, resolve=True) if OmegaConf.is_config(rewards) else rewards
-    )
+def plain_config(config: Any) -> Any:
+    """An OmegaConf node as plain containers (``rewards``, ``environment``,
+    ``async_rollouts``: what their parsers read); anything else as it is."""
+    return OmegaConf.to_container(config, resolve=True) if OmegaConf.is_config(config) else config

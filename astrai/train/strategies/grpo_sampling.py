@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -32,8 +31,8 @@ def rollout_sampling(
     max_new_tokens: int, temperature: float, top_p: float, top_k: int
 ) -> SamplingParams:
     """The rollouts' `SamplingParams`, checked now: a bad setting fails before the model is
-    built, not at the first training step. Log-probs come back ``scaled``: of the temperature-scaled distribution, as
-    the training forward computes them (TRL)."""
+    built, not at the first training step. Log-probs come back ``scaled``: of the
+    temperature-scaled distribution, as the training forward computes them (TRL)."""
     params = SamplingParams(
         max_tokens=int(max_new_tokens),
         temperature=float(temperature),
@@ -54,8 +53,7 @@ class Samples:
     sampling policy's ``logprobs``, whether it was ``truncated``, its ``rewards`` (the
     environment's plus the weighted reward functions'), its ``action_masks`` (episodes only:
     1 on the model's tokens). ``parts`` are each reward's mean, ``stats`` the episodes'
-    metrics, ``version`` the engine's policy version that sampled them, ``seconds`` the wall
-    time it took."""
+    metrics, ``version`` the engine's policy version that sampled them."""
 
     prompts: list[list[int]]
     completions: list[list[int]]
@@ -66,7 +64,6 @@ class Samples:
     action_masks: list[list[int]] | None = None
     stats: dict[str, float] = field(default_factory=dict)
     version: int = 0
-    seconds: float = 0.0
 
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -124,7 +121,6 @@ def sample_turns(
 ) -> Samples:
     """Single-turn rollouts: ``params.n`` completions per prompt from one call of
     ``generate(prompts, seed=, params=)`` (:func:`engine_generate`)."""
-    started = time.perf_counter()
     results = generate(prompts, seed=seed, params=params)
     texts = [tokenizer.decode(r.token_ids, skip_special_tokens=True) for r in results]
     per = [r for r in records for _ in range(params.n)]
@@ -137,7 +133,6 @@ def sample_turns(
         rewards=total.tolist(),
         parts=parts,
         version=version,
-        seconds=time.perf_counter() - started,
     )
 
 
@@ -156,7 +151,6 @@ def sample_episodes(
     sum plus the reward functions' on each episode's final assistant message."""
     from astrai.train.environments import run_episodes
 
-    started = time.perf_counter()
     episodes = run_episodes(
         engine, tokenizer, make_env, records, params, max_turns=max_turns, seed=seed
     )
@@ -187,7 +181,6 @@ def sample_episodes(
         action_masks=[list(e.action_mask) for e in episodes],
         stats=stats,
         version=int(engine.policy_version),
-        seconds=time.perf_counter() - started,
     )
 
 
