@@ -133,3 +133,18 @@ def test_multi_turn_resume_is_exact(prompt_setup, tmp_path, options):
     resumed = fit(tmp_path / "b", ckpt_path=mid)
     for key, value in final.items():
         assert torch.equal(resumed[key], value), key
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ({"announce_tools": False}, "environment needs a _target_"),
+        ({"_target_": "nowhere.Env"}, "GRPO environment 'nowhere.Env'"),
+        ({"_target_": "builtins.dict"}, "has no reset"),
+    ],
+)
+def test_bad_environments_are_named_before_the_model(spec, message):
+    from astrai.train.strategies.grpo_sampling import environment_factory
+
+    with pytest.raises(ValueError, match=message):
+        environment_factory(spec)
