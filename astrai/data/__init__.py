@@ -1,9 +1,9 @@
 """Data layer: storages, preprocessing, datasets, resumable sampling, built-in data, rewards.
 
-``python -m astrai.data.prepare`` turns raw text / chat / preference / prompt records into
-HDF5 storages; the datasets read them lazily; ``AstraiDataModule`` prepares them for a run
-(``connect`` + ``prepare_data``), serves them to Lightning and carries the data position in
-checkpoints.
+``python -m astrai.data.prepare`` turns raw text / chat / preference / prompt / unpaired
+records into HDF5 storages; the datasets read them lazily; ``AstraiDataModule`` prepares them
+for a run (``connect`` + ``prepare_data``), serves them to Lightning and carries the data
+position in checkpoints.
 
 Names are imported on first use (one list below, module by module): ``AstraiDataModule``
 pulls in Lightning and ``datasets`` torch, measured at 5.1 s and 1.4 s against about 0.2 s
@@ -23,11 +23,13 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "PretrainDataset",
         "PromptDataset",
         "SFTDataset",
+        "UnpairedDataset",
         "collate_lm",
         "collate_preference",
         "collate_prompt",
+        "collate_unpaired",
     ),
-    "onpolicy": ("OnPolicyPairs", "RecordSource"),
+    "onpolicy": ("OnPolicyPairs", "OnPolicySamples", "RecordSource"),
     "prepare": ("PrepareResult",),
     "rewards": ("REWARDS", "get_reward", "register_reward"),
     "sampler": ("BatchReuse", "ResumableSampler"),

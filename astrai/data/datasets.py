@@ -12,6 +12,10 @@ Batches are dicts of ``[B, S]`` tensors:
   length so that a strategy may concatenate them into one ``[2B, S]`` forward.
 - prompt (GRPO): ``input_ids`` and ``attention_mask`` *left*-padded for generation, plus
   ``prompt_ids`` (list of lists, unpadded) and ``records`` (the raw records, for rewards).
+- unpaired (KTO): row i is prompt i + completion i under the sft keys (``loss_mask`` on the
+  completion), the same keys prefixed ``kl_`` hold prompt i + the completion of row i - 1
+  (row 0 takes the last row's: KTO's mismatched pairs), both padded to one length, and
+  ``label`` ``[B]`` bool (True = desirable).
 
 Each dataset exposes ``collate`` (picklable, for DataLoader workers).
 """
@@ -27,6 +31,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from astrai.data.encode import UNPAIRED_KEYS
 from astrai.data.storage import DataError, Storage, open_storage
 
 IGNORE_INDEX = -100
@@ -223,6 +228,52 @@ class PreferenceDataset(_StorageDataset):
         return item
 
 
+# ------------------------------------------------------------------------------------ unpaired
+
+
+class UnpairedDataset(_StorageDataset):
+    """Thumbs-up/down data for KTO: a prompt, one completion and whether it is desirable.
+
+    The prompt and the completion are kept apart (``prompt_ids``, ``completion_ids``,
+    ``completion_mask`` and ``label``); :func:`collate_unpaired` joins them, and joins each
+    prompt with another row's completion for KTO's KL estimate. ``max_length`` cuts both
+    rows at load time (the completion's end goes first).
+    """
+
+    kind = "unpaired"
+    required_keys = UNPAIRED_KEYS
+
+    def __init__(
+        self,
+        source: Any,
+        *,
+        max_length: int | None = None,
+        tokenizer_fingerprint: Any = None,
+        pad_id: int | None = None,
+    ) -> None:
+        super().__init__(source, tokenizer_fingerprint=tokenizer_fingerprint, pad_id=pad_id)
+        self.max_length = max_length
+        self.collate = functools.partial(
+            collate_unpaired, pad_id=self.pad_id, max_length=max_length
+        )
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {
+            "prompt_ids": torch.from_numpy(self._doc("prompt_ids", index).astype(np.int64)),
+            "completion_ids": torch.from_numpy(self._doc("completion_ids", index).astype(np.int64)),
+            "completion_mask": torch.from_numpy(
+                self._doc("completion_mask", index).astype(np.bool_)
+            ),
+            "label": torch.tensor(bool(self._doc("label", index)[0])),
+        }
+
+    def label_counts(self) -> tuple[int, int]:
+        """``(desirable, undesirable)`` over the whole dataset (KTO weighs its losses by them)."""
+        labels = np.asarray(self.storage.slice("label", 0, self.storage.num_tokens("label")))
+        desirable = int(labels.astype(bool).sum())
+        return desirable, len(labels) - desirable
+
+
 # -------------------------------------------------------------------------------------- prompt
 
 
@@ -315,6 +366,49 @@ def collate_preference(
     out: dict[str, torch.Tensor] = {}
     for side in ("chosen", "rejected"):
         out.update(collate_lm(batch, pad_id=pad_id, prefix=f"{side}_", length=n))
+    return out
+
+
+def _unpaired_row(
+    prompt: torch.Tensor, completion: torch.Tensor, mask: torch.Tensor, max_length: int | None
+) -> tuple[np.ndarray, np.ndarray]:
+    ids = torch.cat([prompt, completion]).numpy()
+    loss = np.concatenate([np.zeros(len(prompt), dtype=np.bool_), mask.numpy().astype(np.bool_)])
+    if max_length is not None:
+        ids, loss = ids[: max_length + 1], loss[: max_length + 1]
+    return ids, loss
+
+
+def collate_unpaired(
+    batch: Sequence[dict[str, torch.Tensor]],
+    *,
+    pad_id: int = 0,
+    pad_to_multiple_of: int | None = None,
+    max_length: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """Rows of prompt i + completion i, and ``kl_`` rows of prompt i + completion i - 1.
+
+    The KL partner is TRL's: completions rotated by one within the batch,
+    ``(x_1, y_n), (x_2, y_1), ..., (x_n, y_{n-1})``, so the mismatched completions are the
+    batch's own (with one row, its own completion). Both sets are right-padded to one length
+    so a strategy may run them as one ``[2B, S]`` forward.
+    """
+    rows, kl_rows = [], []
+    n = len(batch)
+    for i, item in enumerate(batch):
+        partner = batch[(i - 1) % n]
+        for out, donor in ((rows, item), (kl_rows, partner)):
+            ids, loss = _unpaired_row(
+                item["prompt_ids"], donor["completion_ids"], donor["completion_mask"], max_length
+            )
+            if len(ids) < 2:
+                raise DataError(f"unpaired row {i}: fewer than 2 tokens after max_length")
+            out.append(_shifted(ids, loss, None, prefix="" if out is rows else "kl_"))
+    lengths = [len(r["input_ids"]) for r in rows] + [len(r["kl_input_ids"]) for r in kl_rows]
+    length = _target_length(lengths, pad_to_multiple_of)
+    out = collate_lm(rows, pad_id=pad_id, length=length)
+    out.update(collate_lm(kl_rows, pad_id=pad_id, prefix="kl_", length=length))
+    out["label"] = torch.stack([torch.as_tensor(item["label"], dtype=torch.bool) for item in batch])
     return out
 
 

@@ -10,8 +10,12 @@ from typing import Any
 
 from astrai.data.storage import DataError
 
-KINDS = ("pretrain", "sft", "preference", "prompt")
-TOKEN_KEYS = ("input_ids", "chosen_ids", "rejected_ids", "prompt_ids")
+KINDS = ("pretrain", "sft", "preference", "prompt", "unpaired")
+TOKEN_KEYS = ("input_ids", "chosen_ids", "rejected_ids", "prompt_ids", "completion_ids")
+#: The arrays of one ``unpaired`` document (KTO's thumbs-up/down data): the prompt and the
+#: completion apart, so a batch can pair a prompt with another row's completion, and the
+#: label as one 0/1 element.
+UNPAIRED_KEYS = ("prompt_ids", "completion_ids", "completion_mask", "label")
 
 
 @dataclass
@@ -120,6 +124,49 @@ def _encode_chat(tok: Any, messages: Any, tools: Any, where: str) -> tuple[list[
         raise DataError(f"{where}: cannot render the chat: {exc}") from exc
 
 
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _encode_unpaired(tok: Any, record: Any, where: str, opts: PrepareOptions) -> dict[str, Any]:
+    """One thumbs-up/down record: ``prompt`` and ``completion`` rendered together by the chat
+    template, split where the rendered prompt (generation prompt included) stops being a
+    prefix of the whole, as TRL splits them; only the completion's assistant tokens are
+    scored."""
+    _require(record, ["prompt", "completion", "label", *opts.required_fields], where)
+    label = record["label"]
+    if not isinstance(label, bool):
+        raise DataError(
+            f"{where}: field 'label' must be true or false, got {json.dumps(label, default=repr)}"
+        )
+    prompt = _as_messages(record["prompt"], "user", where, "prompt")
+    completion = _as_messages(record["completion"], "assistant", where, "completion")
+    tools = record.get("tools")
+    ids, mask = _encode_chat(tok, prompt + completion, tools, where)
+    try:
+        head = tok.apply_chat_template(
+            prompt, tools=tools, add_generation_prompt=True, tokenize=True
+        )
+    except (TypeError, ValueError) as exc:
+        raise DataError(f"{where}: cannot render the prompt: {exc}") from exc
+    split = _common_prefix(head, ids)
+    if opts.max_length is not None and split >= opts.max_length:
+        raise Skip("too_long")  # the prompt alone fills max_length (TRL drops these too)
+    # earlier assistant turns of a multi-turn prompt are context here, not scored
+    ids, mask = _fit(ids, [0] * split + list(mask[split:]), opts)
+    return {
+        "prompt_ids": ids[:split],
+        "completion_ids": ids[split:],
+        "completion_mask": mask[split:],
+        "label": [int(label)],
+    }
+
+
 def encode_record(tok: Any, record: Any, where: str, opts: PrepareOptions) -> dict[str, Any]:
     """One document's arrays for a non-pretrain record; raises Skip or DataError."""
     if opts.kind == "sft":
@@ -148,6 +195,8 @@ def encode_record(tok: Any, record: Any, where: str, opts: PrepareOptions) -> di
         if opts.max_length is not None and len(ids) > opts.max_length:
             raise Skip("too_long")
         return {"prompt_ids": ids, "records": json.dumps(record, ensure_ascii=False)}
+    if opts.kind == "unpaired":
+        return _encode_unpaired(tok, record, where, opts)
     raise AssertionError(opts.kind)
 
 

@@ -1,4 +1,4 @@
-"""On-policy preference pairs: completions sampled from a checkpoint, judged by a reward.
+"""On-policy data: completions sampled from a checkpoint, judged by a reward.
 
 DPO learns most from pairs its own policy could have produced (Tajwar et al. 2024; the
 "on-policy" recipes of Llama 3 and Tulu 3): for each prompt the inference engine samples
@@ -41,7 +41,14 @@ from astrai.inference.params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FALLBACKS", "OnPolicyPairs", "RecordSource", "policy_digest"]
+__all__ = [
+    "FALLBACKS",
+    "OnPolicyPairs",
+    "OnPolicySamples",
+    "OnPolicySource",
+    "RecordSource",
+    "policy_digest",
+]
 
 FALLBACKS = ("none", "reference")
 
@@ -76,8 +83,10 @@ def policy_digest(path: str | Path) -> str:
     return h.hexdigest()[:16]
 
 
-class OnPolicyPairs(RecordSource):
-    """Preference pairs sampled from ``policy`` (an export directory with its tokenizer).
+class OnPolicySource(RecordSource):
+    """Completions sampled from ``policy`` (an export directory with its tokenizer) for every
+    prompt, and their rewards: what :class:`OnPolicyPairs` and :class:`OnPolicySamples` turn
+    into records.
 
     Args:
         policy: the checkpoint to sample from (e.g. the SFT stage's export).
@@ -85,16 +94,15 @@ class OnPolicyPairs(RecordSource):
             file of ``{"prompt", "answer", ...}``).
         builtin: options of a ``builtin:`` prompt source (``n``, ``seed``, task difficulty).
         num_samples: completions sampled per prompt.
-        temperature, top_p, max_tokens, seed: sampling (seeded: the same pairs every time).
-        reward: a reward name from :mod:`astrai.data.rewards`; ``chosen`` has a reward above
-            ``threshold``, ``rejected`` one at or below it.
-        pairs_per_prompt: up to this many (chosen, rejected) pairs per prompt, each sample
-            used once.
-        fallback: ``none`` skips prompts with no rewarded sample; ``reference`` uses the
-            record's ``solution`` field as ``chosen`` there (off-policy chosen).
+        temperature, top_p, max_tokens, seed: sampling (seeded: the same samples every time).
+        reward: a reward name from :mod:`astrai.data.rewards`; a completion is good when its
+            reward is above ``threshold``.
         engine: the engine factory (``conf/engine`` as a partial); None: ``InferenceEngine``.
         batch_size: prompts per ``run_batch`` call (progress is shown per call).
     """
+
+    #: the fewest ``num_samples`` a subclass can use
+    min_samples = 1
 
     def __init__(
         self,
@@ -109,28 +117,21 @@ class OnPolicyPairs(RecordSource):
         seed: int = 0,
         reward: str = "exact_match",
         threshold: float = 0.5,
-        pairs_per_prompt: int = 1,
-        fallback: str = "none",
         engine: Callable[..., Any] | None = None,
         batch_size: int = 256,
     ) -> None:
-        if num_samples < 2:
-            raise ValueError(f"OnPolicyPairs: num_samples must be >= 2, got {num_samples}")
-        if fallback not in FALLBACKS:
+        name = type(self).__name__
+        if num_samples < self.min_samples:
             raise ValueError(
-                f"OnPolicyPairs: fallback must be one of {FALLBACKS}, got {fallback!r}"
-            )
-        if pairs_per_prompt < 1:
-            raise ValueError(
-                f"OnPolicyPairs: pairs_per_prompt must be >= 1, got {pairs_per_prompt}"
+                f"{name}: num_samples must be >= {self.min_samples}, got {num_samples}"
             )
         if temperature <= 0:
-            raise ValueError(f"OnPolicyPairs: temperature must be > 0 to sample, got {temperature}")
+            raise ValueError(f"{name}: temperature must be > 0 to sample, got {temperature}")
         get_reward(reward)  # unknown names fail here
         self.policy = str(policy)
         if not Path(self.policy).is_dir():
             raise FileNotFoundError(
-                f"OnPolicyPairs.policy: checkpoint directory {self.policy} does not exist "
+                f"{name}.policy: checkpoint directory {self.policy} does not exist "
                 "(train the starting policy first, e.g. +experiment=tiny_sft_start)"
             )
         self.prompts = str(prompts)
@@ -142,12 +143,10 @@ class OnPolicyPairs(RecordSource):
         try:  # a bad option fails here, before the checkpoint is loaded
             self.sampling.validate()
         except ValueError as err:
-            raise ValueError(f"OnPolicyPairs: {err}") from None
+            raise ValueError(f"{name}: {err}") from None
         self.seed = int(seed)
         self.reward = reward
         self.threshold = float(threshold)
-        self.pairs_per_prompt = int(pairs_per_prompt)
-        self.fallback = fallback
         self.engine_factory = engine
         self.batch_size = int(batch_size)
         self.stats: dict[str, float] = {}
@@ -171,12 +170,10 @@ class OnPolicyPairs(RecordSource):
             "seed": self.seed,
             "reward": self.reward,
             "threshold": self.threshold,
-            "pairs_per_prompt": self.pairs_per_prompt,
-            "fallback": self.fallback,
         }
 
     def __repr__(self) -> str:
-        return f"OnPolicyPairs(policy={self.policy!r}, prompts={self.prompts!r})"
+        return f"{type(self).__name__}(policy={self.policy!r}, prompts={self.prompts!r})"
 
     # ------------------------------------------------------------------ sampling
     def _prompt_records(self) -> list[dict[str, Any]]:
@@ -190,7 +187,7 @@ class OnPolicyPairs(RecordSource):
                 raise DataError(f"{where}: an on-policy prompt record needs a 'prompt' field")
             out.append(dict(rec))
         if not out:
-            raise DataError(f"OnPolicyPairs: no prompts in {self.prompts}")
+            raise DataError(f"{type(self).__name__}: no prompts in {self.prompts}")
         return out
 
     def _engine(self, model: Any, tokenizer: Any, longest: int) -> Any:
@@ -250,6 +247,50 @@ class OnPolicyPairs(RecordSource):
             engine.shutdown()
         return out
 
+
+class OnPolicyPairs(OnPolicySource):
+    """Preference pairs sampled from ``policy``: a completion with a reward above
+    ``threshold`` is ``chosen``, one at or below it ``rejected``.
+
+    Args:
+        pairs_per_prompt: up to this many (chosen, rejected) pairs per prompt, each sample
+            used once.
+        fallback: ``none`` skips prompts with no rewarded sample; ``reference`` uses the
+            record's ``solution`` field as ``chosen`` there (off-policy chosen).
+
+    The other arguments are :class:`OnPolicySource`'s (``num_samples`` >= 2).
+    """
+
+    min_samples = 2
+
+    def __init__(
+        self,
+        policy: str,
+        prompts: str,
+        *,
+        pairs_per_prompt: int = 1,
+        fallback: str = "none",
+        **kwargs: Any,
+    ) -> None:
+        if fallback not in FALLBACKS:
+            raise ValueError(
+                f"OnPolicyPairs: fallback must be one of {FALLBACKS}, got {fallback!r}"
+            )
+        if pairs_per_prompt < 1:
+            raise ValueError(
+                f"OnPolicyPairs: pairs_per_prompt must be >= 1, got {pairs_per_prompt}"
+            )
+        super().__init__(policy, prompts, **kwargs)
+        self.pairs_per_prompt = int(pairs_per_prompt)
+        self.fallback = fallback
+
+    def identity(self) -> dict[str, Any]:
+        return {
+            **super().identity(),
+            "pairs_per_prompt": self.pairs_per_prompt,
+            "fallback": self.fallback,
+        }
+
     # ------------------------------------------------------------------ pairing
     def records(self) -> Iterator[dict[str, Any]]:
         sampled = self.sample()
@@ -305,4 +346,100 @@ class OnPolicyPairs(RecordSource):
                 f"OnPolicyPairs: no preference pairs from {self.policy} ({total} samples, "
                 f"{correct} rewarded): the policy is always or never right on these prompts; "
                 "use more samples, a higher temperature, or fallback=reference"
+            )
+
+
+class OnPolicySamples(OnPolicySource):
+    """Every sampled completion as an unpaired record for KTO: ``{"prompt", "completion",
+    "label"}`` with ``label`` = reward above ``threshold`` (default 0: any reward is a thumbs
+    up), plus the record's ``id`` and ``answer`` and the ``reward`` itself.
+
+    Args:
+        max_per_prompt: keep at most this many completions of one prompt (None: all), as
+            evenly split between desirable and undesirable as the samples allow (4 of 6 right
+            and 2 wrong keeps 2 and 2); which ones is seeded.
+
+    The other arguments are :class:`OnPolicySource`'s.
+    """
+
+    def __init__(
+        self,
+        policy: str,
+        prompts: str,
+        *,
+        threshold: float = 0.0,
+        max_per_prompt: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if max_per_prompt is not None and max_per_prompt < 1:
+            raise ValueError(
+                f"OnPolicySamples: max_per_prompt must be >= 1 or null, got {max_per_prompt}"
+            )
+        super().__init__(policy, prompts, threshold=threshold, **kwargs)
+        self.max_per_prompt = None if max_per_prompt is None else int(max_per_prompt)
+
+    def identity(self) -> dict[str, Any]:
+        return {**super().identity(), "max_per_prompt": self.max_per_prompt}
+
+    def _keep(self, good: int, bad: int) -> tuple[int, int]:
+        """How many desirable and undesirable samples of one prompt to keep."""
+        cap = self.max_per_prompt
+        if cap is None or good + bad <= cap:
+            return good, bad
+        keep_good = min(good, cap // 2)
+        keep_bad = min(bad, cap - keep_good)
+        return min(good, cap - keep_bad), keep_bad
+
+    def records(self) -> Iterator[dict[str, Any]]:
+        sampled = self.sample()
+        rng = random.Random(self.seed)
+        n_good = n_bad = 0
+        correct = total = 0
+        for record, texts, rewards in sampled:
+            scored = list(zip(texts, rewards))
+            good = [(t, r) for t, r in scored if r > self.threshold]
+            bad = [(t, r) for t, r in scored if r <= self.threshold]
+            correct += len(good)
+            total += len(scored)
+            keep_good, keep_bad = self._keep(len(good), len(bad))
+            if keep_good < len(good):
+                good = rng.sample(good, keep_good)
+            if keep_bad < len(bad):
+                bad = rng.sample(bad, keep_bad)
+            kept = [(t, r, True) for t, r in good] + [(t, r, False) for t, r in bad]
+            rng.shuffle(kept)
+            for k, (text, reward, label) in enumerate(kept):
+                n_good += label
+                n_bad += not label
+                yield {
+                    "id": f"{record.get('id', 'prompt')}-sample{k}",
+                    "prompt": record["prompt"],
+                    "completion": text,
+                    "label": label,
+                    "reward": reward,
+                    **{f: record[f] for f in ("answer",) if f in record},
+                }
+        self.stats = {
+            "prompts": len(sampled),
+            "records": n_good + n_bad,
+            "desirable": n_good,
+            "undesirable": n_bad,
+            "sample_accuracy": correct / max(total, 1),
+        }
+        log.info(
+            "on-policy samples from %s: %d records from %d prompts (%d desirable, %d "
+            "undesirable; sample accuracy %.3f)",
+            self.policy,
+            n_good + n_bad,
+            len(sampled),
+            n_good,
+            n_bad,
+            self.stats["sample_accuracy"],
+        )
+        if not n_good or not n_bad:
+            log.warning(
+                "on-policy samples from %s are all %s: KTO learns from both kinds; use more "
+                "samples, another temperature or another threshold",
+                self.policy,
+                "desirable" if n_good else "undesirable",
             )

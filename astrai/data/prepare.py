@@ -17,6 +17,12 @@ Kinds and the fields their records need:
   messages); keys ``chosen_ids``, ``chosen_mask``, ``rejected_ids``, ``rejected_mask``.
 - ``prompt`` (GRPO): ``prompt`` plus ``required_fields`` (e.g. ``[answer]``); keys
   ``prompt_ids`` (generation prompt included) and ``records`` (each record as JSON).
+- ``unpaired`` (KTO; TRL's "unpaired preference"): ``prompt`` and ``completion`` (string or
+  messages) and ``label`` (``true`` = desirable, ``false`` = undesirable; anything else is an
+  error naming file, line and ``label``); keys ``prompt_ids`` (the rendered prompt with its
+  generation prompt), ``completion_ids``, ``completion_mask`` (1 on its assistant tokens) and
+  ``label`` (one 0/1 element). With ``max_length``, a record whose prompt alone fills it is
+  skipped; ``truncate`` cuts the completion's end.
 
 Output is ``<output>/<name>.h5``, or with ``shard_size`` (input records per shard) a directory
 ``<output>/<name>/`` of shards. Everything is written under a ``.tmp`` name and renamed on

@@ -84,6 +84,13 @@ def _dtypes(kind: str, vocab_size: int, window_size: int | None, pack: bool) -> 
             "rejected_ids": ids,
             "rejected_mask": np.uint8,
         }
+    if kind == "unpaired":
+        return {
+            "prompt_ids": ids,
+            "completion_ids": ids,
+            "completion_mask": np.uint8,
+            "label": np.uint8,
+        }
     return {"prompt_ids": ids}
 
 

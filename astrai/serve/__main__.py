@@ -63,6 +63,27 @@ def build_engine(cfg: dict[str, Any]) -> InferenceEngine:
     return instantiate(cfg["engine"])(model, tokenizer, **extra)
 
 
+def build_reward(cfg: dict[str, Any]) -> Any:
+    """The reward model of `POST /v1/score` (`reward_model=<dir>`; None without one), on the
+    engine's device and dtype; a directory without a score head is a SystemExit naming the
+    key (it loads before the engine, so this fails in seconds)."""
+    if not cfg.get("reward_model"):
+        return None
+    import torch
+
+    from astrai.model import CheckpointError
+    from astrai.serve.score import RewardScorer
+
+    device = cfg.get("device") or "auto"
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = getattr(torch, cfg["dtype"]) if cfg.get("dtype") else None
+    try:
+        return RewardScorer.from_pretrained(str(cfg["reward_model"]), device=device, dtype=dtype)
+    except CheckpointError as err:
+        raise SystemExit(f"reward_model={cfg['reward_model']}: {err}") from None
+
+
 def check_port(host: str, port: int) -> None:
     """Bind `host:port` once, as uvicorn will (SO_REUSEADDR), so that a busy port fails in
     a second, naming `port`, instead of after the model has loaded."""
@@ -114,6 +135,8 @@ def settings_of(cfg: dict[str, Any]) -> ServeSettings:
 def serve(cfg: dict[str, Any]) -> None:
     """Build the engine, run uvicorn until SIGINT/SIGTERM, then end streams and stop."""
     check_model_dir(str(cfg["model_path"]))  # the cheap checks first: fail fast with the fix
+    if cfg.get("reward_model"):
+        check_model_dir(str(cfg["reward_model"]), key="reward_model")
     settings = settings_of(cfg)
     check_port(str(cfg["host"]), int(cfg["port"]))
     import uvicorn
@@ -123,8 +146,9 @@ def serve(cfg: dict[str, Any]) -> None:
 
     logging.getLogger().setLevel(str(cfg.get("log_level", "info")).upper())
     set_threads(cfg.get("threads"))
+    reward = build_reward(cfg)
     engine = build_engine(cfg)
-    app = create_app(engine, settings)
+    app = create_app(engine, settings, reward=reward)
     config = uvicorn.Config(
         app,
         host=cfg["host"],

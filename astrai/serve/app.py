@@ -28,6 +28,7 @@ from astrai.serve.schemas import (
     CountTokensRequest,
     MessagesRequest,
 )
+from astrai.serve.score import RewardScorer, ScoreRequest, score_request
 from astrai.serve.settings import ServeSettings
 from astrai.serve.state import ServerState
 
@@ -57,14 +58,22 @@ def _error_response(request: Request, err: APIError) -> SafeJSONResponse:
     )
 
 
-def create_app(engine: InferenceEngine, settings: ServeSettings | None = None) -> FastAPI:
+def create_app(
+    engine: InferenceEngine,
+    settings: ServeSettings | None = None,
+    reward: RewardScorer | None = None,
+) -> FastAPI:
     """An app serving `engine`; the caller owns the engine (and shuts it down).
 
     `app.state.astrai` is the `ServerState`; `begin_shutdown()` on it ends open streams
     cleanly (the `astrai.serve.server.Server` calls it when uvicorn is asked to stop).
+    `reward`: a loaded reward model for `POST /v1/score` (`astrai.serve.score`); without
+    one that route answers a 400 saying how to load one.
     """
     settings = settings or ServeSettings()
-    state = ServerState(engine, settings, tool_call_format(settings.tool_call_format))
+    state = ServerState(
+        engine, settings, tool_call_format(settings.tool_call_format), reward=reward
+    )
     app = FastAPI(title="astrai", version="1", docs_url=None, redoc_url=None)
     app.state.astrai = state
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
@@ -138,21 +147,37 @@ def create_app(engine: InferenceEngine, settings: ServeSettings | None = None) -
     async def count_tokens(body: CountTokensRequest) -> dict:
         return {"input_tokens": await anthropic.count_tokens(body.as_messages_request())}
 
-    def model_card() -> dict:
+    @app.post(
+        "/v1/score",
+        dependencies=auth,
+        responses={404: {"description": "Unknown model (not the loaded reward model)"}},
+    )
+    async def score(body: ScoreRequest) -> dict:
+        return await score_request(
+            state.reward,
+            body,
+            draining=state.draining,
+            settings=state.settings,
+            run_blocking=state.run_blocking,
+        )
+
+    def model_card(name: str) -> dict:
         return {
-            "id": settings.model_name,
+            "id": name,
             "object": "model",
             "created": int(state.started),
             "owned_by": "astrai",
         }
 
+    served = [settings.model_name] + ([reward.name] if reward is not None else [])
+
     @app.get("/v1/models", dependencies=auth)
     async def models() -> dict:
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(name) for name in served]}
 
     @app.get("/v1/models/{model_id:path}", dependencies=auth)
     async def model(model_id: str) -> dict:
-        if model_id != settings.model_name:
+        if model_id not in served:
             raise APIError(
                 404,
                 f"The model {model_id!r} does not exist",
@@ -160,7 +185,7 @@ def create_app(engine: InferenceEngine, settings: ServeSettings | None = None) -
                 param="model",
                 code="model_not_found",
             )
-        return model_card()
+        return model_card(model_id)
 
     @app.get("/health")
     async def health() -> SafeJSONResponse:

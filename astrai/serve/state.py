@@ -16,6 +16,7 @@ from astrai.serve.settings import ServeSettings
 
 if TYPE_CHECKING:
     from astrai.inference import InferenceEngine
+    from astrai.serve.score import RewardScorer
 
 
 class ServerState:
@@ -26,8 +27,10 @@ class ServerState:
         engine: InferenceEngine,
         settings: ServeSettings,
         tool_format: ToolCallFormat | None,
+        reward: RewardScorer | None = None,
     ) -> None:
         self.engine = engine
+        self.reward = reward  # POST /v1/score's reward model (astrai.serve.score), if loaded
         self.settings = settings
         self.tool_format = tool_format
         self.draining = False
@@ -47,8 +50,10 @@ class ServerState:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     def close(self) -> None:
-        """Stop the tokenizer pool (idle threads; queued work is dropped)."""
+        """Stop the tokenizer pool and the scorer's thread (queued work is dropped)."""
         self.executor.shutdown(wait=False, cancel_futures=True)
+        if self.reward is not None:
+            self.reward.close()
 
     def check_ready(self) -> None:
         retry = {"retry-after": str(self.settings.retry_after_s)}

@@ -1,4 +1,5 @@
-"""Training: Hydra-configured Lightning strategies (pretrain, sft, dpo, grpo).
+"""Training: Hydra-configured Lightning strategies (pretrain, sft, dpo, simpo/cpo, orpo, kto,
+reward, grpo).
 
 Run with ``python -m astrai.train [+experiment=NAME] [overrides]`` (see docs/training.md).
 
@@ -25,6 +26,10 @@ _EXPORTS = {
     "PretrainModule": "strategies.pretrain",
     "SFTModule": "strategies.sft",
     "DPOModule": "strategies.dpo",
+    "CPOModule": "strategies.cpo",
+    "ORPOModule": "strategies.orpo",
+    "KTOModule": "strategies.kto",
+    "RewardModule": "strategies.reward",
     "GRPOModule": "strategies.grpo",
 }
 

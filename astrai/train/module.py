@@ -1,4 +1,5 @@
-"""`LMModule`: the LightningModule every training strategy (pretrain, sft, dpo, grpo) extends.
+"""`LMModule`: the LightningModule every training strategy (pretrain, sft, the preference
+methods, reward, grpo) extends.
 
 It owns the policy model (from a model factory that Hydra builds out of `conf/model/`), the
 tokenizer, optional LoRA adapters, the optimizer and schedule (factories from `conf/optim/`)

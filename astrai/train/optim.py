@@ -56,8 +56,8 @@ ScheduleFactory = Callable[..., Callable[[int], float]]
 def split_params(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:
     """Trainable parameters by role: `hidden` 2-D matrices inside the blocks, `experts`
     (a MoE layer's stacked `[E, out, in]` expert matrices: decayed like hidden ones, but
-    `torch.optim.Muon` takes 2-D parameters only), `embed` (embedding and output head: Muon's
-    orthogonalisation does not suit them), `other` (norms, biases, router bias, anything
+    `torch.optim.Muon` takes 2-D parameters only), `embed` (embedding and output heads, the LM
+    head or a reward model's `score`: Muon's orthogonalisation does not suit them), `other` (norms, biases, router bias, anything
     else). A tied head appears once."""
     out: dict[str, list[tuple[str, nn.Parameter]]] = {
         "hidden": [],
@@ -70,7 +70,7 @@ def split_params(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
-        if "embed" in name or name.startswith("lm_head") or ".lm_head" in name:
+        if "embed" in name or name.startswith(("lm_head", "score.")) or ".lm_head" in name:
             out["embed"].append((name, p))
         elif p.ndim == 2:
             out["hidden"].append((name, p))

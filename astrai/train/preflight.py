@@ -42,7 +42,15 @@ __all__ = ["PreflightCallback", "format_problems", "problems"]
 
 GPU_ACCELERATORS = ("gpu", "cuda")
 #: the earlier stage whose export a strategy typically starts from (for the model.path hint)
-START_STAGES = {"SFTModule": "pretrain_1b", "DPOModule": "sft_1b", "GRPOModule": "sft_1b"}
+START_STAGES = {
+    "SFTModule": "pretrain_1b",
+    "DPOModule": "sft_1b",
+    "CPOModule": "sft_1b",
+    "ORPOModule": "pretrain_1b",
+    "KTOModule": "sft_1b",
+    "RewardModule": "sft_1b",
+    "GRPOModule": "sft_1b",
+}
 LOCAL_LAUNCHERS = ("BasicLauncher", "JoblibLauncher")  # sweeps that run on this machine
 TEXT_SUFFIXES = (".jsonl", ".txt", ".md", ".py")  # raw corpora whose bytes bound the tokens
 CPU_SMOKE_HINT = (

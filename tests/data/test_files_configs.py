@@ -27,6 +27,15 @@ def _write(path: Path, kind: str, seed: int) -> Path:
         path = path.with_suffix(".txt")
         path.write_text("\n\n".join(list(stdlib_corpus("train", max_files=3))), encoding="utf-8")
         return path
+    if kind == "unpaired":  # each pair as two thumbs-up/down records
+        records = [
+            {"prompt": r["prompt"], "completion": r[side], "label": side == "chosen"}
+            for r in preference_records(problems)
+            for side in ("chosen", "rejected")
+        ]
+        path = path.with_suffix(".jsonl")
+        path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+        return path
     records = {
         "sft": sft_records,
         "preference": preference_records,
@@ -38,7 +47,13 @@ def _write(path: Path, kind: str, seed: int) -> Path:
 
 
 def test_every_files_config_is_covered() -> None:
-    assert {"pretrain_files", "sft_files", "preference_files", "prompt_files"} <= set(FILES_CONFIGS)
+    assert {
+        "pretrain_files",
+        "sft_files",
+        "preference_files",
+        "unpaired_files",
+        "prompt_files",
+    } <= set(FILES_CONFIGS)
 
 
 @pytest.mark.parametrize("name", FILES_CONFIGS)

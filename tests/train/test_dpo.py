@@ -10,13 +10,8 @@ import torch
 
 from astrai.model import Transformer, preset, preset_model
 from astrai.train.optim import adamw, constant
-from astrai.train.strategies.dpo import (
-    batch_pair_keys,
-    dpo_loss,
-    precompute_reference,
-    preference_logprobs,
-    sequence_logprobs,
-)
+from astrai.train.preference import preference_logprobs, sequence_logprobs
+from astrai.train.strategies.dpo import batch_pair_keys, dpo_loss, precompute_reference
 
 
 def _sig(x: float) -> float:
@@ -339,7 +334,7 @@ def test_dpo_module_mean_reduction_matches_hand_computation(pref_setup):
 def test_rpo_nll_is_the_chosen_tokens_cross_entropy(reduction):
     """`rpo_alpha`'s term is TRL's `nll_loss`: cross entropy over all chosen response tokens
     of the batch (token mean), whatever the DPO reduction."""
-    from astrai.train.strategies.dpo import chosen_nll
+    from astrai.train.preference import chosen_nll
 
     torch.manual_seed(0)
     policy = Transformer(preset("tiny"))

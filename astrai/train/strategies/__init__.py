@@ -1,1 +1,2 @@
-"""Training strategies: one `LMModule` subclass each (pretrain, sft, dpo, grpo)."""
+"""Training strategies: one `LMModule` subclass each (pretrain, sft, dpo, cpo/simpo, orpo,
+kto, reward, grpo)."""

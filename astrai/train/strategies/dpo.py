@@ -1,4 +1,4 @@
-"""Direct preference optimisation (DPO, Rafailov et al. 2023).
+"""Direct preference optimisation (DPO, Rafailov et al. 2023) and its loss family.
 
 The loss pushes the policy's log-ratio against a frozen reference up for the chosen answer
 and down for the rejected one::
@@ -11,6 +11,23 @@ the response (``reduction: mean``: no pull towards longer or shorter answers). T
 (``reference: copy``) or its log-probabilities computed once over the train and val sets
 before training (``reference: precomputed``; no second model in memory, the values travel
 in the Lightning checkpoint so a resumed run uses the same ones).
+
+``loss_type`` picks TRL 1.16's other losses on the same log-probs (IPO, EXO, NCA, robust,
+BCO, SPPO, AOT, APO, DiscoPOP, SFT, ...), alone or weighted together (MPO), and
+``f_divergence_type`` f-DPO's regulariser: see :mod:`astrai.train.strategies.dpo_losses`.
+
+LD-DPO (Liu et al. 2024, ``ld_alpha``): the tokens of the longer response past the shorter
+one's length count ``ld_alpha`` times, for the policy and the reference alike::
+
+    pi = sum_{t <= min(n_c, n_r)} log p_t + ld_alpha * sum_{t > min(n_c, n_r)} log p_t
+
+which takes the length bias out of the summed log-probs (``ld_alpha = 1``: plain DPO).
+
+``padding_free``: the ``2B`` chosen and rejected sequences are packed into one row without
+padding, position ids restarting at 0 for each, forwarded once (the model keeps the
+sequences apart by their position ids) and unpacked: the same log-probs with no pad token
+computed. Attention then runs over one ``T x T`` block-diagonal mask (``T``: the batch's
+real tokens), so it pays off when padding is a large part of the batch.
 """
 
 from __future__ import annotations
@@ -18,33 +35,36 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Subset
 
-from astrai.train.module import LMModule, ReferencePolicy, token_logprobs
+from astrai.train.module import LMModule, ReferencePolicy
+from astrai.train.preference import (
+    REDUCTIONS,
+    preference_logprobs,
+    preference_metrics,
+    preference_token_logprobs,
+    reduce_preference,
+    response_nll,
+)
+from astrai.train.strategies.dpo_losses import (
+    LENGTH_NORMALISED,
+    LossOptions,
+    PreferenceLogps,
+    check_loss_options,
+    preference_loss,
+)
 
 log = logging.getLogger(__name__)
 
 REFERENCE_MODES = ("copy", "precomputed")
-REDUCTIONS = ("sum", "mean")
 
 
 # ---------------------------------------------------------------------------- pure functions
-
-
-def sequence_logprobs(token_logps: Tensor, mask: Tensor, reduction: str = "sum") -> Tensor:
-    """Sum (``reduction="sum"``) or mean (``"mean"``) of per-token log-probs over the masked
-    (response) tokens: ``[B, S] -> [B]``; an empty response gives 0."""
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"DPO reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    mask = mask.to(token_logps.dtype)
-    total = (token_logps * mask).sum(-1)
-    return total if reduction == "sum" else total / mask.sum(-1).clamp(min=1.0)
 
 
 def dpo_loss(
@@ -64,13 +84,9 @@ def dpo_loss(
         raise ValueError(f"dpo_loss: beta must be > 0, got {beta}")
     if not 0.0 <= label_smoothing < 0.5:
         raise ValueError(f"dpo_loss: label_smoothing must be in [0, 0.5), got {label_smoothing}")
-    logits = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)
-    losses = -(1.0 - label_smoothing) * F.logsigmoid(beta * logits)
-    if label_smoothing:
-        losses = losses - label_smoothing * F.logsigmoid(-beta * logits)
-    chosen_rewards = beta * (policy_chosen - ref_chosen).detach()
-    rejected_rewards = beta * (policy_rejected - ref_rejected).detach()
-    return losses.mean(), chosen_rewards, rejected_rewards
+    x = PreferenceLogps(policy_chosen, policy_rejected, ref_chosen, ref_rejected)
+    out = preference_loss(x, ("sigmoid",), None, LossOptions(beta, label_smoothing))
+    return out.loss, out.chosen_rewards, out.rejected_rewards
 
 
 def pair_key(chosen_ids: Tensor, rejected_ids: Tensor) -> str:
@@ -94,40 +110,17 @@ def batch_pair_keys(batch: Mapping[str, Tensor]) -> list[str]:
     return keys
 
 
-def preference_logprobs(
-    model: nn.Module, batch: Mapping[str, Tensor], reduction: str = "sum"
-) -> tuple[Tensor, Tensor]:
-    """Response log-probs ``(chosen [B], rejected [B])`` (summed or averaged, see
-    :func:`sequence_logprobs`) in one ``[2B, S]`` forward."""
-    ids = torch.cat([batch["chosen_input_ids"], batch["rejected_input_ids"]])
-    labels = torch.cat([batch["chosen_labels"], batch["rejected_labels"]])
-    mask = torch.cat([batch["chosen_loss_mask"], batch["rejected_loss_mask"]])
-    # Right padding under a causal mask never changes the logits of real tokens, so no
-    # attention mask is needed (and SDPA keeps its fast causal path).
-    logits = model(ids)
-    seq = sequence_logprobs(
-        token_logprobs(logits, labels), mask.bool() & (labels != -100), reduction
-    )
-    b = batch["chosen_input_ids"].shape[0]
-    return seq[:b], seq[b:]
-
-
-def chosen_nll(policy_chosen: Tensor, batch: Mapping[str, Tensor], reduction: str) -> Tensor:
-    """Mean negative log-likelihood per chosen response token over the batch (TRL's RPO
-    ``nll_loss``), from the chosen sequence log-probs of :func:`preference_logprobs`."""
-    counts = (batch["chosen_loss_mask"].bool() & (batch["chosen_labels"] != -100)).sum(-1)
-    counts = counts.to(policy_chosen.dtype)
-    total = policy_chosen.sum() if reduction == "sum" else (policy_chosen * counts).sum()
-    return -total / counts.sum().clamp(min=1.0)
-
-
 def precompute_reference(
     model: nn.Module,
     batches: Iterable[Mapping[str, Tensor]],
     device: torch.device,
     reduction: str = "sum",
+    *,
+    ld_alpha: float | None = None,
+    padding_free: bool = False,
 ) -> dict[str, tuple[float, float]]:
-    """``{pair_key: (ref_chosen, ref_rejected)}`` over ``batches`` with ``model`` as reference."""
+    """``{pair_key: (ref_chosen, ref_rejected)}`` over ``batches`` with ``model`` as reference
+    (LD-weighted with ``ld_alpha``: the weights depend only on the pair's own lengths)."""
     out: dict[str, tuple[float, float]] = {}
     was_training = model.training
     model.eval()
@@ -135,7 +128,9 @@ def precompute_reference(
         with torch.no_grad():
             for batch in batches:
                 batch = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in batch.items()}
-                c, r = preference_logprobs(model, batch, reduction)
+                c, r = preference_logprobs(
+                    model, batch, reduction, ld_alpha=ld_alpha, padding_free=padding_free
+                )
                 for key, vc, vr in zip(batch_pair_keys(batch), c.tolist(), r.tolist()):
                     out[key] = (vc, vr)
     finally:
@@ -143,42 +138,45 @@ def precompute_reference(
     return out
 
 
-def dpo_metrics(
-    chosen_rewards: Tensor, rejected_rewards: Tensor, policy_chosen: Tensor, policy_rejected: Tensor
-) -> dict[str, Tensor]:
-    """What DPO runs are usually judged by: reward accuracy and margin."""
-    return {
-        "rewards/chosen": chosen_rewards.mean(),
-        "rewards/rejected": rejected_rewards.mean(),
-        "rewards/accuracy": (chosen_rewards > rejected_rewards).float().mean(),
-        "rewards/margin": (chosen_rewards - rejected_rewards).mean(),
-        "logps/chosen": policy_chosen.detach().mean(),
-        "logps/rejected": policy_rejected.detach().mean(),
-    }
-
-
 # ---------------------------------------------------------------------------- the module
 
 
 class DPOModule(LMModule):
-    """DPO on preference batches (``chosen_*`` / ``rejected_*``, see ``PreferenceDataset``).
+    """DPO and its loss family on preference batches (``chosen_*`` / ``rejected_*``, see
+    ``PreferenceDataset``). Options take TRL 1.16 ``DPOConfig``'s names, defaults and meanings.
 
     Args:
-        beta: inverse temperature of the implicit reward (0.1 is the usual default).
-        label_smoothing: cDPO's label-noise rate (0 = plain DPO).
+        beta: inverse temperature of the implicit reward (0.1 is the usual default; IPO's tau).
+        label_smoothing: the label-noise rate of cDPO (``sigmoid``: TRL 1.16 ignores it there),
+            ``robust``, ``aot``/``aot_unpaired`` and EXO's epsilon (``exo_pair`` needs > 0);
+            in [0, 0.5).
+        loss_type: one of :data:`~astrai.train.strategies.dpo_losses.LOSS_TYPES` or a list of
+            them, combined as ``sum_i loss_weights[i] * loss_i`` (MPO: ``[sigmoid, bco_pair,
+            sft]`` with ``[0.8, 0.2, 1.0]``).
+        loss_weights: one weight per loss type (default all 1).
+        f_divergence_type: f-DPO's divergence, ``reverse_kl`` (plain DPO), ``forward_kl``,
+            ``js_divergence`` or ``alpha_divergence`` (with ``f_alpha_divergence_coef``); the
+            non-default ones only with the losses on the chosen-rejected score difference.
+        discopop_tau: DiscoPOP's temperature.
+        ld_alpha: LD-DPO: the longer response's tokens past the shorter one's length count
+            ``ld_alpha`` times (policy and reference); None = off. Needs ``reduction: sum``.
+        padding_free: pack the batch's ``2B`` sequences into one unpadded row per forward.
         reference: ``copy`` keeps a frozen copy of the initial policy (``self.reference``, a
             ``ReferencePolicy``: not in the optimizer, not in checkpoints, moved to the device
             on first use); ``precomputed`` computes the reference log-probs of every train/val
-            pair once in ``on_fit_start`` and stores them in the checkpoint instead.
+            pair once in ``on_fit_start`` and stores them in the checkpoint instead (LD-weighted
+            when ``ld_alpha`` is set).
         reference_dtype: e.g. ``bfloat16`` to halve the frozen copy's memory.
         precompute_batch_size: batch size of the precomputation pass.
         reduction: ``sum`` (default; the paper's, TRL's) or ``mean`` of the response tokens'
-            log-probs, for the policy and the reference alike.
+            log-probs, for the policy and the reference alike (``ipo`` and ``sigmoid_norm``
+            average per token themselves and need ``sum``).
         rpo_alpha: weight of the chosen responses' negative log-likelihood (mean over their
-            tokens) added to the loss: RPO / iterative RPO (Pang et al. 2024; TRL's
-            ``rpo_alpha``). Plain DPO lowers the chosen likelihood too when both answers of a
-            pair share most tokens (worked solutions that differ in one digit); the NLL term
-            keeps the correct answers likely. 0 (default) = plain DPO.
+            tokens) added to the loss: RPO / iterative RPO (Pang et al. 2024). Plain DPO lowers
+            the chosen likelihood too when both answers of a pair share most tokens (worked
+            solutions that differ in one digit); the NLL term keeps the correct answers
+            likely. 0 (default) = off; the same term as ``loss_type: [sigmoid, sft]`` with
+            weights ``[1, rpo_alpha]``.
 
     The other arguments (``model``, ``optimizer``, ``tokenizer``, ``init_from``, ...) are
     ``LMModule``'s; ``init_from`` (typically the SFT export) is applied before the reference
@@ -190,6 +188,13 @@ class DPOModule(LMModule):
         *,
         beta: float = 0.1,
         label_smoothing: float = 0.0,
+        loss_type: str | Sequence[str] = "sigmoid",
+        loss_weights: Sequence[float] | None = None,
+        f_divergence_type: str = "reverse_kl",
+        f_alpha_divergence_coef: float = 0.5,
+        discopop_tau: float = 0.05,
+        ld_alpha: float | None = None,
+        padding_free: bool = False,
         reference: str = "copy",
         reference_dtype: str | None = None,
         precompute_batch_size: int = 16,
@@ -197,19 +202,42 @@ class DPOModule(LMModule):
         rpo_alpha: float = 0.0,
         **kwargs: Any,
     ) -> None:
+        # every option is checked before the model is built
         if rpo_alpha < 0:
             raise ValueError(f"DPO rpo_alpha must be >= 0, got {rpo_alpha}")
         if reduction not in REDUCTIONS:
             raise ValueError(f"DPO reduction must be one of {REDUCTIONS}, got {reduction!r}")
         if reference not in REFERENCE_MODES:
             raise ValueError(f"DPO reference must be one of {REFERENCE_MODES}, got {reference!r}")
-        if beta <= 0:
-            raise ValueError(f"DPO beta must be > 0, got {beta}")
-        if not 0.0 <= label_smoothing < 0.5:
-            raise ValueError(f"DPO label_smoothing must be in [0, 0.5), got {label_smoothing}")
+        options = LossOptions(
+            beta=float(beta),
+            label_smoothing=float(label_smoothing),
+            f_divergence_type=str(f_divergence_type),
+            f_alpha_divergence_coef=float(f_alpha_divergence_coef),
+            discopop_tau=float(discopop_tau),
+        )
+        loss_types, weights = check_loss_options(loss_type, loss_weights, options)
+        if reduction != "sum" and LENGTH_NORMALISED & set(loss_types):
+            raise ValueError(
+                f"DPO loss_type {sorted(LENGTH_NORMALISED & set(loss_types))} average the "
+                f"log-ratios over the response tokens themselves: use reduction=sum, not "
+                f"{reduction!r}"
+            )
+        if ld_alpha is not None:
+            if not 0.0 <= ld_alpha <= 1.0:
+                raise ValueError(f"DPO ld_alpha must be in [0, 1] (or null), got {ld_alpha}")
+            if reduction != "sum":
+                raise ValueError("DPO ld_alpha weights summed log-probs: it needs reduction=sum")
+        if not isinstance(padding_free, bool):
+            raise ValueError(f"DPO padding_free must be true or false, got {padding_free!r}")
         super().__init__(**kwargs)
-        self.beta = float(beta)
-        self.label_smoothing = float(label_smoothing)
+        self.loss_options = options
+        self.beta = options.beta
+        self.label_smoothing = options.label_smoothing
+        self.loss_types = loss_types
+        self.loss_weights = weights
+        self.ld_alpha = None if ld_alpha is None else float(ld_alpha)
+        self.padding_free = padding_free
         self.reference_mode = reference
         self.precompute_batch_size = int(precompute_batch_size)
         self.reduction = reduction
@@ -222,7 +250,13 @@ class DPOModule(LMModule):
     def reference_logprobs(self, batch: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
         if self.reference_mode == "copy":
             with torch.no_grad():
-                return preference_logprobs(self.reference.on(self.device), batch, self.reduction)
+                return preference_logprobs(
+                    self.reference.on(self.device),
+                    batch,
+                    self.reduction,
+                    ld_alpha=self.ld_alpha,
+                    padding_free=self.padding_free,
+                )
         if self._ref_table is None:
             raise RuntimeError("DPO reference log-probs were not precomputed (on_fit_start)")
         vals = []
@@ -258,7 +292,16 @@ class DPOModule(LMModule):
                 collate_fn=getattr(dm, "collate_fn", None) or ds.collate,
             )
             started = time.perf_counter()
-            table.update(precompute_reference(self.model, loader, self.device, self.reduction))
+            table.update(
+                precompute_reference(
+                    self.model,
+                    loader,
+                    self.device,
+                    self.reduction,
+                    ld_alpha=self.ld_alpha,
+                    padding_free=self.padding_free,
+                )
+            )
             log.info(
                 "DPO: reference log-probs of %d %s pairs in %.1fs (rank %d)",
                 len(shard),
@@ -282,30 +325,44 @@ class DPOModule(LMModule):
                 "keys": keys,
                 "values": torch.tensor([self._ref_table[k] for k in keys], dtype=torch.float64),
                 "reduction": self.reduction,
+                "ld_alpha": self.ld_alpha,
             }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
         saved = checkpoint.get("dpo_reference")
         if saved is not None and self.reference_mode == "precomputed":
-            if saved.get("reduction", "sum") != self.reduction:
-                raise ValueError(
-                    f"DPO reduction is {self.reduction!r} but the checkpoint's precomputed "
-                    f"reference log-probs were reduced with {saved.get('reduction', 'sum')!r}"
-                )
+            for option, ours, default in (
+                ("reduction", self.reduction, "sum"),
+                ("ld_alpha", self.ld_alpha, None),
+            ):
+                theirs = saved.get(option, default)
+                if theirs != ours:
+                    raise ValueError(
+                        f"DPO {option} is {ours!r} but the checkpoint's precomputed reference "
+                        f"log-probs were computed with {option}={theirs!r}"
+                    )
             values = saved["values"].tolist()
             self._ref_table = {k: (v[0], v[1]) for k, v in zip(saved["keys"], values)}
 
     # ------------------------------------------------------------------ loss
     def compute_loss(self, batch: dict[str, Any]) -> tuple[Tensor, dict[str, Tensor]]:
-        pc, pr = preference_logprobs(self.model, batch, self.reduction)
+        tok, mask = preference_token_logprobs(self.model, batch, padding_free=self.padding_free)
+        pc, pr = reduce_preference(tok, mask, self.reduction, self.ld_alpha)
         rc, rr = self.reference_logprobs(batch)
-        loss, cr, rj = dpo_loss(
-            pc, pr, rc.to(pc.dtype), rr.to(pc.dtype), self.beta, self.label_smoothing
+        b = pc.shape[0]
+        counts = mask.sum(-1)
+        # the chosen tokens' NLL: plain per-token log-probs, never LD-weighted (TRL's sft)
+        nll = (
+            response_nll(tok[:b], mask[:b]) if self.rpo_alpha or "sft" in self.loss_types else None
         )
-        metrics = dpo_metrics(cr, rj, pc, pr)
+        x = PreferenceLogps(pc, pr, rc.to(pc.dtype), rr.to(pc.dtype), counts[:b], counts[b:], nll)
+        out = preference_loss(x, self.loss_types, self.loss_weights, self.loss_options)
+        loss = out.loss
+        metrics = preference_metrics(out.chosen_rewards, out.rejected_rewards, pc, pr)
+        if len(self.loss_types) > 1:
+            metrics.update({f"loss/{t}": v.detach() for t, v in out.components.items()})
         if self.rpo_alpha:
-            nll = chosen_nll(pc, batch, self.reduction)
             metrics["nll_loss"] = nll.detach()
             loss = loss + self.rpo_alpha * nll
         return loss, metrics
