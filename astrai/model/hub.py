@@ -308,6 +308,45 @@ def _atomic_write_text(file: Path, text: str) -> None:
     os.replace(tmp, file)
 
 
+def write_weights(
+    state: dict[str, torch.Tensor], path: Path, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE
+) -> list[str]:
+    """Write ``state`` as safetensors files in ``path`` (sharded above ``max_shard_size``, with
+    an index), each under a temporary name renamed into place; weight files of an earlier
+    save are removed only after the new ones are complete. Returns the file names."""
+    limit = _parse_size(max_shard_size)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key in sorted(state):
+        nbytes = state[key].numel() * state[key].element_size()
+        if shards[-1] and size + nbytes > limit:
+            shards.append({})
+            size = 0
+        shards[-1][key] = state[key]
+        size += nbytes
+    names = (
+        [WEIGHTS_NAME]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+    for name, shard in zip(names, shards):
+        tmp = path / f".{name}.tmp"
+        save_file(shard, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, path / name)
+    if len(shards) > 1:
+        index = {
+            "metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+            "weight_map": {key: name for name, shard in zip(names, shards) for key in shard},
+        }
+        _atomic_write_text(path / INDEX_NAME, json.dumps(index, indent=2))
+    elif (path / INDEX_NAME).exists():
+        (path / INDEX_NAME).unlink()
+    for old in path.glob("model*.safetensors"):
+        if old.name not in names:
+            old.unlink()
+    return names
+
+
 def save_pretrained(
     model: Transformer,
     path: str | os.PathLike,
@@ -344,37 +383,7 @@ def save_pretrained(
     if hf_format:  # stacked experts -> the per-expert tensors of HF checkpoints
         state = hf_moe.state_to_hf(state, hf_model_type(config))
 
-    limit = _parse_size(max_shard_size)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for key in sorted(state):
-        nbytes = state[key].numel() * state[key].element_size()
-        if shards[-1] and size + nbytes > limit:
-            shards.append({})
-            size = 0
-        shards[-1][key] = state[key]
-        size += nbytes
-
-    names = (
-        [WEIGHTS_NAME]
-        if len(shards) == 1
-        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    )
-    for name, shard in zip(names, shards):
-        tmp = path / f".{name}.tmp"
-        save_file(shard, str(tmp), metadata={"format": "pt"})
-        os.replace(tmp, path / name)
-    if len(shards) > 1:
-        index = {
-            "metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
-            "weight_map": {key: name for name, shard in zip(names, shards) for key in shard},
-        }
-        _atomic_write_text(path / INDEX_NAME, json.dumps(index, indent=2))
-    elif (path / INDEX_NAME).exists():
-        (path / INDEX_NAME).unlink()
-    for old in path.glob("model*.safetensors"):
-        if old.name not in names:
-            old.unlink()
+    names = write_weights(state, path, max_shard_size)
 
     if hf_format:
         data = config_to_hf(config, stored_dtype)

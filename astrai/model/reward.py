@@ -33,12 +33,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from torch import nn
 
 from astrai.model import hf_deepseek, hf_moe
-from astrai.model.directory import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME
+from astrai.model.directory import CONFIG_NAME, INDEX_NAME
 from astrai.model.hub import (
+    DEFAULT_MAX_SHARD_SIZE,
     CheckpointError,
     config_to_hf,
     from_hf_key,
@@ -47,6 +47,7 @@ from astrai.model.hub import (
     read_state_dict,
     to_hf_key,
     weight_files,
+    write_weights,
 )
 from astrai.model.transformer import Transformer
 
@@ -57,7 +58,6 @@ logger = logging.getLogger(__name__)
 
 SCORE_KEY = "score.weight"
 DEFAULT_MAX_BATCH_TOKENS = 8192
-_SHARD_BYTES = 2 * 1024**3
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
 __all__ = [
@@ -258,7 +258,7 @@ def save_reward_model(
     *,
     tokenizer: Any = None,
     dtype: torch.dtype | None = None,
-    max_shard_size: int = _SHARD_BYTES,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
 ) -> Path:
     """Write ``config.json``, safetensors weights (sharded above ``max_shard_size`` bytes)
     and the tokenizer: a directory ``AutoModelForSequenceClassification`` loads.
@@ -281,39 +281,12 @@ def save_reward_model(
     stored_dtype = state[SCORE_KEY].dtype
     state = hf_deepseek.state_to_hf(state, config, unstack=True)
     state = hf_moe.state_to_hf(state, hf_model_type(config))
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for key in sorted(state):
-        nbytes = state[key].numel() * state[key].element_size()
-        if shards[-1] and size + nbytes > max_shard_size:
-            shards.append({})
-            size = 0
-        shards[-1][key] = state[key]
-        size += nbytes
-    n = len(shards)
-    names = (
-        [WEIGHTS_NAME]
-        if n == 1
-        else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    )
-    for name, shard in zip(names, shards):
-        tmp = path / f".{name}.tmp"
-        save_file(shard, str(tmp), metadata={"format": "pt"})
-        os.replace(tmp, path / name)
-    if n > 1:
-        total = sum(t.numel() * t.element_size() for t in state.values())
-        weight_map = {key: name for name, shard in zip(names, shards) for key in shard}
-        _write(path / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
-    elif (path / INDEX_NAME).exists():
-        (path / INDEX_NAME).unlink()
-    for old in path.glob("model*.safetensors"):
-        if old.name not in names:
-            old.unlink()
+    names = write_weights(state, path, max_shard_size)
     (path / "generation_config.json").unlink(missing_ok=True)  # a causal export's, if any
     _write(path / CONFIG_NAME, reward_config_to_hf(config, stored_dtype, _pad_id(model, tokenizer)))
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
-    logger.info("saved reward model (%d tensors, %d file(s)) to %s", len(state), n, path)
+    logger.info("saved reward model (%d tensors, %d file(s)) to %s", len(state), len(names), path)
     return path
 
 
