@@ -112,3 +112,58 @@ def test_dpo_without_its_starting_policy_fails_before_training(
     out = proc.stdout + proc.stderr
     assert "tiny_sft_start" in out and "does not exist" in out
     assert not (tmp_path / "x" / "checkpoints").exists()
+
+
+def test_sft_start_then_the_preference_recipes(tmp_path: Path, data_dir: Path) -> None:
+    """tiny_simpo (pairs), tiny_kto (unpaired on-policy answers), tiny_reward and
+    tiny_grpo_learned (GRPO scored by tiny_reward's export) chained from one start, as
+    their READMEs run them."""
+    cli(
+        [
+            "experiment=tiny_sft_start",
+            *FAST,
+            "data.train.prepare.builtin.n=64",
+            "data.val.prepare.builtin.n=16",
+            *_dirs(tmp_path, data_dir, "sft"),
+        ]
+    )
+    sampled = [
+        f"data.{split}.source.{key}"
+        for split in ("train", "val")
+        for key in ("builtin.n=8", "num_samples=2", "max_tokens=8")
+    ]
+    pairs = [*sampled, *(f"data.{s}.source.fallback=reference" for s in ("train", "val"))]
+    runs = {
+        "simpo": ["experiment=tiny_simpo", *pairs],
+        "kto": ["experiment=tiny_kto", *sampled],
+        "reward": ["experiment=tiny_reward", *pairs],
+    }
+    expected = {
+        "simpo": ("train/rewards/accuracy", "val/rewards/accuracy", "eval/arithmetic/exact_match"),
+        "kto": ("train/kl", "val/kl", "eval/arithmetic/exact_match"),
+        "reward": ("train/accuracy", "val/accuracy"),
+    }
+    no_eval = [a for a in FAST if not a.startswith("callbacks.eval")]  # tiny_reward has none
+    for name, args in runs.items():
+        fast = no_eval if name == "reward" else FAST
+        cli([*args, *fast, "data.batch_size=2", *_dirs(tmp_path, data_dir, name)])
+        keys = set(read_metrics(tmp_path / name))
+        assert set(expected[name]) <= keys, (name, sorted(keys))
+    export = tmp_path / "reward" / "export"
+    config = json.loads((export / "config.json").read_text())
+    assert config["architectures"][0].endswith("ForSequenceClassification")
+    assert (tmp_path / "outputs" / "tiny_reward" / "latest" / "export").is_dir()
+
+    cli(
+        [
+            "experiment=tiny_grpo_learned",
+            *FAST,
+            "data.train.prepare.builtin.n=32",
+            "data.batch_size=2",
+            "strategy.num_generations=4",
+            "strategy.max_new_tokens=8",
+            *_dirs(tmp_path, data_dir, "grpo"),
+        ]
+    )
+    keys = set(read_metrics(tmp_path / "grpo"))
+    assert {"train/reward/learned", "train/reward_mean"} <= keys, sorted(keys)
