@@ -124,6 +124,16 @@ def _encode_chat(tok: Any, messages: Any, tools: Any, where: str) -> tuple[list[
         raise DataError(f"{where}: cannot render the chat: {exc}") from exc
 
 
+def _encode_prompt(tok: Any, messages: Any, tools: Any, where: str) -> list[int]:
+    """The prompt's ids with the generation prompt (what a model answers after)."""
+    try:
+        return tok.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=True, tokenize=True
+        )
+    except (TypeError, ValueError) as exc:
+        raise DataError(f"{where}: cannot render the prompt: {exc}") from exc
+
+
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = 0
     for x, y in zip(a, b):
@@ -148,13 +158,7 @@ def _encode_unpaired(tok: Any, record: Any, where: str, opts: PrepareOptions) ->
     completion = _as_messages(record["completion"], "assistant", where, "completion")
     tools = record.get("tools")
     ids, mask = _encode_chat(tok, prompt + completion, tools, where)
-    try:
-        head = tok.apply_chat_template(
-            prompt, tools=tools, add_generation_prompt=True, tokenize=True
-        )
-    except (TypeError, ValueError) as exc:
-        raise DataError(f"{where}: cannot render the prompt: {exc}") from exc
-    split = _common_prefix(head, ids)
+    split = _common_prefix(_encode_prompt(tok, prompt, tools, where), ids)
     if opts.max_length is not None and split >= opts.max_length:
         raise Skip("too_long")  # the prompt alone fills max_length (TRL drops these too)
     # earlier assistant turns of a multi-turn prompt are context here, not scored
@@ -186,12 +190,7 @@ def encode_record(tok: Any, record: Any, where: str, opts: PrepareOptions) -> di
     if opts.kind == "prompt":
         _require(record, ["prompt", *opts.required_fields], where)
         msgs = _as_messages(record["prompt"], "user", where, "prompt")
-        try:
-            ids = tok.apply_chat_template(
-                msgs, tools=record.get("tools"), add_generation_prompt=True, tokenize=True
-            )
-        except (TypeError, ValueError) as exc:
-            raise DataError(f"{where}: cannot render the prompt: {exc}") from exc
+        ids = _encode_prompt(tok, msgs, record.get("tools"), where)
         if opts.max_length is not None and len(ids) > opts.max_length:
             raise Skip("too_long")
         return {"prompt_ids": ids, "records": json.dumps(record, ensure_ascii=False)}

@@ -68,15 +68,6 @@ def _reward_scores(path: Path, loader) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat(chosen), torch.cat(rejected)
 
 
-def is_reward_model(path: str | Path) -> bool:
-    """Whether ``path`` is a sequence-classification (reward model) directory."""
-    config = Path(path) / "config.json"
-    if not config.is_file():
-        return False
-    architectures = json.loads(config.read_text()).get("architectures") or []
-    return any(a.endswith("ForSequenceClassification") for a in architectures)
-
-
 def preference_accuracy(
     policy: str | Path,
     pairs: str | Path,
@@ -93,11 +84,12 @@ def preference_accuracy(
 
     from astrai.data import PreferenceDataset
     from astrai.model import load_pretrained
+    from astrai.model.reward import reward_dir_problem
     from astrai.train.report import wilson_interval
 
     dataset = PreferenceDataset(str(pairs))
     loader = DataLoader(dataset, batch_size=batch_size, collate_fn=dataset.collate)
-    if is_reward_model(policy):
+    if reward_dir_problem(policy) is None:  # it has a score head: a reward model
         if reference is not None:
             raise ValueError("--reference: a reward model ranks by its score alone")
         chosen, rejected = _reward_scores(Path(policy), loader)

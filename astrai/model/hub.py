@@ -243,6 +243,42 @@ def _list(names: list[str], limit: int = 20) -> str:
     return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
 
 
+def read_hf_state(
+    path: str | os.PathLike, config: ModelConfig, device: str | torch.device = "cpu"
+) -> dict[str, torch.Tensor]:
+    """A directory's tensors under HF names in our layout: stale rotary buffers dropped,
+    per-expert tensors stacked, DeepSeek's MLA rows and shared experts translated."""
+    stored = read_state_dict(path, device)
+    stored = {k: v for k, v in stored.items() if not _IGNORED_KEYS.search(k)}
+    stored = hf_moe.state_from_hf(stored)  # per-expert HF tensors -> stacked experts
+    return hf_deepseek.state_from_hf(stored, config)  # MLA rotary rows, shared experts
+
+
+def check_state(
+    path: str | os.PathLike,
+    expected: dict[str, torch.Tensor],
+    stored: dict[str, torch.Tensor],
+    note: str = "",
+) -> None:
+    """A CheckpointError naming ``path`` and the tensors when ``stored`` lacks one of
+    ``expected``, has others, or has one of another shape (``note`` follows that message)."""
+    missing = sorted(set(expected) - set(stored))
+    unexpected = sorted(set(stored) - set(expected))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing tensors: {_list(missing)}")
+        if unexpected:
+            parts.append(f"unexpected tensors: {_list(unexpected)}")
+        raise CheckpointError(f"{path}: weights do not match config.json; " + "; ".join(parts))
+    for key, ref in expected.items():
+        if tuple(stored[key].shape) != tuple(ref.shape):
+            raise CheckpointError(
+                f"{path}: tensor {key} has shape {tuple(stored[key].shape)}, "
+                f"config.json implies {tuple(ref.shape)}{note}"
+            )
+
+
 def load_pretrained(
     path: str | os.PathLike,
     *,
@@ -263,27 +299,10 @@ def load_pretrained(
     expected = {to_hf_key(k): v for k, v in model.state_dict().items()}
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
-    stored = read_state_dict(path, device)
-    stored = {k: v for k, v in stored.items() if not _IGNORED_KEYS.search(k)}
-    stored = hf_moe.state_from_hf(stored)  # per-expert HF tensors -> stacked experts
-    stored = hf_deepseek.state_from_hf(stored, config)  # MLA rotary rows, shared experts
+    stored = read_hf_state(path, config, device)
     if config.tie_word_embeddings:
         stored.pop("lm_head.weight", None)
-    missing = sorted(set(expected) - set(stored))
-    unexpected = sorted(set(stored) - set(expected))
-    if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"missing tensors: {_list(missing)}")
-        if unexpected:
-            parts.append(f"unexpected tensors: {_list(unexpected)}")
-        raise CheckpointError(f"{path}: weights do not match config.json; " + "; ".join(parts))
-    for key, ref in expected.items():
-        if tuple(stored[key].shape) != tuple(ref.shape):
-            raise CheckpointError(
-                f"{path}: tensor {key} has shape {tuple(stored[key].shape)}, "
-                f"config.json implies {tuple(ref.shape)}"
-            )
+    check_state(path, expected, stored)
     state = {from_hf_key(k): (v.to(dtype) if dtype is not None else v) for k, v in stored.items()}
     model.load_state_dict(state, strict=not config.tie_word_embeddings, assign=True)
     model.tie_weights()

@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,11 +39,12 @@ from astrai.model.directory import CONFIG_NAME, INDEX_NAME
 from astrai.model.hub import (
     DEFAULT_MAX_SHARD_SIZE,
     CheckpointError,
+    check_state,
     config_to_hf,
     from_hf_key,
     hf_model_type,
     read_config,
-    read_state_dict,
+    read_hf_state,
     to_hf_key,
     weight_files,
     write_weights,
@@ -58,7 +58,6 @@ logger = logging.getLogger(__name__)
 
 SCORE_KEY = "score.weight"
 DEFAULT_MAX_BATCH_TOKENS = 8192
-_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
 __all__ = [
     "SCORE_KEY",
@@ -357,23 +356,9 @@ def load_reward_model(
     expected = {
         (SCORE_KEY if k == SCORE_KEY else to_hf_key(k)): v for k, v in model.state_dict().items()
     }
-    stored = {k: v for k, v in read_state_dict(path, device).items() if not _IGNORED.search(k)}
-    stored = hf_moe.state_from_hf(stored)
-    stored = hf_deepseek.state_from_hf(stored, config)
+    stored = read_hf_state(path, config, device)
     stored.pop("lm_head.weight", None)  # a model saved with both heads keeps only the score
-    missing = sorted(set(expected) - set(stored))
-    unexpected = sorted(set(stored) - set(expected))
-    if missing or unexpected:
-        raise CheckpointError(
-            f"{path}: weights do not match config.json; missing: {missing[:10]}, "
-            f"unexpected: {unexpected[:10]}"
-        )
-    for key, ref in expected.items():
-        if tuple(stored[key].shape) != tuple(ref.shape):
-            raise CheckpointError(
-                f"{path}: tensor {key} has shape {tuple(stored[key].shape)}, expected "
-                f"{tuple(ref.shape)} (a reward model has one label)"
-            )
+    check_state(path, expected, stored, note=" (a reward model has one label)")
     state = {
         (k if k == SCORE_KEY else from_hf_key(k)): (v.to(dtype) if dtype is not None else v)
         for k, v in stored.items()

@@ -56,7 +56,9 @@ class RewardScorer:
     """A loaded reward model with its tokenizer and served name; forwards run one at a
     time on a dedicated thread."""
 
-    def __init__(self, model: Any, tokenizer: Any, name: str, max_batch_tokens: int = 8192) -> None:
+    def __init__(
+        self, model: Any, tokenizer: Any, name: str, max_batch_tokens: int | None = None
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
@@ -72,7 +74,7 @@ class RewardScorer:
         device: str = "cpu",
         dtype: Any = None,
         name: str | None = None,
-        max_batch_tokens: int = 8192,
+        max_batch_tokens: int | None = None,
     ) -> RewardScorer:
         """Load ``path`` (refused first when it has no ``score.weight``) and its tokenizer."""
         from astrai.model.reward import load_reward_model
@@ -102,8 +104,11 @@ class RewardScorer:
         return out
 
     def score(self, sequences: list[list[int]]) -> list[float]:
+        """Rewards in packs of ``max_batch_tokens`` (None: ``score_sequences``' default)."""
         from astrai.model.reward import score_sequences
 
+        if self.max_batch_tokens is None:
+            return score_sequences(self.model, sequences)
         return score_sequences(self.model, sequences, self.max_batch_tokens)
 
     def close(self) -> None:

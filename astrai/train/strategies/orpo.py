@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from astrai.data.datasets import IGNORE_INDEX
 from astrai.train.module import LMModule, token_logprobs
-from astrai.train.preference import preference_metrics, sequence_logprobs
+from astrai.train.preference import preference_metrics, response_nll, sequence_logprobs
 
 _LOG_HALF = -math.log(2.0)
 
@@ -74,9 +74,7 @@ def orpo_logprobs(model: nn.Module, batch: Mapping[str, Tensor]) -> tuple[Tensor
     # right padding under a causal mask leaves the real tokens' logits unchanged
     tok = token_logprobs(model(ids), full)
     seq = sequence_logprobs(tok, response & (labels != IGNORE_INDEX), "mean")
-    counted = (full[:b] != IGNORE_INDEX).to(tok.dtype)
-    nll = -(tok[:b] * counted).sum() / counted.sum().clamp(min=1.0)
-    return seq[:b], seq[b:], nll
+    return seq[:b], seq[b:], response_nll(tok[:b], full[:b] != IGNORE_INDEX)
 
 
 def orpo_loss(
