@@ -39,11 +39,21 @@ _SETTINGS = (
 )
 
 
+def device_and_dtype(cfg: dict[str, Any]) -> tuple[str, Any]:
+    """`device` (`auto`: CUDA when present, else the CPU) and `dtype` (None: the stored one)
+    of the served models, the generative one and the reward model alike."""
+    import torch
+
+    device = cfg.get("device") or "auto"
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return device, (getattr(torch, cfg["dtype"]) if cfg.get("dtype") else None)
+
+
 def build_engine(cfg: dict[str, Any]) -> InferenceEngine:
     """Load the model and tokenizer from `cfg["model_path"]` and start the engine that the
     `engine` group (conf/engine/) describes, capped to `max_prompt_tokens` (the engine's
     one prompt check refuses longer prompts: a 400 naming the field)."""
-    import torch
     from hydra.utils import instantiate
 
     from astrai.model import AutoModel
@@ -52,10 +62,7 @@ def build_engine(cfg: dict[str, Any]) -> InferenceEngine:
     path = Path(str(cfg["model_path"])).expanduser()
     if cfg.get("backend"):
         os.environ["ASTR_BACKEND"] = str(cfg["backend"])
-    device = cfg.get("device") or "auto"
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = getattr(torch, cfg["dtype"]) if cfg.get("dtype") else None
+    device, dtype = device_and_dtype(cfg)
     model = AutoModel.from_pretrained(path, device=device, dtype=dtype).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     cap = cfg.get("max_prompt_tokens")
@@ -69,15 +76,10 @@ def build_reward(cfg: dict[str, Any]) -> Any:
     key (it loads before the engine, so this fails in seconds)."""
     if not cfg.get("reward_model"):
         return None
-    import torch
-
     from astrai.model import CheckpointError
     from astrai.serve.score import RewardScorer
 
-    device = cfg.get("device") or "auto"
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = getattr(torch, cfg["dtype"]) if cfg.get("dtype") else None
+    device, dtype = device_and_dtype(cfg)
     try:
         return RewardScorer.from_pretrained(str(cfg["reward_model"]), device=device, dtype=dtype)
     except CheckpointError as err:
