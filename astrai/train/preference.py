@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from astrai.data.datasets import IGNORE_INDEX
@@ -24,6 +25,13 @@ def sequence_logprobs(token_logps: Tensor, mask: Tensor, reduction: str = "sum")
     mask = mask.to(token_logps.dtype)
     total = (token_logps * mask).sum(-1)
     return total if reduction == "sum" else total / mask.sum(-1).clamp(min=1.0)
+
+
+def smoothed_sigmoid_loss(z: Tensor, eps: float) -> Tensor:
+    """``-(1-eps) log sig(z) - eps log sig(-z)``: the logistic preference loss of margin
+    ``z`` with the label flipped at rate ``eps`` (cDPO's label smoothing; 0: plain)."""
+    loss = -(1.0 - eps) * F.logsigmoid(z)
+    return loss - eps * F.logsigmoid(-z) if eps else loss
 
 
 def _sides(batch: Mapping[str, Tensor], key: str) -> Tensor:

@@ -33,7 +33,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from astrai.train.module import LMModule
-from astrai.train.preference import chosen_nll, preference_logprobs, preference_metrics
+from astrai.train.preference import (
+    chosen_nll,
+    preference_logprobs,
+    preference_metrics,
+    smoothed_sigmoid_loss,
+)
 
 LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
 #: loss types on length-averaged log-probs (TRL's ``average_log_prob``)
@@ -95,10 +100,8 @@ def cpo_loss(
     check_cpo_options(loss_type, beta, label_smoothing, 0.0)
     z = policy_chosen - policy_rejected
     if loss_type in ("sigmoid", "simpo"):
-        logits = beta * z - (simpo_gamma if loss_type == "simpo" else 0.0)
-        losses = -(1.0 - label_smoothing) * F.logsigmoid(logits)
-        if label_smoothing:
-            losses = losses - label_smoothing * F.logsigmoid(-logits)
+        margin = beta * z - (simpo_gamma if loss_type == "simpo" else 0.0)
+        losses = smoothed_sigmoid_loss(margin, label_smoothing)
     elif loss_type == "hinge":
         losses = F.relu(1.0 - beta * z)
     else:  # ipo

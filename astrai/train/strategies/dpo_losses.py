@@ -46,6 +46,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from astrai.train.preference import smoothed_sigmoid_loss
+
 LOSS_TYPES = (
     "sigmoid",
     "hinge",
@@ -179,12 +181,6 @@ def f_divergence_scores(
     raise ValueError(f"DPO f_divergence_type: unknown {f_divergence_type!r}")
 
 
-def _smoothed_sigmoid(z: Tensor, eps: float) -> Tensor:
-    """``-(1-eps) log sig(z) - eps log sig(-z)``: the preference label flipped with rate eps."""
-    loss = -(1.0 - eps) * F.logsigmoid(z)
-    return loss - eps * F.logsigmoid(-z) if eps else loss
-
-
 class _Ctx(NamedTuple):
     x: PreferenceLogps
     o: LossOptions
@@ -203,7 +199,7 @@ def _per_token_delta(c: _Ctx) -> Tensor:
 
 
 def _sigmoid(c: _Ctx) -> Tensor:
-    return _smoothed_sigmoid(c.o.beta * (c.s_c - c.s_r), c.o.label_smoothing)
+    return smoothed_sigmoid_loss(c.o.beta * (c.s_c - c.s_r), c.o.label_smoothing)
 
 
 def _hinge(c: _Ctx) -> Tensor:
@@ -244,12 +240,12 @@ def _sppo_hard(c: _Ctx) -> Tensor:
 def _aot(c: _Ctx) -> Tensor:
     policy = torch.sort(c.x.policy_chosen - c.x.policy_rejected, dim=0).values
     ref = torch.sort(c.x.ref_chosen - c.x.ref_rejected, dim=0).values
-    return _smoothed_sigmoid(c.o.beta * (policy - ref), c.o.label_smoothing)
+    return smoothed_sigmoid_loss(c.o.beta * (policy - ref), c.o.label_smoothing)
 
 
 def _aot_unpaired(c: _Ctx) -> Tensor:
     delta = torch.sort(c.lr_c, dim=0).values - torch.sort(c.lr_r, dim=0).values
-    return _smoothed_sigmoid(c.o.beta * delta, c.o.label_smoothing)
+    return smoothed_sigmoid_loss(c.o.beta * delta, c.o.label_smoothing)
 
 
 def _apo_zero(c: _Ctx) -> Tensor:
