@@ -38,6 +38,7 @@ from astrai.inference.structured import StructuredOutput, per_prompt
 from astrai.inference.task import Rejection, Task
 from astrai.model import Transformer
 from astrai.model.mla_config import kv_geometry
+from astrai.model.packed import pack_projections, release_projections
 from astrai.tokenizer import AutoTokenizer
 
 logger = logging.getLogger(__name__)
@@ -86,6 +87,9 @@ class InferenceEngine:
     not compete with steps far shorter than it (`astrai.inference.handoff`); 0: every step.
     `max_prompt_tokens` rejects longer prompts (None: the context is the only limit): the
     server's cap, applied by the one prompt check every caller goes through.
+    `packed_projections`: run q/k/v and gate/up as one product each, from a packed copy of
+    those weights kept in step with the model's (`astrai.model.packed`: it costs their bytes
+    again, about two thirds of the non-embedding weights); False saves that memory.
     """
 
     def __init__(
@@ -106,6 +110,7 @@ class InferenceEngine:
         logprob_chunk: int = 512,
         stream_interval: float = 0.005,
         max_prompt_tokens: int | None = None,
+        packed_projections: bool = True,
         start: bool = True,
     ) -> None:
         # No .eval() here: GRPO shares the live policy module, whose mode Lightning owns. The
@@ -118,6 +123,10 @@ class InferenceEngine:
             raise ValueError(
                 f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {cfg.vocab_size}"
             )
+        # Before the pool: a pool sized by free memory must see the packs' bytes as used.
+        self.packed_projections = bool(packed_projections)
+        if self.packed_projections:
+            pack_projections(model)
         self.pool = PagePool(
             num_layers=cfg.num_hidden_layers,
             **kv_geometry(cfg),  # K/V per kv head, or MLA's latent (astrai/model/mla_config.py)
@@ -296,6 +305,8 @@ class InferenceEngine:
         self.stop()
         if self.scheduler.has_work():  # loop was not running: clean up on this thread
             self.scheduler.cleanup()
+        if self.packed_projections:  # the last engine on this model drops the packs
+            release_projections(self.model)
 
     def __enter__(self) -> InferenceEngine:
         return self

@@ -36,6 +36,7 @@ from astrai.inference.task import Task
 from astrai.inference.workspace import InferenceWorkspace
 from astrai.model import Transformer
 from astrai.model.layers import mark_cache_resident
+from astrai.model.packed import refresh_packs
 
 logger = logging.getLogger(__name__)
 
@@ -173,6 +174,7 @@ class ModelRunner:
         if graphs is not None and plan.decode_only:
             padded = graphs.padded_size(len(plan.rows))
         if padded is not None:  # pure decode: replay a captured graph on the workspace
+            refresh_packs(self.model)  # a replay runs no Python to check them itself
             ws = self.workspace
             same = previous is not None and ws.last_rows == tuple(plan.rows)
             ws.prepare(

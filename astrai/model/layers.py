@@ -6,6 +6,7 @@ Training and serving run these same modules, which is why log-probs agree betwee
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +29,78 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, small_on_aten=self.cache_resident)
+
+
+class PackedLinear:
+    """The weights (and biases) of several `Linear`s concatenated on the output axis: one
+    product at inference for layers that read the same input (`astrai.model.packed` says
+    when engines make them, what they cost and how they stay in step)."""
+
+    def __init__(self, sources: Sequence[Linear]) -> None:
+        if not sources or any(type(m) is not Linear for m in sources):
+            raise TypeError("PackedLinear packs plain astrai Linear layers only")
+        if len({m.in_features for m in sources}) != 1:
+            raise ValueError("PackedLinear: the packed layers must read the same input size")
+        self.sources = tuple(sources)
+        self.sizes = [m.out_features for m in sources]
+        self.weight = torch.empty(0)
+        self.bias: torch.Tensor | None = None
+        self._key: tuple = ()
+        self.refresh()
+
+    def _key_now(self) -> tuple:
+        return tuple(
+            (id(p), p.data_ptr(), p._version)
+            for m in self.sources
+            for p in (m.weight, m.bias)
+            if p is not None
+        )
+
+    def refresh(self) -> None:
+        """Copy the sources' current values in, if any changed since the last copy; in place
+        when device, dtype and shapes are unchanged (captured graphs keep the address)."""
+        key = self._key_now()
+        if key == self._key:
+            return
+        with torch.inference_mode():
+            self.weight = _cat_into(self.weight, [m.weight for m in self.sources])
+            if any(m.bias is not None for m in self.sources):
+                parts = [
+                    m.bias if m.bias is not None else m.weight.new_zeros(m.out_features)
+                    for m in self.sources
+                ]
+                self.bias = _cat_into(self.bias, parts)
+            else:
+                self.bias = None
+        self._key = key
+
+    def serves(self, *modules: nn.Module) -> bool:
+        """Whether this pack stands for exactly `modules` (refreshed if a weight changed);
+        False once one of them was replaced (e.g. wrapped by LoRA)."""
+        sources = self.sources
+        if len(modules) != len(sources) or any(a is not b for a, b in zip(modules, sources)):
+            return False
+        self.refresh()
+        return True
+
+    @property
+    def nbytes(self) -> int:
+        size = self.weight.numel() + (0 if self.bias is None else self.bias.numel())
+        return size * self.weight.element_size()
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Each source's output, as views of one product's columns."""
+        out = linear(x, self.weight, self.bias, small_on_aten=self.sources[0].cache_resident)
+        return out.split(self.sizes, dim=-1)
+
+
+def _cat_into(dst: torch.Tensor | None, parts: list[torch.Tensor]) -> torch.Tensor:
+    rows = sum(p.shape[0] for p in parts)
+    first = parts[0]
+    shape = (rows, *first.shape[1:])
+    if dst is None or dst.shape != shape or dst.dtype != first.dtype or dst.device != first.device:
+        return torch.cat(parts)
+    return torch.cat(parts, out=dst)
 
 
 def mark_cache_resident(model: nn.Module) -> bool:
@@ -207,7 +280,13 @@ apply_rotary = apply_rotary_emb
 
 # ---------------------------------------------------------------------- attention and MLP
 class Attention(nn.Module):
-    """Grouped-query self-attention with optional q/k norm (Qwen3) and biases (Qwen2)."""
+    """Grouped-query self-attention with optional q/k norm (Qwen3) and biases (Qwen2).
+
+    `packed_qkv`: q/k/v packed into one weight for inference (`astrai.model.packed`), set
+    when an engine starts; training never uses it.
+    """
+
+    packed_qkv: PackedLinear | None = None
 
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
@@ -236,9 +315,18 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v as `[..., heads, head_dim]`, with q/k norm and RoPE already applied."""
         lead = x.shape[:-1]
-        q = self.q_proj(x).view(*lead, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
+        packed = self.packed_qkv
+        if (
+            packed is not None
+            and not torch.is_grad_enabled()
+            and packed.serves(self.q_proj, self.k_proj, self.v_proj)
+        ):  # inference: one product for the three (astrai.model.packed)
+            q, k, v = packed(x)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(*lead, self.num_heads, self.head_dim)
+        k = k.view(*lead, self.num_kv_heads, self.head_dim)
+        v = v.view(*lead, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary_qk(q, k, cos, sin)
@@ -275,7 +363,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)).
+
+    `packed_gate_up`: gate/up packed into one weight for inference (`astrai.model.packed`).
+    """
+
+    packed_gate_up: PackedLinear | None = None
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -284,4 +377,12 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        packed = self.packed_gate_up
+        if (
+            packed is not None
+            and not torch.is_grad_enabled()
+            and packed.serves(self.gate_proj, self.up_proj)
+        ):
+            gate, up = packed(x)
+            return self.down_proj(F.silu(gate).mul_(up))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
