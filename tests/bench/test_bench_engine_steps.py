@@ -7,12 +7,20 @@ import torch
 from astrai.bench.__main__ import main
 from astrai.bench.common import bench_tokenizer
 from astrai.bench.engine_matrix import format_matrix
-from astrai.bench.engine_steps import PHASES, decode_steps, format_steps, run_steps
+from astrai.bench.engine_steps import (
+    PHASES,
+    PREFILL_KEYS,
+    decode_steps,
+    format_steps,
+    run_steps,
+)
 from astrai.inference import InferenceEngine
 from astrai.model import preset_model
 
 FIELDS = {"batch", "step_ms", "tokens_per_s", "overhead_ms", "overhead_share"}
 FIELDS |= {f"{p}_ms" for p in PHASES}
+FIELDS |= {"step_gflop", "gflops", "matmul_gflops_roofline", "roofline_fraction", "peak_gflops"}
+FIELDS |= set(PREFILL_KEYS)
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +142,11 @@ def test_matrix_run_reports_and_prints_the_steps(capsys):
     line = next(x for x in out.splitlines() if x.startswith("| tiny-d16-g2 | ")
                 and x.count("|") == 7)  # fmt: skip
     assert line.split(" | ")[1] == f"{steps['batches'][0]['step_ms']:.2f}"
-    assert format_matrix(report).endswith(line)
+    # the FLOP-rate table follows, one line per batch size, and ends the report
+    rates = [x for x in out.splitlines() if x.startswith("| tiny-d16-g2 | ") and x.count("|") == 11]
+    assert [x.split(" | ")[1] for x in rates] == ["1", "2"]
+    assert f"| {steps['batches'][1]['roofline_fraction']:.0%} |" in rates[1]
+    text = format_matrix(report)
+    assert line in text.splitlines() and text.endswith(rates[1])
     for skipped in ([], None):  # step_batches=[] or null: nothing runs
         assert run_steps({"step_batches": skipped}, None, None, None) is None
