@@ -213,7 +213,7 @@ def step_gemms(model: torch.nn.Module, rows: int, sampled_rows: int | None = Non
             n = sampled if mod is head else rows
             if n:
                 x = inputs(n, mod.in_features)
-                call = partial(linear, x, mod.weight, mod.bias, small_on_aten=mod.cache_resident)
+                call = partial(mod, x)  # its own route: a prepacked weight while packed
                 add(name, (n, mod.in_features, mod.out_features), call)
     return gemms
 

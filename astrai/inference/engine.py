@@ -23,6 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from astrai.extension import BackendUnavailable, selected_backend
+from astrai.extension.omp import release_idle_team
 from astrai.inference.batch import BatchResult, batch_output, group_tasks, single
 from astrai.inference.cache import PagePool
 from astrai.inference.grammar import grammar_compiler
@@ -38,7 +39,7 @@ from astrai.inference.structured import StructuredOutput, per_prompt
 from astrai.inference.task import Rejection, Task
 from astrai.model import Transformer
 from astrai.model.mla_config import kv_geometry
-from astrai.model.packed import pack_projections, release_projections
+from astrai.model.packed import pack_projections, prepack_rows, release_projections
 from astrai.tokenizer import AutoTokenizer
 
 logger = logging.getLogger(__name__)
@@ -87,9 +88,9 @@ class InferenceEngine:
     not compete with steps far shorter than it (`astrai.inference.handoff`); 0: every step.
     `max_prompt_tokens` rejects longer prompts (None: the context is the only limit): the
     server's cap, applied by the one prompt check every caller goes through.
-    `packed_projections`: run q/k/v and gate/up as one product each, from a packed copy of
-    those weights kept in step with the model's (`astrai.model.packed`: it costs their bytes
-    again, about two thirds of the non-embedding weights); False saves that memory.
+    `packed_projections`: q/k/v and gate/up as one product each, and on the fp32 CPU every
+    matmul from oneDNN-prepacked weights: copies kept in step with the model's, which
+    `astrai.model.packed` sizes (False saves that memory).
     """
 
     def __init__(
@@ -123,10 +124,9 @@ class InferenceEngine:
             raise ValueError(
                 f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {cfg.vocab_size}"
             )
-        # Before the pool: a pool sized by free memory must see the packs' bytes as used.
-        self.packed_projections = bool(packed_projections)
+        self.packed_projections = bool(packed_projections)  # before a pool sized by free memory
         if self.packed_projections:
-            pack_projections(model)
+            pack_projections(model, prepack_rows(max_batch_size))
         self.pool = PagePool(
             num_layers=cfg.num_hidden_layers,
             **kv_geometry(cfg),  # K/V per kv head, or MLA's latent (astrai/model/mla_config.py)
@@ -217,6 +217,7 @@ class InferenceEngine:
             return
         self._stop.clear()
         self.scheduler.failure = None
+        release_idle_team()  # the loop computes now: idle workers here would throttle its team
         self._thread = threading.Thread(target=self._loop, name="astrai-engine", daemon=True)
         self._thread.start()
 
@@ -305,8 +306,8 @@ class InferenceEngine:
         self.stop()
         if self.scheduler.has_work():  # loop was not running: clean up on this thread
             self.scheduler.cleanup()
-        if self.packed_projections:  # the last engine on this model drops the packs
-            release_projections(self.model)
+        if self.packed_projections:
+            release_projections(self.model)  # the last engine on this model drops the packs
 
     def __enter__(self) -> InferenceEngine:
         return self

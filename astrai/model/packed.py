@@ -1,21 +1,31 @@
-"""Packed projections for inference: one matmul for the `Linear`s that read the same input.
+"""Packed projections for inference: fewer, faster products for the engine.
 
-A decoding step of a small model is a few rows through many small products, and each
-product pays oneDNN's per-call cost and reads its weight once per call. Packing q/k/v into
-one `[q + 2 kv, hidden]` weight and gate/up into one `[2 x intermediate, hidden]` weight
-turns five products per layer into two; on the benchmark machine (one thread, astrai-30m's
-shapes) a 16-row q/k/v product went from 177 to 154 us and gate/up from 423 to 342 us
-(experiments/bench/engine.md).
+A decoding step of a small model is a few rows through many small products. Two things
+make them cheaper, both set up when an engine starts (`pack_projections`):
 
-The packed weight is a copy, made when the engine starts (`pack_projections`): it costs
-the bytes of the packed weights again, i.e. q/k/v and gate/up of every layer, about two
-thirds of a dense model's non-embedding weights (`pack_projections` returns the figure and
-the engine logs it). Training keeps its own parameters untouched. A pack is refreshed in
-place whenever a source parameter changed (the version counter that every in-place write,
-an optimizer step or `load_state_dict`, bumps; a replaced tensor changes its address), so
-a policy that trains while an engine shares it (GRPO) never generates with stale weights,
-and CUDA graphs that captured the packed weight keep its address. A module whose sources
-were replaced (LoRA wrapping a projection) is no longer served by its pack.
+- **One product for the `Linear`s that read the same input**: q/k/v as one `[q + 2 kv,
+  hidden]` weight, gate/up as one `[2 x intermediate, hidden]` weight, five products per
+  layer become two. On the benchmark machine (one thread, astrai-30m's shapes) a 16-row
+  q/k/v product went from 177 to 154 us and gate/up from 423 to 342 us.
+- **Weights prepacked in oneDNN's blocked layout** (fp32 on the CPU, `rows` given: every
+  pack above and every other `Linear`, o_proj, down_proj, the lm_head, MLA's): with a
+  plain weight oneDNN reorders it on every call; prepacked, a 16 x 512 x 3072 product
+  took 138 instead of 224 us (2 threads), bit-identical from 16 rows up
+  (`astrai.extension.linear.prepack_weight`; experiments/bench/engine.md).
+
+What it costs: the packs are copies. On the CPU with oneDNN that is one more copy of
+every matmul weight of the model (the prepacked layouts; a cache-resident model also
+keeps its plain q/k/v and gate/up concatenations for the products small enough for
+`F.linear`); elsewhere (GPU, half precision) the q/k/v and gate/up concatenations only,
+about two thirds of a dense layer's weights. `pack_projections` returns the bytes, the
+engine logs them, and `packed_projections=False` saves them. Training keeps its own
+parameters untouched and never reads a pack (gradients on). A pack is refreshed whenever
+a source parameter changed (the tensor's version counter, which every in-place write, an
+optimizer step or `load_state_dict`, bumps; a replaced tensor changes its address), so a
+policy that trains while an engine shares it (GRPO) never generates with stale weights;
+the concatenations are rewritten in place, so CUDA graphs that captured them keep their
+address. A module whose sources were replaced (LoRA wrapping a projection) is no longer
+served by its pack; a wrapped `Linear`'s own prepacked weight still serves the wrapper.
 """
 
 from __future__ import annotations
@@ -26,7 +36,7 @@ from collections.abc import Iterator
 
 from torch import nn
 
-from astrai.model.layers import MLP, Attention, Linear, PackedLinear
+from astrai.model.layers import MLP, Attention, Linear, PackedLinear, mark_cache_resident
 
 logger = logging.getLogger(__name__)
 
@@ -39,36 +49,65 @@ def _packable(modules: Iterator[nn.Module]) -> Iterator[tuple[nn.Module, str, tu
             yield module, "packed_gate_up", (module.gate_proj, module.up_proj)
 
 
+def prepack_rows(max_batch_size: int) -> int:
+    """The product size oneDNN lays prepacked weights out for: the engine's decode batch,
+    within 16-64 (a layout for a single row did not speed up anything; one for 16 or 64
+    rows served 1 to 300 rows as well as the plain weight or better)."""
+    return min(max(max_batch_size, 16), 64)
+
+
 # How many engines use each model's packs: the last one to stop drops them.
 _USERS: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
 
 
-def pack_projections(model: nn.Module) -> int:
+def pack_projections(model: nn.Module, rows: int | None = None) -> int:
     """Give every GQA attention a packed q/k/v and every SwiGLU MLP (shared experts
-    included) a packed gate/up, for one more user (an engine); returns the bytes the packs
-    hold. Layers whose projections are not plain `Linear`s (LoRA-wrapped) keep running
-    them one by one. `release_projections` undoes it when the last user is done."""
-    total = 0
+    included) a packed gate/up, for one more user (an engine); with `rows` (fp32 on the
+    CPU with oneDNN) every other `Linear` gets its weight prepacked too, for products of
+    about `rows` rows. Returns the bytes the packs hold. Layers whose projections are not
+    plain `Linear`s (LoRA-wrapped) keep running them one by one. `release_projections`
+    undoes it when the last user is done."""
+    mark_cache_resident(model)  # a prepacked pack keeps its plain copy only for F.linear's
+    total, covered = 0, set()
     for module, name, sources in _packable(model.modules()):
         pack = getattr(module, name, None)
-        if pack is not None and pack.serves(*sources):
-            total += pack.nbytes  # another engine packed them already
-        elif all(type(m) is Linear for m in sources):
-            pack = PackedLinear(sources)
-            total += pack.nbytes
+        if pack is None or not pack.serves(*sources) or pack.prepack_rows != rows:
+            if not all(type(m) is Linear for m in sources):
+                continue
+            pack = PackedLinear(sources, rows)
             setattr(module, name, pack)
+        covered.update(id(m) for m in sources)
+        total += pack.nbytes
+    for module in model.modules():
+        if type(module) is not Linear or id(module) in covered or rows is None:
+            continue
+        pack = module.pack
+        if pack is None or pack.prepack_rows != rows:
+            pack = PackedLinear((module,), rows)
+            if pack.prepacked is None:  # nothing to gain: no oneDNN route for this weight
+                continue
+            module.pack = pack
+        total += pack.nbytes
     _USERS[model] = _USERS.get(model, 0) + 1
-    logger.info("packed q/k/v and gate/up projections for inference: %.1f MiB", total / 2**20)
+    logger.info("packed the model's projections for inference: %.1f MiB", total / 2**20)
     return total
+
+
+def _packs(model: nn.Module) -> Iterator[PackedLinear]:
+    for module, name, _ in _packable(model.modules()):
+        pack = getattr(module, name, None)
+        if pack is not None:
+            yield pack
+    for module in model.modules():
+        if isinstance(module, Linear) and module.pack is not None:
+            yield module.pack
 
 
 def refresh_packs(model: nn.Module) -> None:
     """Bring every pack of `model` up to date with its sources: a forward that Python does
     not run (a CUDA graph replay) cannot check them itself."""
-    for module, name, _ in _packable(model.modules()):
-        pack = getattr(module, name, None)
-        if pack is not None:
-            pack.refresh()
+    for pack in _packs(model):
+        pack.refresh()
 
 
 def release_projections(model: nn.Module) -> None:
@@ -81,3 +120,6 @@ def release_projections(model: nn.Module) -> None:
     _USERS.pop(model, None)
     for module, name, _ in _packable(model.modules()):
         setattr(module, name, None)
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.pack = None

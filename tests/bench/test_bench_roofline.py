@@ -20,7 +20,6 @@ from astrai.bench.roofline import (
     step_gemms,
     visible_keys,
 )
-from astrai.extension import linear
 from astrai.inference import InferenceEngine
 from astrai.model import preset, preset_model
 from astrai.model.layers import Attention, Linear, mark_cache_resident
@@ -149,9 +148,9 @@ def test_gemm_roofline_times_the_models_own_shapes_and_weights():
     for key in ("flops", "seconds", "gflops"):
         assert math.isfinite(out[key]) and out[key] > 0
     assert out["gflops"] == pytest.approx(out["flops"] / out["seconds"] / 1e9)
-    for g in step_gemms(model, 6, 2):  # through `linear`, the model's flags and weights
-        assert g.run.func is linear and g.run.args[1].data_ptr() in params
-        assert g.run.keywords == {"small_on_aten": True}
+    for g in step_gemms(model, 6, 2):  # through each Linear's own route and weights
+        assert isinstance(g.run.func, Linear) and g.run.func.weight.data_ptr() in params
+        assert g.run.func.cache_resident
     moe = gemm_roofline(_model("tiny-moe"), 3, 3, repeats=1, min_seconds=0.0)
     # 3 tokens x 2 experts: 6 pairs over the 4 experts as 2, 2, 1, 1 rows
     assert {s for s in moe["shapes"] if s[1:] == (64, 96)} == {(2, 64, 96), (1, 64, 96)}

@@ -91,3 +91,29 @@ def test_half_precision_is_plain_f_linear():
     x, w = torch.randn(3, 16, dtype=torch.bfloat16), torch.randn(8, 16, dtype=torch.bfloat16)
     with torch.inference_mode():
         assert torch.equal(linear(x, w), F.linear(x, w))
+
+
+@pytest.mark.skipif(not onednn_linear_enabled(), reason="this torch build has no oneDNN linear")
+@pytest.mark.parametrize("rows", [1, 16, 48, 300])
+def test_a_prepacked_weight_gives_the_plain_weights_product(rows):
+    """oneDNN's blocked layout made once: the same product at every size (bit for bit from
+    16 rows up on this machine; 1 row may take another kernel), with or without a bias."""
+    from astrai.extension.linear import prepack_weight
+
+    gen = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(rows, 256, generator=gen), torch.randn(768, 256, generator=gen)
+    b = torch.randn(768, generator=gen)
+    packed = prepack_weight(w, 16)
+    assert packed is not None and tuple(packed.shape) == (768, 256)
+    with torch.inference_mode():
+        for bias in (None, b):
+            got = linear(x, None, bias, prepacked=packed)
+            torch.testing.assert_close(got, F.linear(x, w, bias), atol=1e-4, rtol=1e-5)
+            torch.testing.assert_close(got, linear(x, w, bias), atol=1e-4, rtol=1e-5)
+
+
+def test_nothing_is_prepacked_where_onednn_does_not_serve():
+    from astrai.extension.linear import prepack_weight
+
+    assert prepack_weight(torch.randn(8, 4, dtype=torch.bfloat16), 16) is None
+    assert prepack_weight(torch.randn(8, 4, dtype=torch.float64), 16) is None

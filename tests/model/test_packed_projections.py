@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from astrai.extension import onednn_linear_enabled
 from astrai.inference import InferenceEngine
 from astrai.model import preset_model
 from astrai.model.layers import MLP, Attention, PackedLinear
@@ -205,3 +206,54 @@ def test_a_weight_update_between_requests_is_seen_by_graph_replays():
         assert eng.graph_runner is not None and sum(eng.graph_runner.replays.values()) > 0
     with InferenceEngine(model, tok, packed_projections=False) as fresh:
         assert got == fresh.generate(prompt, **kw)
+
+
+def _linears(model: torch.nn.Module) -> list[torch.nn.Module]:
+    from astrai.model.layers import Linear
+
+    return [m for m in model.modules() if type(m) is Linear]
+
+
+@pytest.mark.skipif(not onednn_linear_enabled(), reason="this torch build has no oneDNN linear")
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe", "tiny-mla"])
+def test_prepacked_weights_serve_every_projection(name):
+    """With `rows` every Linear not in a q/k/v or gate/up pack gets a oneDNN-prepacked
+    weight (o_proj, down_proj, lm_head, MLA's): the logits are the plain model's."""
+    model = _model(name, vocab_size=600, hidden_size=128)
+    ids = torch.randint(0, model.config.vocab_size, (3, 17))
+    expected = _logits(model, ids)
+    nbytes = pack_projections(model, rows=16)
+    try:
+        singles = [m for m in _linears(model) if m.pack is not None]
+        assert model.lm_head in singles and all(m.pack.prepacked is not None for m in singles)
+        assert all(p.prepacked is not None for p in _packs(model))
+        assert nbytes >= sum(m.weight.numel() * 4 for m in singles)
+        torch.testing.assert_close(_logits(model, ids), expected, rtol=1e-4, atol=1e-4)
+    finally:
+        release_projections(model)
+    assert all(m.pack is None for m in _linears(model)) and not _packs(model)
+
+
+@pytest.mark.skipif(not onednn_linear_enabled(), reason="this torch build has no oneDNN linear")
+def test_a_prepacked_weight_follows_its_parameter_and_lora_on_top():
+    model = _model("tiny", hidden_size=128, head_dim=32)
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    pack_projections(model, rows=16)
+    try:
+        down = model.layers[0].mlp.down_proj
+        before = down.pack.prepacked
+        with torch.no_grad():
+            down.weight.mul_(-1.5)  # an in-place update of a prepacked layer's parameter
+        changed = _logits(model, ids)
+        assert down.pack.prepacked is not before  # re-laid out from the new values
+        inject_lora(model, LoRAConfig(r=2, target_modules=["o_proj", "down_proj"]))
+        with torch.no_grad():
+            for m in model.modules():
+                if hasattr(m, "lora_B"):
+                    m.lora_B.weight.normal_()
+        with_lora = _logits(model, ids)
+        assert not torch.allclose(with_lora, changed)
+        release_projections(model)
+        torch.testing.assert_close(_logits(model, ids), with_lora, rtol=1e-4, atol=1e-4)
+    finally:
+        release_projections(model)
