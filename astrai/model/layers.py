@@ -117,6 +117,11 @@ class PackedLinear:
                 total += self.bias.numel() * self.bias.element_size()
         return total
 
+    def __reduce__(self) -> tuple:
+        # Engine state, not model state: a deep copy or a pickle of the model (an export,
+        # a frozen reference) has no pack; oneDNN's opaque layouts could not be copied anyway.
+        return (_no_pack, ())
+
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Each source's output, as views of one product's columns."""
         out = linear(
@@ -127,6 +132,10 @@ class PackedLinear:
             prepacked=self.prepacked,
         )
         return out.split(self.sizes, dim=-1) if len(self.sizes) > 1 else (out,)
+
+
+def _no_pack() -> None:
+    return None
 
 
 def _cat_into(dst: torch.Tensor | None, parts: list[torch.Tensor]) -> torch.Tensor:

@@ -257,3 +257,23 @@ def test_a_prepacked_weight_follows_its_parameter_and_lora_on_top():
         torch.testing.assert_close(_logits(model, ids), with_lora, rtol=1e-4, atol=1e-4)
     finally:
         release_projections(model)
+
+
+def test_copies_and_pickles_of_a_packed_model_carry_no_pack(tmp_path):
+    """An export or a frozen reference deep-copies the model while an engine has packed it."""
+    import copy
+
+    model = _model()
+    ids = torch.randint(0, model.config.vocab_size, (2, 7))
+    pack_projections(model, rows=16)
+    try:
+        twin = copy.deepcopy(model)
+        assert _packs(model) and not _packs(twin)
+        assert all(m.pack is None for m in _linears(twin))
+        torch.save(model, tmp_path / "model.pt")
+        loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+        assert not _packs(loaded)
+        torch.testing.assert_close(_logits(twin, ids), _logits(model, ids), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(_logits(loaded, ids), _logits(model, ids), rtol=1e-4, atol=1e-4)
+    finally:
+        release_projections(model)
