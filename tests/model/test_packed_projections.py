@@ -34,6 +34,15 @@ def _packs(model: torch.nn.Module) -> list[PackedLinear]:
     return found
 
 
+def _inject_live_lora(model: torch.nn.Module, config: LoRAConfig) -> None:
+    """LoRA wrappers whose B is random (not zero): they change the model's outputs."""
+    inject_lora(model, config)
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "lora_B"):
+                m.lora_B.weight.normal_()
+
+
 def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return model(ids)
@@ -126,11 +135,7 @@ def test_load_state_dict_and_lora_after_packing():
         model.load_state_dict(other.state_dict())
         torch.testing.assert_close(_logits(model, ids), _logits(other, ids), rtol=1e-5, atol=1e-5)
         # LoRA replaces q/k/v/o with wrappers: the pack must stop serving them.
-        inject_lora(model, LoRAConfig(r=2))
-        with torch.no_grad():
-            for m in model.modules():
-                if hasattr(m, "lora_B"):
-                    m.lora_B.weight.normal_()
+        _inject_live_lora(model, LoRAConfig(r=2))
         with_lora = _logits(model, ids)
         assert not torch.allclose(with_lora, _logits(other, ids))
         release_projections(model)
@@ -246,11 +251,7 @@ def test_a_prepacked_weight_follows_its_parameter_and_lora_on_top():
             down.weight.mul_(-1.5)  # an in-place update of a prepacked layer's parameter
         changed = _logits(model, ids)
         assert down.pack.prepacked is not before  # re-laid out from the new values
-        inject_lora(model, LoRAConfig(r=2, target_modules=["o_proj", "down_proj"]))
-        with torch.no_grad():
-            for m in model.modules():
-                if hasattr(m, "lora_B"):
-                    m.lora_B.weight.normal_()
+        _inject_live_lora(model, LoRAConfig(r=2, target_modules=["o_proj", "down_proj"]))
         with_lora = _logits(model, ids)
         assert not torch.allclose(with_lora, changed)
         release_projections(model)
