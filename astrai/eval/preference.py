@@ -83,9 +83,9 @@ def preference_accuracy(
     from torch.utils.data import DataLoader
 
     from astrai.data import PreferenceDataset
+    from astrai.eval.intervals import wilson_interval
     from astrai.model import load_pretrained
     from astrai.model.reward import reward_dir_problem
-    from astrai.train.report import wilson_interval
 
     dataset = PreferenceDataset(str(pairs))
     loader = DataLoader(dataset, batch_size=batch_size, collate_fn=dataset.collate)

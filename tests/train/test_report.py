@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from astrai.train.report import Z95, difference_ci, main, wilson_interval
+from astrai.eval.intervals import Z95, difference_ci, wilson_interval
+from astrai.train.report import main
 
 
 def _score_test_bounds(k: int, n: int) -> tuple[float, float]:
