@@ -309,8 +309,20 @@ def _exponential_noise(
     generator: torch.Generator | None,
     generators: Sequence[torch.Generator | None] | None,
 ) -> torch.Tensor:
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    for i, gen in enumerate(generators or ()):
+    own = list(generators or ())
+    if not any(gen is not None for gen in own):
+        return (
+            torch.empty_like(probs)
+            .exponential_(generator=generator)
+            .clamp_min_(torch.finfo(probs.dtype).tiny)
+        )
+    noise = torch.empty_like(probs)
+    shared = [i for i in range(probs.shape[0]) if i >= len(own) or own[i] is None]
+    if shared:  # only the rows without a stream of their own draw from `generator`: a
+        # seeded batch leaves torch's default generator (the trainer's dropout) untouched
+        rows = torch.empty(len(shared), probs.shape[1], dtype=probs.dtype, device=probs.device)
+        noise[shared] = rows.exponential_(generator=generator)
+    for i, gen in enumerate(own):
         if gen is not None:  # drawn alone so the row's stream ignores its batch companions
             row = torch.empty(probs.shape[1], dtype=probs.dtype, device=gen.device)
             noise[i] = row.exponential_(generator=gen).to(probs.device)

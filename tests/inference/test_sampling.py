@@ -433,3 +433,25 @@ def test_bad_shapes_are_reported():
         sample(torch.zeros(2, 5), [SamplingParams()] * 3)
     with pytest.raises(ValueError, match=r"logits must be \[batch, vocab\]"):
         sample(torch.zeros(5), SamplingParams())
+
+
+def test_seeded_rows_leave_the_default_generator_alone(model, tokenizer):
+    """A seeded request draws from its own stream only: torch's default generator (a
+    trainer's dropout, the next training step) is where it was, for a batch of seeded rows
+    and for an engine run of seeded requests; unseeded rows still draw from it."""
+    from astrai.inference import InferenceEngine
+
+    logits = torch.randn(3, 200, generator=gen(5))
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    sample(logits, [SamplingParams(temperature=1.0, seed=s) for s in (1, 2, 3)])
+    assert torch.equal(torch.get_rng_state(), before)
+    mixed = [SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=1.0)]
+    sample(logits[:2], mixed)
+    assert not torch.equal(torch.get_rng_state(), before)
+
+    torch.manual_seed(123)
+    with InferenceEngine(model, tokenizer, start=False, max_seq_len=64) as eng:
+        before = torch.get_rng_state()
+        eng.run_batch([[5, 17, 33], [9, 8]], max_tokens=6, temperature=1.0, seed=4)
+        assert torch.equal(torch.get_rng_state(), before)
