@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from fastapi import Depends, FastAPI, Request
@@ -62,17 +63,24 @@ def create_app(
     engine: InferenceEngine,
     settings: ServeSettings | None = None,
     reward: RewardScorer | None = None,
+    fingerprint: Callable[[], str | None] | None = None,
 ) -> FastAPI:
     """An app serving `engine`; the caller owns the engine (and shuts it down).
 
     `app.state.astrai` is the `ServerState`; `begin_shutdown()` on it ends open streams
     cleanly (the `astrai.serve.server.Server` calls it when uvicorn is asked to stop).
     `reward`: a loaded reward model for `POST /v1/score` (`astrai.serve.score`); without
-    one that route answers a 400 saying how to load one.
+    one that route answers a 400 saying how to load one. `fingerprint`: called once per
+    request, at submission; its string is the `system_fingerprint` of OpenAI responses and
+    chunks (None, or no callable: the field is left out).
     """
     settings = settings or ServeSettings()
     state = ServerState(
-        engine, settings, tool_call_format(settings.tool_call_format), reward=reward
+        engine,
+        settings,
+        tool_call_format(settings.tool_call_format),
+        reward=reward,
+        fingerprint=fingerprint,
     )
     app = FastAPI(title="astrai", version="1", docs_url=None, redoc_url=None)
     app.state.astrai = state

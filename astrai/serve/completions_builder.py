@@ -177,11 +177,4 @@ class CompletionsResponseBuilder(OpenAIStyleBuilder):
             self._choice(ctx, c, c.content, None, _FINISH[c.finish_reason or "stop"])
             for c in ctx.choices
         ]
-        return {
-            "id": ctx.id,
-            "object": "text_completion",
-            "created": ctx.created,
-            "model": ctx.model,
-            "choices": choices,
-            "usage": usage(ctx),
-        }
+        return {**self.head(ctx, "text_completion"), "choices": choices, "usage": usage(ctx)}

@@ -75,7 +75,11 @@ class ProtocolHandler:
     async def handle(self, body: Any, request: Request | None = None) -> Response:
         self.state.check_ready()
         prepared = await self.prepare(body)
-        ctx = RequestContext(id=self.builder.id_prefix + secrets.token_hex(12), prepared=prepared)
+        ctx = RequestContext(
+            id=self.builder.id_prefix + secrets.token_hex(12),
+            prepared=prepared,
+            system_fingerprint=self.state.fingerprint(),
+        )
         if request is not None:  # for the access log line (astrai.serve.access)
             request.state.astrai_request = ctx
         self._submit(ctx)

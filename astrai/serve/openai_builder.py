@@ -76,16 +76,23 @@ class OpenAIStyleBuilder(ResponseBuilder):
     def error_body(self, err: APIError) -> dict[str, Any]:
         return openai_error_body(err)
 
+    @staticmethod
+    def head(ctx: RequestContext, obj: str) -> dict[str, Any]:
+        """The fields every response and chunk starts with (`system_fingerprint` when set)."""
+        out: dict[str, Any] = {
+            "id": ctx.id,
+            "object": obj,
+            "created": ctx.created,
+            "model": ctx.model,
+        }
+        if ctx.system_fingerprint is not None:
+            out["system_fingerprint"] = ctx.system_fingerprint
+        return out
+
     def _chunk(
         self, ctx: RequestContext, choices: list[dict[str, Any]], usage: dict | None = None
     ) -> str:
-        data: dict[str, Any] = {
-            "id": ctx.id,
-            "object": self.chunk_object,
-            "created": ctx.created,
-            "model": ctx.model,
-            "choices": choices,
-        }
+        data: dict[str, Any] = {**self.head(ctx, self.chunk_object), "choices": choices}
         if usage is not None:
             data["usage"] = usage
         return sse(data)
@@ -233,11 +240,4 @@ class OpenAIResponseBuilder(OpenAIStyleBuilder):
                     "finish_reason": _FINISH[c.finish_reason or "stop"],
                 }
             )
-        return {
-            "id": ctx.id,
-            "object": "chat.completion",
-            "created": ctx.created,
-            "model": ctx.model,
-            "choices": choices,
-            "usage": usage(ctx),
-        }
+        return {**self.head(ctx, "chat.completion"), "choices": choices, "usage": usage(ctx)}

@@ -132,6 +132,8 @@ class RequestContext:
     choices: list[Choice] = field(default_factory=list)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     extra: dict[str, Any] = field(default_factory=dict)
+    # OpenAI's `system_fingerprint`: the weights' identity at submission (None: omitted).
+    system_fingerprint: str | None = None
 
     @property
     def model(self) -> str:

@@ -28,8 +28,12 @@ class ServerState:
         settings: ServeSettings,
         tool_format: ToolCallFormat | None,
         reward: RewardScorer | None = None,
+        fingerprint: Callable[[], str | None] | None = None,
     ) -> None:
         self.engine = engine
+        # Each request's `system_fingerprint`, read when it is submitted (None: none sent);
+        # astrai.train.serve_policy names the live policy's version with it.
+        self.fingerprint: Callable[[], str | None] = fingerprint or (lambda: None)
         self.reward = reward  # POST /v1/score's reward model (astrai.serve.score), if loaded
         self.settings = settings
         self.tool_format = tool_format
@@ -69,6 +73,10 @@ class ServerState:
     def begin_shutdown(self) -> None:
         """Refuse new requests and end every open one (streams finish cleanly)."""
         self.draining = True
+        self.cancel_all()
+
+    def cancel_all(self) -> None:
+        """End every open request: its engine tasks are cancelled, its stream finishes."""
         for ctx in list(self.inflight):
             for c in ctx.choices:
                 if not c.result.done:

@@ -305,9 +305,24 @@ def instantiate_strategy(cfg: DictConfig, tokenizer_dir: str | Path | None) -> A
     return build(**plain)
 
 
+def build_run(cfg: DictConfig) -> tuple[Any, Any]:
+    """The seeded start of a run: the tokenizer, the data module and the strategy module,
+    built in this order after `seed_everything`, so that a replay (`astrai.train.replay`)
+    rebuilds exactly the initial weights the run started from."""
+    import lightning as L
+    from hydra.utils import instantiate
+
+    L.seed_everything(int(cfg.seed), workers=True)
+    tokenizer_dir = prepare_tokenizer(cfg.tokenizer, cfg.paths.data_dir)
+    # the tokenizer must fit the model: checked on a meta-device model before data preparation
+    instantiate(cfg.model)(device="meta", tokenizer=AutoTokenizer.from_pretrained(tokenizer_dir))
+    datamodule = instantiate(cfg.data, _convert_="all", _recursive_=False)
+    datamodule.connect(tokenizer_dir, cfg.paths.data_dir)
+    return datamodule, instantiate_strategy(cfg, tokenizer_dir)
+
+
 def train(cfg: DictConfig) -> float | None:
     """Run one training job from a composed config; returns `optimized_metric` (sweepers)."""
-    import lightning as L
     from hydra.utils import instantiate
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
@@ -327,15 +342,7 @@ def train(cfg: DictConfig) -> float | None:
     elif str(cfg.get("ckpt_path")) == "auto":
         log.info("ckpt_path=auto: no checkpoint under %s; starting from scratch", log_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    L.seed_everything(int(cfg.seed), workers=True)
-
-    tokenizer_dir = prepare_tokenizer(cfg.tokenizer, paths.data_dir)
-    # the tokenizer must fit the model: checked on a meta-device model before data preparation
-    instantiate(cfg.model)(device="meta", tokenizer=AutoTokenizer.from_pretrained(tokenizer_dir))
-    datamodule = instantiate(cfg.data, _convert_="all", _recursive_=False)
-    datamodule.connect(tokenizer_dir, paths.data_dir)
-
-    module = instantiate_strategy(cfg, tokenizer_dir)
+    datamodule, module = build_run(cfg)
 
     callbacks = _instantiate_dict(cfg.get("callbacks"), "callbacks")
     logger_cfg = OmegaConf.to_container(cfg.get("logger") or {}, resolve=True)

@@ -92,10 +92,9 @@ class GRPOModule(GlobalTokenNormaliser, LMModule):
 
     Args:
         num_generations: completions per prompt (``G``); every group needs at least 2.
-        max_new_tokens, temperature, top_p, top_k: rollout sampling (temperature > 0). The
-            log-probs that come back are of the temperature-scaled, untruncated distribution
-            (``logprobs_mode="scaled"``), as are the training forward's and the reference's
-            (logits / temperature, as in TRL).
+        max_new_tokens, temperature, top_p, top_k: rollout sampling (temperature > 0); its
+            log-probs, the training forward's and the reference's are all of the scaled,
+            untruncated distribution (logits / temperature, as TRL; ``logprobs_mode="scaled"``).
         rewards: registry names with weights, e.g. ``[{name: exact_match, weight: 1.0},
             {name: format, weight: 0.1}]``, or ``_target_`` entries (docs/rewards.md).
         loss_type: ``grpo``, ``bnpo``, ``dr_grpo`` or ``dapo`` (TRL's definitions and default,
@@ -138,15 +137,13 @@ class GRPOModule(GlobalTokenNormaliser, LMModule):
         val_max_new_tokens: greedy validation generations (``val/reward``, ``val/<reward>``;
             ``val/loss`` is the negated weighted reward so that "lower is better" monitors work).
         reference_dtype: e.g. ``bfloat16`` to halve the frozen reference's memory.
-        environment: multi-turn episodes instead of single-turn completions: a ``_target_``
-            entry (an :class:`~astrai.train.environments.Environment`, built once per episode;
-            docs/training.md). The reward is the environment's plus ``rewards``' on the final
-            assistant message (``rewards`` may then be empty); observation and template tokens
-            carry no loss.
+        environment: multi-turn episodes: a ``_target_`` entry (an
+            :class:`~astrai.train.environments.Environment`, built once per episode). The reward
+            is the environment's plus ``rewards``' on the final assistant message (``rewards``
+            may be empty); observation and template tokens carry no loss.
         max_turns: the model's turns per episode at most (with ``environment``).
         async_rollouts: ``{max_staleness: K, ...}`` samples the next ``K`` generation batches
-            on a generator thread while the trainer trains
-            (:mod:`~astrai.train.strategies.grpo_async`); None: synchronous.
+            on a generator thread while the trainer trains (``grpo_async``); None: synchronous.
 
     The other arguments (``model``, ``optimizer``, ``tokenizer`` (required: rewards read
     decoded completions), ``init_from`` (typically the SFT stage's export), ...) are
@@ -256,6 +253,9 @@ class GRPOModule(GlobalTokenNormaliser, LMModule):
         self._batch_started: float | None = None
         # asynchronous rollouts: the generator thread and the batches queued on it
         self.queue = RolloutQueue(self._start_worker)
+        # the step ledger hears every generation batch's samples; a replay hands them back
+        self.sample_listeners: list[Callable[[int, Samples], None]] = []
+        self.replay_samples: Callable[[int], Samples] | None = None
         self.idle_seconds = 0.0  # this micro-step's wait for rollouts (all the sampling when sync)
 
     # ------------------------------------------------------------------ engine
@@ -351,14 +351,18 @@ class GRPOModule(GlobalTokenNormaliser, LMModule):
         micro-steps train on."""
         started = time.perf_counter()
         seed = self._seed(batch)
-        if self.async_rollouts is None:
-            waited = time.perf_counter()
+        waited = time.perf_counter()
+        if self.replay_samples is not None:  # a replay: the ledger's rollouts, no engine
+            samples = self.replay_samples(seed)
+        elif self.async_rollouts is None:
             samples = self.sample(batch, seed)
         else:
             future = self._queued(batch, seed)
             waited = time.perf_counter()
             samples = future.result()
         self.idle_seconds = time.perf_counter() - waited
+        for listener in self.sample_listeners:
+            listener(seed, samples)
         generation = self._generation_of(batch, samples, seed)
         self._gen_seconds = time.perf_counter() - started
         return generation
