@@ -32,8 +32,12 @@ serve: setup
 bench: setup
 	$(PY) -m astrai.bench $(ARGS)
 
-# On a CUDA machine: GPU tests, the kernel benchmark and the nano-vllm engine workload.
+# On a CUDA machine: GPU tests, the kernel benchmark and the nano-vllm engine workload, then
+# tiny_pretrain on GPUs (docs/scaling.md): fully_shard (FSDP2) on one GPU, and with 2 or more
+# GPUs DDP, Lightning's FSDP and FSDP2 at 2 ranks on this node, 20 steps each.
 GPU_PY ?= $(PY)
+GPU_TRAIN := trainer.max_steps=20 trainer.val_check_interval=20 trainer.limit_val_batches=2 \
+	callbacks.progress_bar=null
 gpu-check:
 	$(GPU_PY) -m pytest -m gpu tests/extension tests/inference -q
 	$(GPU_PY) -m astrai.bench kernels out=experiments/bench/kernels-gpu.json
@@ -41,6 +45,19 @@ gpu-check:
 		engine=paged engine.max_batch_size=256 requests=256 prompt_min=100 prompt_max=1024 \
 		output_min=100 output_max=1024 hf_batch_sizes=all prefix_requests=16 \
 		out=experiments/bench/engine-gpu.json
+	$(GPU_PY) -m astrai.train name=gpu-check-fsdp2-1gpu trainer=fsdp2 trainer.devices=1 \
+		trainer.precision=bf16-mixed $(GPU_TRAIN)
+	@gpus=$$($(GPU_PY) -c "import torch; print(torch.cuda.device_count())"); \
+	if [ "$$gpus" -lt 2 ]; then \
+		echo "gpu-check: $$gpus GPU(s); the 2-rank DDP/FSDP/FSDP2 runs need 2: not run"; \
+	else \
+		set -e; \
+		$(GPU_PY) -m astrai.train name=gpu-check-ddp trainer=ddp trainer.devices=2 \
+			trainer.precision=bf16-mixed $(GPU_TRAIN); \
+		$(GPU_PY) -m astrai.train name=gpu-check-fsdp trainer=fsdp trainer.devices=2 $(GPU_TRAIN); \
+		$(GPU_PY) -m astrai.train name=gpu-check-fsdp2 trainer=fsdp2 trainer.devices=2 \
+			trainer.precision=bf16-mixed $(GPU_TRAIN); \
+	fi
 
 lint: setup
 	$(PY) -m ruff format --check astrai tests

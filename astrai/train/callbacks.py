@@ -33,6 +33,7 @@ from torch.distributed.fsdp import FullStateDictConfig, StateDictType
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from astrai.model import Transformer, inject_lora, merge_lora, save_pretrained
+from astrai.train.sharding import full_state_dict, is_fully_sharded
 from astrai.train.wandb_run import STATE_FILE
 
 log = logging.getLogger(__name__)
@@ -132,12 +133,18 @@ class ExportCallback(Callback):
 
 
 def _full_model(trainer: L.Trainer, pl_module: L.LightningModule) -> Any:
-    """True to save `pl_module` as is; under FSDP a full CPU copy gathered to rank 0."""
-    if not isinstance(trainer.strategy, FSDPStrategy):
+    """True to save `pl_module` as is; under FSDP (Lightning's `FSDPStrategy`, or torch's
+    `fully_shard` through `FullyShardStrategy`) a full CPU copy gathered to rank 0."""
+    if isinstance(trainer.strategy, FSDPStrategy):
+        cfg = FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
+        with FSDP.state_dict_type(trainer.strategy.model, StateDictType.FULL_STATE_DICT, cfg):
+            state = trainer.strategy.model.state_dict()
+    elif isinstance(policy := getattr(pl_module, "model", None), torch.nn.Module) and (
+        is_fully_sharded(policy)
+    ):
+        state = full_state_dict(policy)  # collective; empty off rank 0
+    else:
         return True
-    cfg = FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
-    with FSDP.state_dict_type(trainer.strategy.model, StateDictType.FULL_STATE_DICT, cfg):
-        state = trainer.strategy.model.state_dict()
     if not trainer.is_global_zero:
         return None
     prefix = "_forward_module.model."

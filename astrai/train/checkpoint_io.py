@@ -4,6 +4,10 @@ The trainer's `plugins` (conf/trainer/default.yaml). Each local checkpoint is wr
 temporary name in its own folder, synced, and renamed into place (`os.replace` is atomic on
 one filesystem), so a run killed mid-write keeps the previous file intact and a file named
 `*.ckpt` is always whole. Remote paths go through Lightning's own writer.
+
+A sharded checkpoint (a `torch.distributed.checkpoint` folder written by `trainer=fsdp2` or
+`trainer=fsdp`) is not a file this plugin can read: resuming one under a strategy that loads
+single files (one process, DDP) stops with an error that names the way to resume it.
 """
 
 from __future__ import annotations
@@ -15,7 +19,11 @@ from typing import Any
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-__all__ = ["AtomicCheckpointIO"]
+__all__ = ["AtomicCheckpointIO", "ShardedCheckpointError"]
+
+
+class ShardedCheckpointError(ValueError):
+    """`ckpt_path` is a sharded checkpoint folder and the trainer's strategy reads single files."""
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -38,3 +46,15 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             os.replace(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)
+
+    def load_checkpoint(self, path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        if "://" not in str(path) and Path(path).is_dir():
+            raise ShardedCheckpointError(
+                f"ckpt_path: {path} is a sharded checkpoint (a torch.distributed.checkpoint "
+                "folder, one shard per rank), which trainer.strategy cannot load; resume it with "
+                "trainer=fsdp2 (any trainer.devices and trainer.num_nodes: the shards are "
+                "resharded to the new world size), or convert it to one file with "
+                "`python -m torch.distributed.checkpoint.format_utils dcp_to_torch "
+                f"{path} <file>` and load only the weights from it"
+            )
+        return super().load_checkpoint(path, *args, **kwargs)

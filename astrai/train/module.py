@@ -35,6 +35,7 @@ from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.utilities.parsing import collect_init_args
 from omegaconf import OmegaConf
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from astrai.data.datasets import IGNORE_INDEX
 from astrai.model import (
@@ -182,8 +183,12 @@ def grad_stats(grads: list[Tensor]) -> dict[str, float]:
 
     Two foreach norms (accumulated in fp32 whatever the gradients' dtype) per device and one
     device sync per call; the elements are counted only when the norm is not finite (any
-    NaN/inf element makes it so), so a healthy step pays nothing more.
+    NaN/inf element makes it so), so a healthy step pays nothing more. Sharded gradients
+    (FSDP2's DTensors) are reduced over their ranks: every rank gets the whole gradient's
+    values, and a non-finite norm stops all of them at once.
     """
+    ranks = next((g.device_mesh.get_group() for g in grads if isinstance(g, DTensor)), None)
+    grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     by_device: dict[torch.device, list[Tensor]] = {}
     for g in grads:
         by_device.setdefault(g.device, []).append(g)
@@ -197,6 +202,11 @@ def grad_stats(grads: list[Tensor]) -> dict[str, float]:
         else:
             linf += [n.to(first) for n in torch._foreach_norm(group, math.inf, dtype=torch.float32)]
     stats = torch.stack([torch.linalg.vector_norm(torch.stack(l2)), torch.stack(linf).max()])
+    if ranks is not None:  # sum of squares and max over the shards
+        square, largest = stats[0].square().reshape(1), stats[1].reshape(1)
+        torch.distributed.all_reduce(square, group=ranks)
+        torch.distributed.all_reduce(largest, op=torch.distributed.ReduceOp.MAX, group=ranks)
+        stats = torch.cat([square.sqrt(), largest])
     norm, largest = stats.tolist()
     nonfinite = 0
     if not math.isfinite(norm):
