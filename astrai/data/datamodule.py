@@ -388,7 +388,7 @@ class AstraiDataModule(L.LightningDataModule):
         else:
             repeats = 0
         if s.consumed >= s.num_samples_total:  # the sampler will move to the next epoch
-            s.set_epoch(s.epoch + 1)
+            s.start_epoch(s.epoch + 1)
             repeats = 0
         self.repeats_done = repeats
         self._iter_epoch = s.epoch

@@ -34,8 +34,8 @@ class ResumableSampler(DistributedSampler):
             would get one sample fewer repeat the first samples of the epoch order (as
             :class:`DistributedSampler` does) so that all ranks take the same number of steps.
 
-    ``state_dict()`` is ``{"epoch", "consumed", "seed", "world_size", "num_samples"}`` where
-    ``consumed`` counts samples of the current epoch used by all ranks together. Iterating
+    ``state_dict()`` is ``{"epoch", "consumed", "seed", "world_size", "num_samples",
+    "epoch_offset"}`` (see :meth:`set_epoch` for the last) where ``consumed`` counts samples of the current epoch used by all ranks together. Iterating
     advances it by ``world_size`` per yielded index, which is exact when indices are consumed
     as they are drawn (``num_workers=0``); :class:`~astrai.data.AstraiDataModule` overrides it
     with the number of samples the training loop actually received.
@@ -67,6 +67,9 @@ class ResumableSampler(DistributedSampler):
         self.world_size = world_size
         self.epoch = 0
         self.consumed = 0
+        # Lightning's epoch count minus the sampler's (see set_epoch)
+        self.epoch_offset = 0
+        self._restored_midway = False
         # what __len__ reports for a resumed epoch: samples this rank is deemed to have taken
         # before the resume (consumed // saved world size) plus what is left for it now, so
         # that a loop counting batches since the epoch start (Lightning) stays consistent.
@@ -101,7 +104,7 @@ class ResumableSampler(DistributedSampler):
     # -- Sampler protocol ---------------------------------------------------------------------
     def __iter__(self) -> Iterator[int]:
         if self.consumed >= self.num_samples_total:  # epoch finished without set_epoch()
-            self.set_epoch(self.epoch + 1)
+            self.start_epoch(self.epoch + 1)
         indices = self._rank_indices()
         return self._advance(indices)
 
@@ -115,7 +118,25 @@ class ResumableSampler(DistributedSampler):
         return before + self._per_rank(self.num_samples_total - self._resume_consumed)
 
     def set_epoch(self, epoch: int) -> None:
-        """Start ``epoch`` from its beginning; a no-op when already in it (mid-epoch resume)."""
+        """Lightning's call at every epoch start, with its own epoch count: start that epoch
+        from its beginning; a no-op when already in it (mid-epoch resume).
+
+        Lightning's count can run ahead of the data: a run stopped by ``max_steps`` in the
+        middle of an epoch is checkpointed as if the epoch had ended, and resumed (with a
+        larger ``max_steps``) it starts the next one. The data does not skip the rest of the
+        epoch: the first call after such a restore keeps the saved position and records the
+        difference (``epoch_offset``, kept in the state), which later calls subtract.
+        """
+        epoch -= self.epoch_offset
+        restored, self._restored_midway = self._restored_midway, False
+        if restored and epoch > self.epoch:
+            self.epoch_offset += epoch - self.epoch
+            return
+        self.start_epoch(epoch)
+
+    def start_epoch(self, epoch: int) -> None:
+        """Start the sampler's ``epoch`` (its own count) from its beginning; a no-op when
+        already in it."""
         if epoch != self.epoch:
             self.epoch = epoch
             self.consumed = 0
@@ -130,6 +151,7 @@ class ResumableSampler(DistributedSampler):
             "seed": self.seed,
             "world_size": self.world_size,
             "num_samples": self.num_samples_total,
+            "epoch_offset": self.epoch_offset,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -150,6 +172,8 @@ class ResumableSampler(DistributedSampler):
         if not 0 <= consumed <= self.num_samples_total:
             raise ValueError(f"ResumableSampler: consumed={consumed} outside the epoch")
         self.epoch = int(state["epoch"])
+        self.epoch_offset = int(state.get("epoch_offset", 0))
+        self._restored_midway = 0 < consumed < self.num_samples_total
         self.consumed = consumed
         self._resume_consumed = consumed
         self._resume_world_size = int(state.get("world_size", self.world_size))

@@ -53,7 +53,14 @@ def test_resume_continues_with_the_first_unseen_sample(k: int) -> None:
     it = iter(s)
     head = _take(it, k)
     state = s.state_dict()
-    assert state == {"epoch": 0, "consumed": k, "seed": 5, "world_size": 1, "num_samples": n}
+    assert state == {
+        "epoch": 0,
+        "consumed": k,
+        "seed": 5,
+        "world_size": 1,
+        "num_samples": n,
+        "epoch_offset": 0,
+    }
     resumed = ResumableSampler(n, seed=5)
     resumed.load_state_dict(state)
     tail = list(resumed)
@@ -127,3 +134,26 @@ def test_set_epoch_resets_only_when_the_epoch_changes() -> None:
     assert s.consumed == 4
     s.set_epoch(1)
     assert s.consumed == 0 and s.epoch == 1
+
+
+def test_a_restore_keeps_its_epoch_when_lightning_counts_one_ahead() -> None:
+    """A run stopped by max_steps mid-epoch is checkpointed by Lightning as if the epoch had
+    ended; resumed, Lightning calls set_epoch(1). The data finishes epoch 0 first, then goes
+    on with epoch 1 at Lightning's epoch 2, exactly as the uninterrupted sampler does."""
+    straight = ResumableSampler(10, seed=3)
+    first = _take(iter(straight), 10)
+    straight.set_epoch(1)
+    second = _take(iter(straight), 10)
+
+    stopped = ResumableSampler(10, seed=3)
+    assert _take(iter(stopped), 4) == first[:4]
+    resumed = ResumableSampler(10, seed=3)
+    resumed.load_state_dict(stopped.state_dict())
+    resumed.set_epoch(1)  # Lightning's count, one ahead of the data
+    assert _take(iter(resumed), 6) == first[4:]
+    assert resumed.state_dict()["epoch_offset"] == 1
+    again = ResumableSampler(10, seed=3)  # checkpointed and restored once more
+    again.load_state_dict(resumed.state_dict())
+    again.set_epoch(2)
+    assert _take(iter(again), 10) == second
+    assert again.epoch == 1 and again.epoch_offset == 1

@@ -98,3 +98,19 @@ def test_a_cut_short_checkpoint_is_skipped_for_the_previous_good_one(reference, 
     assert f"checkpoint {last} is incomplete" in out, out[-3000:]
     assert f"resuming from {checkpoints / 'step000006.ckpt'}" in out, out[-3000:]
     assert not checkpoint_differences(reference, tmp_path / "b" / "run", 10)
+
+
+def test_a_run_extended_past_its_max_steps_continues_its_epoch(tmp_path, data_dir):
+    """Stopped by max_steps=6 in the middle of the second epoch and resumed with
+    max_steps=10 (a flat schedule, so the step count does not change the learning rates):
+    Lightning counts the stopped epoch as ended, the data does not skip its rest, and the
+    run ends with the uninterrupted 10-step run's weights and optimizer state, bit for bit."""
+    flat = [*RUN, "optim/schedule=constant", "data.num_workers=0"]
+    cli([*flat, *run_dirs(tmp_path / "straight", data_dir)])
+    run = [*flat, *run_dirs(tmp_path / "extended", data_dir)]
+    cli([*run, "trainer.max_steps=6"])
+    cli([*run, "ckpt_path=last"])
+    different = checkpoint_differences(
+        tmp_path / "straight" / "run", tmp_path / "extended" / "run", 10
+    )
+    assert not different, different
