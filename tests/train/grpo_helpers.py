@@ -71,3 +71,24 @@ class FakeResult:
     def __init__(self, ids: list[int], lps: list[float], finish_reason: str = "stop") -> None:
         self.token_ids, self.logprobs = ids, lps
         self.finish_reason, self.error = finish_reason, None
+
+
+# tiny_grpo made small: a fresh tiny model, mu = 2, a test reward plugged in by `_target_`
+# (tests/train/_rewards.py: varies for a random policy, so the policy moves)
+TINY_GRPO_CLI = [
+    "+experiment=tiny_grpo",
+    "model=tiny",
+    "tokenizer.train.max_bytes=400000",  # shared with the other CLI tests' cache
+    "tokenizer.train.vocab_size=512",
+    "data.train.prepare.builtin.n=32",
+    "strategy.init_from=null",
+    "strategy.num_generations=4",
+    "strategy.max_new_tokens=8",
+    "strategy.num_iterations=2",
+    "strategy.kl_coef=0.04",
+    "strategy.rewards=[{_target_: _rewards.length_mod3, _partial_: true}]",
+    "callbacks=default",
+    "callbacks.progress_bar=null",
+    "trainer.enable_model_summary=false",
+    "optim.lr=1e-2",
+]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from grpo_helpers import make_grpo, prompt_data, prompt_module
+from grpo_helpers import TINY_GRPO_CLI, make_grpo, prompt_data, prompt_module
 from lightning.pytorch.callbacks import Callback
 from train_helpers import quiet_trainer
 
@@ -268,25 +268,6 @@ def test_rloo_refuses_group_scaling(prompt_setup):
 
 
 # ------------------------------------------------------------------ through the CLI
-# tiny_grpo made small: a fresh tiny model, mu = 2, a test reward plugged in by `_target_`
-# (tests/train/_rewards.py: varies for a random policy, so the policy moves)
-CLI_RUN = [
-    "+experiment=tiny_grpo",
-    "model=tiny",
-    "tokenizer.train.max_bytes=400000",  # shared with the other CLI tests' cache
-    "tokenizer.train.vocab_size=512",
-    "data.train.prepare.builtin.n=32",
-    "strategy.init_from=null",
-    "strategy.num_generations=4",
-    "strategy.max_new_tokens=8",
-    "strategy.num_iterations=2",
-    "strategy.kl_coef=0.04",
-    "strategy.rewards=[{_target_: _rewards.length_mod3, _partial_: true}]",
-    "callbacks=default",
-    "callbacks.progress_bar=null",
-    "trainer.enable_model_summary=false",
-    "optim.lr=1e-2",
-]
 HERE_ENV = {"PYTHONPATH": str(Path(__file__).resolve().parent)}  # _callbacks and _rewards
 
 
@@ -301,7 +282,7 @@ def test_kill_between_iterations_resumes_bit_identical(tmp_path, data_dir):
     from train_helpers import checkpoint_differences, cli, run_dirs
 
     run = [
-        *CLI_RUN,
+        *TINY_GRPO_CLI,
         "data.batch_size=2",
         "callbacks.model_checkpoint.every_n_train_steps=1",
         "callbacks.model_checkpoint.save_top_k=-1",
@@ -345,7 +326,7 @@ def test_ddp_two_ranks_match_one_process_with_the_options(tmp_path, data_dir):
     from train_helpers import cli
 
     common = [
-        *CLI_RUN,
+        *TINY_GRPO_CLI,
         "name=grpo_ddp",
         "strategy.scale_rewards=batch",
         "strategy.top_entropy_quantile=0.5",

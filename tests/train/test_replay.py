@@ -15,6 +15,7 @@ from pathlib import Path
 import h5py
 import pytest
 import torch
+from grpo_helpers import TINY_GRPO_CLI
 from train_helpers import REPO, SMALL, TINY_MODEL, cli, run_dirs
 
 pytestmark = pytest.mark.slow
@@ -181,25 +182,11 @@ def test_a_resumed_run_keeps_one_row_per_step(tmp_path, data_dir):
 
 # ------------------------------------------------------------------ GRPO
 GRPO = [
-    "+experiment=tiny_grpo",
-    "model=tiny",
-    "tokenizer.train.max_bytes=400000",  # shared with the other CLI tests' cache
-    "tokenizer.train.vocab_size=512",
-    "data.train.prepare.builtin.n=32",
+    *TINY_GRPO_CLI,
     "data.batch_size=2",
-    "strategy.init_from=null",
-    "strategy.num_generations=4",
-    "strategy.max_new_tokens=8",
-    "strategy.num_iterations=2",
-    "strategy.kl_coef=0.04",
-    "strategy.rewards=[{_target_: _rewards.length_mod3, _partial_: true}]",
-    "callbacks=default",
-    "callbacks.progress_bar=null",
     "callbacks.model_checkpoint.every_n_train_steps=1",
     "callbacks.model_checkpoint.save_top_k=-1",
-    "trainer.enable_model_summary=false",
     "trainer.max_steps=3",
-    "optim.lr=1e-2",
     "ledger=true",
 ]
 
