@@ -9,8 +9,8 @@ behaviour log-probs, rewards, policy version, seed). `python -m astrai.train.rep
 step from the checkpoint before it and checks all of these (docs/exact-science.md).
 
 Digests are BLAKE2b-128 over the raw bytes, so equal digests mean bit-equal tensors. The
-weights digest reads every parameter once per step (for a 1B model about a second on a CPU);
-``digest_every_n_steps`` thins it.
+weights digest reads every parameter once per step (BLAKE2b hashes about 0.6 GB/s on one
+core: some 7 s per step for 1B fp32 parameters); ``digest_every_n_steps`` thins it.
 """
 
 from __future__ import annotations
