@@ -247,6 +247,13 @@ def serving(where: Path, plan: str, *settings: str) -> list[str]:
     ]
 
 
+def serving_threads() -> set[int]:
+    """The live server and engine-loop threads of this process (other tests of the session
+    may leave their own daemons: only the ones a run adds count)."""
+    names = ("astrai-http", "astrai-engine")
+    return {t.ident for t in threading.enumerate() if t.name in names and t.ident is not None}
+
+
 def port_closed(url: str) -> bool:
     parsed = urlparse(url)
     with socket.socket() as sock:
@@ -258,12 +265,14 @@ def port_closed(url: str) -> bool:
 def served(tmp_path_factory, data_dir, monkeypatch_module) -> tuple[Path, dict[str, Any]]:
     """A run that served PLAN (exports every step), and what its probe saw."""
     where = tmp_path_factory.mktemp("served")
+    before = serving_threads()
     run = train_run(
         where,
         data_dir,
         [*serving(where, "single"), "callbacks.export.every_n_train_steps=1"],
     )
-    return run, json.loads((where / "probe.json").read_text())
+    left = serving_threads() - before  # taken right after fit, before any reference server
+    return run, {**json.loads((where / "probe.json").read_text()), "threads_left": len(left)}
 
 
 @pytest.fixture(scope="module")
@@ -326,7 +335,7 @@ def test_requests_wait_for_the_step_and_match_astrai_serve_on_its_export(served)
     assert all(training for engine, training, val in calls if not engine and not val)
     # the server is down after fit: its port is closed and no server thread is left
     assert port_closed(seen["url"])
-    assert not [t.name for t in threading.enumerate() if t.name in ("astrai-http", "astrai-engine")]
+    assert seen["threads_left"] == 0
 
 
 def test_served_run_ends_with_the_same_weights_as_an_unserved_one(
@@ -384,13 +393,14 @@ def test_a_failing_step_stops_serving_and_refuses_the_waiting_requests(
     """An exception in step 2: the requests held by it get a 503 (not a hang), the port
     closes and no server or engine thread is left."""
     failing = [*serving(tmp_path, "busy"), "+callbacks.probe.fail_at=2"]
+    before = serving_threads()
     with pytest.raises(RuntimeError, match="probe: step 2 fails"):
         train_run(tmp_path, data_dir, failing)
     seen = json.loads((tmp_path / "probe.json").read_text())
     assert [r.get("status") for r in seen["steps"]["1"]["responses"]] == [None, None, 401]
     assert [r.get("status") for r in seen["steps"]["2"]["responses"]] == [503, 503, 503]
     assert port_closed(seen["url"])
-    assert not [t.name for t in threading.enumerate() if t.name in ("astrai-http", "astrai-engine")]
+    assert not serving_threads() - before
 
 
 def test_a_request_past_max_window_s_is_cut_short_and_training_goes_on(

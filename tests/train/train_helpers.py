@@ -33,8 +33,17 @@ def cli(
     args: list[str], *, timeout: float = 300, check: bool = True, env: dict | None = None
 ) -> subprocess.CompletedProcess:
     """`python -m astrai.train ARGS` in a subprocess (W&B offline, no network); `env` adds
-    variables to the current environment."""
-    full_env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", **(env or {})}
+    variables to the current environment. One torch thread unless the environment names a
+    count: the runs a test compares bit for bit must use the same count (a parallel
+    reduction's rounding depends on it), and the load-based default varies from run to run
+    on a busy machine."""
+    full_env = {
+        "OMP_NUM_THREADS": "1",
+        **os.environ,
+        "WANDB_MODE": "offline",
+        "HF_HUB_OFFLINE": "1",
+        **(env or {}),
+    }
     proc = subprocess.run(
         [sys.executable, "-m", "astrai.train", *args],
         cwd=REPO,
