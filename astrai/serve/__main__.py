@@ -36,6 +36,8 @@ _SETTINGS = (
     "tokenizer_threads",
     "request_timeout_s",
     "max_tokens_policy",
+    "tool_parser",
+    "reasoning_parser",
 )
 
 

@@ -7,6 +7,13 @@ from typing import Any
 from astrai.serve.errors import APIError, anthropic_error_body
 from astrai.serve.parsing import Event, TextDelta
 from astrai.serve.protocol import Choice, Prepared, RequestContext, ResponseBuilder, sse
+from astrai.serve.reasoning import (
+    ReasoningDelta,
+    after_reasoning,
+    check_reasoning_parser,
+    reasoning_for,
+    thinking_budget,
+)
 from astrai.serve.request import anthropic_params, render_prompt, stop_strings
 from astrai.serve.schemas import (
     AnthropicMessage,
@@ -18,6 +25,7 @@ from astrai.serve.schemas import (
 )
 from astrai.serve.settings import ServeSettings
 from astrai.serve.structured import tool_call_constraint
+from astrai.serve.tool_parsers import argument_fragments
 from astrai.tokenizer import AutoTokenizer
 
 _STOP = {
@@ -62,6 +70,26 @@ def _messages(m: AnthropicMessage) -> list[dict[str, Any]]:
     return out
 
 
+def _thinking(body: MessagesRequest) -> tuple[bool, int | None]:
+    """`thinking` -> (enabled, budget_tokens); budget_tokens is required when enabled and
+    must be less than `max_tokens` (Anthropic's rules; its minimum of 1024 is not kept)."""
+    t = body.thinking
+    if t is None or t.type == "disabled":
+        return False, None
+    if t.budget_tokens is None:
+        raise APIError(
+            400, "thinking.budget_tokens: required when type is enabled", param="thinking"
+        )
+    if t.budget_tokens >= body.max_tokens:
+        raise APIError(
+            400,
+            f"thinking.budget_tokens: must be less than max_tokens ({body.max_tokens}), "
+            f"got {t.budget_tokens}",
+            param="thinking",
+        )
+    return True, t.budget_tokens
+
+
 class AnthropicResponseBuilder(ResponseBuilder):
     id_prefix = "msg_"
     tool_id_prefix = "toolu_"
@@ -101,12 +129,27 @@ class AnthropicResponseBuilder(ResponseBuilder):
             functions = [t["function"] for t in tools]
             extra["structured"] = tool_call_constraint(functions, settings, tokenizer)
         field = given(body, "max_tokens")
+        thinking, budget = _thinking(body)
+        # The template's switch, set only where a reasoning parser reads the thinking.
+        parses = check_reasoning_parser(settings.reasoning_parser) is not None
+        kwargs = {"enable_thinking": thinking} if parses else None
+        prompt_ids = render_prompt(tokenizer, messages, tools, kwargs)
+        reasoning = reasoning_for(
+            settings.reasoning_parser, tokenizer, prompt_ids, enabled=thinking, budget=budget
+        )
+        if "structured" in extra:  # a forced call comes after the thinking
+            extra["structured"] = after_reasoning(extra["structured"], reasoning, tokenizer)
+        budget_cap = thinking_budget(reasoning, tokenizer)
+        if budget_cap:
+            extra["logits_processors"] = budget_cap
         return Prepared(
-            prompts=[render_prompt(tokenizer, messages, tools)],
+            prompts=[prompt_ids],
+            reasoning=reasoning,
             params=anthropic_params(body, settings, max_tokens_param=field, **extra),
             max_tokens_param=field,
             stops=stop_strings(body.stop_sequences),
             parse_tools=tools is not None,
+            tool_defs=[t["function"] for t in tools] if tools else None,
             stream=bool(body.stream),
             model=settings.model_name,  # the id /v1/models lists, whatever was asked
         )
@@ -150,8 +193,27 @@ class AnthropicResponseBuilder(ResponseBuilder):
             {"type": "content_block_delta", "index": index, "delta": delta}, "content_block_delta"
         )
 
+    def _close_thinking(self, ctx: RequestContext) -> list[str]:
+        """End the open thinking block: its (empty) signature, then content_block_stop."""
+        index = ctx.extra.pop("open_thinking", None)
+        if index is None:
+            return []
+        signature = {"type": "signature_delta", "signature": ""}
+        return [
+            self._delta(index, signature),
+            sse({"type": "content_block_stop", "index": index}, "content_block_stop"),
+        ]
+
     def format_chunk(self, ctx: RequestContext, choice: Choice, event: Event) -> list[str]:
         out: list[str] = []
+        if isinstance(event, ReasoningDelta):  # a thinking block, before any text block
+            if ctx.extra.get("open_thinking") is None:
+                block = {"type": "thinking", "thinking": "", "signature": ""}
+                ctx.extra["open_thinking"], start = self._open(ctx, block)
+                out.append(start)
+            delta = {"type": "thinking_delta", "thinking": event.text}
+            return [*out, self._delta(ctx.extra["open_thinking"], delta)]
+        out += self._close_thinking(ctx)
         if isinstance(event, TextDelta):
             if ctx.extra["open_text"] is None:
                 index, start = self._open(ctx, {"type": "text", "text": ""})
@@ -165,14 +227,15 @@ class AnthropicResponseBuilder(ResponseBuilder):
         block = {"type": "tool_use", "id": event.id, "name": event.name, "input": {}}
         index, start = self._open(ctx, block)
         out.append(start)
-        out.append(
-            self._delta(index, {"type": "input_json_delta", "partial_json": event.arguments})
-        )
+        out += [  # the arguments in fragments (they concatenate to the parsed call's JSON)
+            self._delta(index, {"type": "input_json_delta", "partial_json": piece})
+            for piece in argument_fragments(event.arguments)
+        ]
         out.append(sse({"type": "content_block_stop", "index": index}, "content_block_stop"))
         return out
 
     def format_choice_end(self, ctx: RequestContext, choice: Choice) -> list[str]:
-        out = self._close_text(ctx)
+        out = self._close_thinking(ctx) + self._close_text(ctx)
         if ctx.extra["blocks"] == 0:  # always at least one (empty) text block
             index, start = self._open(ctx, {"type": "text", "text": ""})
             out += [
@@ -199,7 +262,11 @@ class AnthropicResponseBuilder(ResponseBuilder):
     def format_response(self, ctx: RequestContext) -> dict[str, Any]:
         choice = ctx.choices[0]
         content: list[dict[str, Any]] = []
-        if choice.content or not choice.tool_calls:
+        if choice.reasoning:  # the signature is empty: nothing here verifies a thinking block
+            content.append(
+                {"type": "thinking", "thinking": choice.reasoning_content, "signature": ""}
+            )
+        if choice.content or not (choice.tool_calls or choice.reasoning):
             content.append({"type": "text", "text": choice.content})
         content += [
             {"type": "tool_use", "id": t.id, "name": t.name, "input": t.input}

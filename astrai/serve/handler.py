@@ -34,6 +34,7 @@ from astrai.serve.protocol import (
     ResponseBuilder,
     SafeJSONResponse,
 )
+from astrai.serve.reasoning import ReasoningDelta, with_reasoning
 from astrai.serve.refusals import bad_settings, ended, failed, refused
 from astrai.serve.state import ServerState
 
@@ -117,6 +118,7 @@ class ProtocolHandler:
         loop = asyncio.get_running_loop()
         post, put = self.engine.handoff.post, ctx.queue.put_nowait  # one wake-up per step
         fmt = self.state.tool_format if p.parse_tools else None
+        tool_parser = self.state.tool_parser if p.parse_tools else None
         seed = p.params.seed
         if len(p.prompts) > 1:  # a batch: every prompt passes the check before any is queued
             for prompt, ids in enumerate(p.prompts):
@@ -145,7 +147,10 @@ class ProtocolHandler:
                 self._cancel_all(ctx)
                 raise ended(p, prompt, ended_early[0])
             for i, result in enumerate(results, start=first):
-                parser = OutputParser(p.stops, fmt, self.builder.tool_id_prefix)
+                prefix = self.builder.tool_id_prefix
+                tools = None if tool_parser is None else tool_parser.new(p.tool_defs, prefix)
+                parser = OutputParser(p.stops, fmt, prefix, tool_parser=tools)
+                parser = with_reasoning(p.reasoning, parser)  # the reasoning is split off first
                 ctx.choices.append(Choice(i, result, parser, prompt_index=prompt))
                 # The engine's thread only wakes this loop (once per step); the text is
                 # decoded here, by `_events`, off the scheduler's critical path.
@@ -237,11 +242,11 @@ class ProtocolHandler:
     @staticmethod
     def _emit(out: list[tuple[Choice, Event | None]], choice: Choice, events: list[Event]) -> None:
         for ev in events:
-            if isinstance(ev, TextDelta):
-                choice.text.append(ev.text)
+            if isinstance(ev, TextDelta | ReasoningDelta):
+                (choice.text if isinstance(ev, TextDelta) else choice.reasoning).append(ev.text)
                 choice.chars += len(ev.text)
-                if out and out[-1][0] is choice and isinstance(out[-1][1], TextDelta):
-                    out[-1] = (choice, TextDelta(out[-1][1].text + ev.text))
+                if out and out[-1][0] is choice and type(out[-1][1]) is type(ev):
+                    out[-1] = (choice, type(ev)(out[-1][1].text + ev.text))
                     continue
             else:
                 choice.tool_calls.append(ev)

@@ -9,10 +9,17 @@ from astrai.serve.errors import APIError, openai_error_body
 from astrai.serve.logprobs import chat_entries, token_text
 from astrai.serve.parsing import Event, TextDelta
 from astrai.serve.protocol import Choice, Prepared, RequestContext, ResponseBuilder, sse
+from astrai.serve.reasoning import (
+    ReasoningDelta,
+    after_reasoning,
+    reasoning_for,
+    reasoning_tokens,
+)
 from astrai.serve.request import openai_params, or_default, render_prompt, stop_strings
 from astrai.serve.schemas import ChatCompletionRequest, ChatMessage, NamedToolChoice, given
 from astrai.serve.settings import ServeSettings
 from astrai.serve.structured import response_format_constraint, tool_call_constraint
+from astrai.serve.tool_parsers import argument_fragments
 from astrai.tokenizer import AutoTokenizer
 
 _FINISH = {
@@ -49,12 +56,16 @@ def _message(m: ChatMessage) -> dict[str, Any]:
     return out
 
 
-def usage(ctx: RequestContext) -> dict[str, int]:
-    return {
+def usage(ctx: RequestContext) -> dict[str, Any]:
+    out: dict[str, Any] = {
         "prompt_tokens": ctx.prompt_tokens,
         "completion_tokens": ctx.completion_tokens,
         "total_tokens": ctx.prompt_tokens + ctx.completion_tokens,
     }
+    if ctx.prepared.reasoning is not None:  # a reasoning parser split the thinking off
+        thinking = sum(reasoning_tokens(c) for c in ctx.choices)
+        out["completion_tokens_details"] = {"reasoning_tokens": thinking}
+    return out
 
 
 def top_logprobs(body: ChatCompletionRequest) -> int | None:
@@ -126,12 +137,18 @@ class OpenAIResponseBuilder(OpenAIStyleBuilder):
                 )
         if choice == "required" and not body.tools:
             raise APIError(400, "tool_choice: required needs tools", param="tool_choice")
-        prompt_ids = render_prompt(tokenizer, [_message(m) for m in body.messages], tools)
+        kwargs = body.chat_template_kwargs
+        prompt_ids = render_prompt(tokenizer, [_message(m) for m in body.messages], tools, kwargs)
+        thinking = (kwargs or {}).get("enable_thinking", True) is not False
+        reasoning = reasoning_for(
+            settings.reasoning_parser, tokenizer, prompt_ids, enabled=thinking
+        )
         extra: dict[str, Any] = {} if top is None else {"logprobs": top}
         structured = response_format_constraint(body.response_format, tokenizer)
         if tools and (choice == "required" or isinstance(choice, NamedToolChoice)):
             functions = [t["function"] for t in tools]
             structured = tool_call_constraint(functions, settings, tokenizer)
+        structured = after_reasoning(structured, reasoning, tokenizer)  # after the thinking
         if structured is not None:  # compiled already: a bad schema was a 400 naming it
             extra["structured"] = structured
         field = given(body, "max_completion_tokens", "max_tokens")
@@ -149,10 +166,12 @@ class OpenAIResponseBuilder(OpenAIStyleBuilder):
             n=or_default(body, "n"),
             stops=stop_strings(body.stop),
             parse_tools=tools is not None,
+            tool_defs=[t["function"] for t in tools] if tools else None,
             stream=bool(body.stream),
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
             model=settings.model_name,  # the id /v1/models lists, whatever was asked
             options={"tokens": token_text(tokenizer) if top is not None else None},
+            reasoning=reasoning,
         )
 
     # ------------------------------------------------------------------ streaming
@@ -190,6 +209,9 @@ class OpenAIResponseBuilder(OpenAIStyleBuilder):
 
     def format_chunk(self, ctx: RequestContext, choice: Choice, event: Event) -> list[str]:
         i = choice.index
+        if isinstance(event, ReasoningDelta):  # vLLM's field for the thinking
+            delta = {"reasoning_content": event.text}
+            return [self._chunk(ctx, [{"index": i, "delta": delta, "finish_reason": None}])]
         if isinstance(event, TextDelta):
             delta = {"content": event.text}
             part = {"index": i, "delta": delta, "finish_reason": None}
@@ -203,10 +225,15 @@ class OpenAIResponseBuilder(OpenAIStyleBuilder):
             "type": "function",
             "function": {"name": event.name, "arguments": ""},
         }
-        args = {"index": event.index, "function": {"arguments": event.arguments}}
+        # Then the arguments in fragments, as OpenAI streams them (a call is sent once it
+        # parsed, so the fragments always concatenate to valid JSON).
+        args = [
+            {"index": event.index, "function": {"arguments": piece}}
+            for piece in argument_fragments(event.arguments)
+        ]
         return [
             self._chunk(ctx, [{"index": i, "delta": {"tool_calls": [d]}, "finish_reason": None}])
-            for d in (head, args)
+            for d in (head, *args)
         ]
 
     def format_choice_end(self, ctx: RequestContext, choice: Choice) -> list[str]:
@@ -222,6 +249,8 @@ class OpenAIResponseBuilder(OpenAIStyleBuilder):
         choices = []
         for c in ctx.choices:
             message: dict[str, Any] = {"role": "assistant", "content": c.content}
+            if ctx.prepared.reasoning is not None:
+                message["reasoning_content"] = c.reasoning_content or None
             if c.tool_calls:
                 message["content"] = c.content or None
                 message["tool_calls"] = [

@@ -40,7 +40,7 @@ class ToolCall:
 Event = TextDelta | ToolCall
 
 
-def _held_suffix(text: str, patterns: Sequence[str]) -> int:
+def held_suffix(text: str, patterns: Sequence[str]) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of some pattern."""
     best = 0
     for p in patterns:
@@ -76,7 +76,7 @@ class StopMatcher:
             self.matched = hit[2]
             self._buf = ""
             return buf[: hit[0]]
-        k = _held_suffix(buf, self.stops)
+        k = held_suffix(buf, self.stops)
         self._buf = buf[len(buf) - k :] if k else ""
         return buf[: len(buf) - k]
 
@@ -137,6 +137,16 @@ def parse_tool_call(body: str) -> tuple[str, str] | None:
     return obj["name"], json.dumps(args, ensure_ascii=False)
 
 
+def emit_text(held: str, text: str, out: list[Event]) -> str:
+    """Append ``held + text`` to ``out`` as a `TextDelta`, all but its trailing whitespace,
+    which is returned to be held back (between two tool calls it is not content)."""
+    text = held + text
+    stripped = text.rstrip()
+    if stripped:
+        out.append(TextDelta(stripped))
+    return text[len(stripped) :]
+
+
 @dataclass
 class ToolCallParser:
     """Splits text deltas into plain text and complete tool calls."""
@@ -175,17 +185,13 @@ class ToolCallParser:
                 self._buf = self._buf[i + len(self.fmt.start) :]
                 self._inside = True
                 continue
-            k = _held_suffix(self._buf, [self.fmt.start])
+            k = held_suffix(self._buf, [self.fmt.start])
             ready, self._buf = self._buf[: len(self._buf) - k], self._buf[len(self._buf) - k :]
             self._text(ready, out)
             return out
 
     def _text(self, text: str, out: list[Event]) -> None:
-        text = self._ws + text
-        stripped = text.rstrip()
-        self._ws = text[len(stripped) :]
-        if stripped:
-            out.append(TextDelta(stripped))
+        self._ws = emit_text(self._ws, text, out)
 
     def flush(self) -> list[Event]:
         """End of generation: an unclosed call is returned as text."""
@@ -207,9 +213,14 @@ class OutputParser:
         stops: Sequence[str] = (),
         tool_format: ToolCallFormat | None = None,
         id_prefix: str = "call_",
+        tool_parser: Any = None,
     ) -> None:
+        """`tool_parser`: a ready parser with `feed`/`flush`/`calls` (one of
+        `astrai.serve.tool_parsers`); it takes the place of `tool_format`'s."""
         self.stop = StopMatcher(stops)
-        self.tools = ToolCallParser(tool_format, id_prefix) if tool_format else None
+        self.tools = tool_parser or (
+            ToolCallParser(tool_format, id_prefix) if tool_format else None
+        )
 
     @property
     def matched_stop(self) -> str | None:

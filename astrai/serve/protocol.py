@@ -49,12 +49,14 @@ class Prepared:
     n: int = 1
     stops: list[str] = field(default_factory=list)
     parse_tools: bool = False
+    tool_defs: list[dict[str, Any]] | None = None  # the rendered tools' `function`s
     stream: bool = False
     include_usage: bool = False
     model: str = "astrai"
     prompt_param: str = "messages"
     max_tokens_param: str | None = None
     options: dict[str, Any] = field(default_factory=dict)
+    reasoning: Any = None  # astrai.serve.reasoning.Reasoning: split the thinking off
 
 
 @dataclass
@@ -74,11 +76,12 @@ class Choice:
     parser: OutputParser
     prompt_index: int = 0
     text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)  # the thinking (reasoning parser)
     tool_calls: list[ToolCall] = field(default_factory=list)
     finish_reason: str | None = None
     stop_sequence: str | None = None
     error: str | None = None
-    chars: int = 0  # length of `content`
+    chars: int = 0  # length of `content` (and of `reasoning`) emitted
     marks: list[tuple[int, int]] = field(default_factory=list)
     token_end: int | None = None
     tokens_sent: int = 0
@@ -94,6 +97,10 @@ class Choice:
     @property
     def content(self) -> str:
         return "".join(self.text)
+
+    @property
+    def reasoning_content(self) -> str:
+        return "".join(self.reasoning)
 
     @property
     def output_tokens(self) -> int:

@@ -20,14 +20,27 @@ from astrai.serve.schemas import ChatCompletionRequest, CompletionRequest, Messa
 from astrai.serve.settings import ServeSettings
 from astrai.tokenizer import AutoTokenizer
 
+_RESERVED = ("messages", "tools", "add_generation_prompt", "tokenize")
+
 
 def render_prompt(
-    tokenizer: AutoTokenizer, messages: list[dict[str, Any]], tools: list[dict] | None
+    tokenizer: AutoTokenizer,
+    messages: list[dict[str, Any]],
+    tools: list[dict] | None,
+    extra: dict[str, Any] | None = None,
 ) -> list[int]:
-    """Chat template -> ids; template failures are the client's input, so a 400."""
+    """Chat template -> ids; template failures are the client's input, so a 400. `extra`:
+    more template variables (`chat_template_kwargs`, e.g. `enable_thinking`)."""
+    clash = sorted(set(extra or ()) & set(_RESERVED))
+    if clash:
+        raise APIError(
+            400,
+            f"chat_template_kwargs: cannot set {', '.join(clash)}",
+            param="chat_template_kwargs",
+        )
     try:
         ids = tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=True, tokenize=True
+            messages, tools=tools, add_generation_prompt=True, tokenize=True, **(extra or {})
         )
     except (ValueError, TypeError) as err:
         raise APIError(400, f"cannot render the conversation: {err}", param="messages") from err

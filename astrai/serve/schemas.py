@@ -120,6 +120,7 @@ class ChatCompletionRequest(_Body):
     tools: list[OpenAITool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = "auto"
     response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # template variables (enable_thinking)
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
@@ -177,8 +178,25 @@ class AnthropicToolResult(_Body):
     is_error: bool | None = None
 
 
+class AnthropicThinkingBlock(_Body):
+    """A `thinking` / `redacted_thinking` block sent back in the history (not rendered)."""
+
+    type: Literal["thinking", "redacted_thinking"]
+    thinking: str | None = None
+    signature: str | None = None
+    data: str | None = None
+
+
+class AnthropicThinking(_Body):
+    """`thinking`: `{"type": "enabled", "budget_tokens": n}` or `{"type": "disabled"}`."""
+
+    type: Literal["enabled", "disabled"]
+    budget_tokens: Annotated[int, Field(ge=1)] | None = None
+
+
 AnthropicBlock = Annotated[
-    AnthropicText | AnthropicToolUse | AnthropicToolResult, Field(discriminator="type")
+    AnthropicText | AnthropicToolUse | AnthropicToolResult | AnthropicThinkingBlock,
+    Field(discriminator="type"),
 ]
 
 
@@ -210,6 +228,7 @@ class MessagesRequest(_Body):
     stop_sequences: Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
+    thinking: AnthropicThinking | None = None
 
 
 class CountTokensRequest(_Body):
@@ -220,6 +239,7 @@ class CountTokensRequest(_Body):
     system: str | list[AnthropicText] | None = None
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
+    thinking: AnthropicThinking | None = None
 
     def as_messages_request(self) -> MessagesRequest:
         """The Messages request whose prompt this counts."""

@@ -13,7 +13,10 @@ class ServeSettings:
 
     `tool_call_format`: ``"hermes"`` (``<tool_call>{json}</tool_call>``, our chat
     template's format), ``"START|END"`` for other tags, or ``"none"`` to never parse tool
-    calls. `disconnect_poll_s`: how often a non-streaming request checks that its client
+    calls. `tool_parser` (vLLM's names; wins over `tool_call_format` when set):
+    ``hermes``, ``llama3_json``, ``mistral``, ``pythonic``, ``qwen3_coder``, ``auto``
+    (chosen from the model's chat template) or ``none`` (`astrai.serve.tool_parsers`).
+    `disconnect_poll_s`: how often a non-streaming request checks that its client
     is still there. A cap on prompt tokens is the engine's (`InferenceEngine(...,
     max_prompt_tokens=)`, the one prompt check): `python -m astrai.serve` passes its
     `max_prompt_tokens` there.
@@ -34,6 +37,7 @@ class ServeSettings:
     model_name: str = "astrai"
     api_key: str | None = None
     tool_call_format: str = "hermes"
+    tool_parser: str | None = None
     retry_after_s: int = 1
     disconnect_poll_s: float = 0.5
     max_body_bytes: int = 4 * 1024 * 1024
@@ -41,6 +45,20 @@ class ServeSettings:
     tokenizer_threads: int = 2
     request_timeout_s: float | None = 300.0
     max_tokens_policy: str = "error"
+    # qwen3 | deepseek_r1 | auto (from the chat template) | none: astrai.serve.reasoning
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         check_choice("max_tokens_policy", self.max_tokens_policy, MAX_TOKENS_POLICIES)
+        from astrai.serve.reasoning import check_reasoning_parser
+
+        check_reasoning_parser(self.reasoning_parser)  # a ValueError naming its choices
+        if self.tool_parser is not None:
+            from astrai.serve.tool_parsers import resolve
+
+            resolve(self.tool_parser)  # a ValueError naming tool_parser and its choices
+
+    @property
+    def tool_parser_spec(self) -> str:
+        """The effective tool-call format: `tool_parser`, else `tool_call_format`."""
+        return self.tool_call_format if self.tool_parser is None else self.tool_parser

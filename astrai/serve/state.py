@@ -13,6 +13,7 @@ from astrai.serve.errors import APIError
 from astrai.serve.parsing import ToolCallFormat
 from astrai.serve.protocol import RequestContext
 from astrai.serve.settings import ServeSettings
+from astrai.serve.tool_parsers import resolve as resolve_tool_parser
 
 if TYPE_CHECKING:
     from astrai.inference import InferenceEngine
@@ -37,6 +38,10 @@ class ServerState:
         self.reward = reward  # POST /v1/score's reward model (astrai.serve.score), if loaded
         self.settings = settings
         self.tool_format = tool_format
+        # The format tool calls are parsed in (`tool_parser=auto`: the chat template's).
+        self.tool_parser = resolve_tool_parser(
+            settings.tool_parser_spec, getattr(engine.tokenizer, "chat_template", None)
+        )
         self.draining = False
         self.inflight: set[RequestContext] = set()
         self.requests_total = 0

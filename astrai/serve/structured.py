@@ -17,9 +17,9 @@ from typing import Any
 from astrai.inference.grammar import grammar_compiler
 from astrai.inference.structured import StructuredOutput
 from astrai.serve.errors import APIError
-from astrai.serve.parsing import tool_call_format
 from astrai.serve.schemas import ResponseFormat
 from astrai.serve.settings import ServeSettings
+from astrai.serve.tool_parsers import resolve as resolve_tool_parser
 from astrai.tokenizer import AutoTokenizer
 
 
@@ -47,16 +47,17 @@ def tool_call_constraint(
 ) -> StructuredOutput:
     """One call of one of `tools` (`{"name", "parameters"}`) in the server's tool-call
     format; a 400 naming `tools` if a parameters schema does not compile."""
-    fmt = tool_call_format(settings.tool_call_format)
-    if fmt is None:
+    parser = resolve_tool_parser(settings.tool_parser_spec, tokenizer.chat_template)
+    if parser is None:
         raise APIError(
             400,
             "tool_choice: cannot force a tool call, the server parses none "
-            "(tool_call_format is none)",
+            "(tool_parser / tool_call_format is none)",
             param="tool_choice",
         )
+    start, end = parser.forced  # the parser's tags around a JSON call, which it reads back
     return _compiled(
-        lambda: StructuredOutput.tool_call(tools, start=fmt.start, end=fmt.end, field="tools"),
+        lambda: StructuredOutput.tool_call(tools, start=start, end=end, field="tools"),
         tokenizer,
         "tools",
     )

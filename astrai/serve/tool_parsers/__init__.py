@@ -1,0 +1,99 @@
+"""Tool-call parsers, one per output format, chosen by `tool_parser=` (vLLM's names).
+
+| name          | model families                                  | a call looks like                         |
+|---------------|-------------------------------------------------|-------------------------------------------|
+| `hermes`      | Hermes 2/3, Qwen2.5, Qwen3, astrai's template   | `<tool_call>{"name", "arguments"}</tool_call>` |
+| `llama3_json` | Llama 3.1 / 3.2 / 3.3 (JSON templates)          | `<|python_tag|>{"name", "parameters"}`    |
+| `mistral`     | Mistral 7B v0.3, Mixtral, Nemo, Small           | `[TOOL_CALLS][{"name", "arguments"}]`     |
+| `pythonic`    | Llama 3.2 1B/3B, Llama 4 (pythonic templates)   | `[get_weather(city="Paris")]`             |
+| `qwen3_coder` | Qwen3-Coder                                      | `<tool_call><function=f><parameter=p>...` |
+
+`auto` picks by the chat template's text (`detect`), falling back to hermes; `none`
+parses no calls. `resolve` turns the setting into a `ToolParserChoice`, whose `new` makes
+the per-choice parser (`ToolParser`, base.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from astrai.serve.tool_parsers.base import ToolParser, argument_fragments
+from astrai.serve.tool_parsers.hermes import HermesToolParser, tagged_parser
+from astrai.serve.tool_parsers.llama3_json import Llama3JsonToolParser
+from astrai.serve.tool_parsers.mistral import MistralToolParser
+from astrai.serve.tool_parsers.pythonic import PythonicToolParser
+from astrai.serve.tool_parsers.qwen3_coder import Qwen3CoderToolParser
+
+__all__ = [
+    "TOOL_PARSERS",
+    "TOOL_PARSER_CHOICES",
+    "ToolParser",
+    "ToolParserChoice",
+    "argument_fragments",
+    "detect",
+    "resolve",
+]
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    p.name: p
+    for p in (
+        HermesToolParser,
+        Llama3JsonToolParser,
+        MistralToolParser,
+        PythonicToolParser,
+        Qwen3CoderToolParser,
+    )
+}
+TOOL_PARSER_CHOICES: tuple[str, ...] = (*TOOL_PARSERS, "auto", "none")
+
+# `auto`: the most specific markers first (a qwen3_coder template also has <tool_call>).
+_DETECT_ORDER = ("pythonic", "qwen3_coder", "mistral", "llama3_json", "hermes")
+
+
+@dataclass(frozen=True)
+class ToolParserChoice:
+    """The server's tool-call format: `new(tools, id_prefix)` makes one choice's parser."""
+
+    cls: type[ToolParser]
+
+    @property
+    def name(self) -> str:
+        return self.cls.name
+
+    @property
+    def forced(self) -> tuple[str, str]:
+        """The tags around the JSON call a forced `tool_choice` grammar writes."""
+        return self.cls.forced
+
+    def new(
+        self, tools: Sequence[Mapping[str, Any]] | None = None, id_prefix: str = "call_"
+    ) -> ToolParser:
+        return self.cls(tools, id_prefix)
+
+
+def detect(template: str | None) -> str:
+    """The parser a chat template's text calls for (`hermes` when nothing matches)."""
+    for name in _DETECT_ORDER:
+        if template and any(m in template for m in TOOL_PARSERS[name].markers):
+            return name
+    return "hermes"
+
+
+def resolve(spec: str | None, template: str | None = None) -> ToolParserChoice | None:
+    """`tool_parser=` (or a legacy `tool_call_format` "START|END") -> a choice; None for
+    `none`. A ValueError naming `tool_parser` and the choices for anything else."""
+    if spec is None or spec in ("", "none", "off"):
+        return None
+    if spec == "auto":
+        spec = detect(template)
+    if spec in TOOL_PARSERS:
+        return ToolParserChoice(TOOL_PARSERS[spec])
+    start, sep, end = spec.partition("|")
+    if sep and start and end:
+        return ToolParserChoice(tagged_parser(start, end))
+    raise ValueError(
+        f"tool_parser must be one of {', '.join(TOOL_PARSER_CHOICES)} "
+        f"(or 'START|END' tags for a hermes-style format); got {spec!r}"
+    )
