@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from astrai.eval.paired import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, compare_samples
+from astrai.eval.report import write_json
 from astrai.eval.suite import Suite, SuiteResult
 from astrai.model.directory import model_dir_problem
 
@@ -195,16 +196,6 @@ def format_comparison(
         + "\n\nthe suites' figures\n"
         + _table(figures, 2)
     )
-
-
-def write_json(path: str | os.PathLike, data: Mapping[str, Any]) -> Path:
-    """`data` as JSON, atomically (a temporary file, then a rename), as `write_results`."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False, default=str) + "\n")
-    os.replace(tmp, path)
-    return path
 
 
 def _context_cap(model_dir: Path) -> int | None:

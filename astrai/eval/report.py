@@ -10,7 +10,7 @@ from typing import Any
 
 from astrai.eval.suite import SuiteResult
 
-__all__ = ["format_table", "results_dict", "write_results"]
+__all__ = ["format_table", "results_dict", "write_json", "write_results"]
 
 
 def _value(value: float) -> str:
@@ -48,11 +48,16 @@ def write_results(
     samples: bool = True,
     meta: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Write :func:`results_dict` as JSON atomically (a temporary file, then a rename)."""
+    """Write :func:`results_dict` as JSON atomically (:func:`write_json`)."""
+    return write_json(path, results_dict(results, samples=samples, meta=meta))
+
+
+def write_json(path: str | os.PathLike, data: Any) -> Path:
+    """`data` as JSON, atomically (a temporary file, then a rename): an interrupted write
+    leaves the previous file whole."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    data = results_dict(results, samples=samples, meta=meta)
     tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False, default=str) + "\n")
     os.replace(tmp, path)
     return path

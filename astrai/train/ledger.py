@@ -230,11 +230,14 @@ class StepLedger(Callback):
         step = int(trainer.global_step)
         if step <= self.recorded_step:  # accumulating: the optimizer has not stepped yet
             return
-        record = self.step_record(trainer, pl_module, step)
-        if self.file is not None:
-            self.file.append_step(record)
+        self.step_ended(trainer, step, self.step_record(trainer, pl_module, step))
         self.recorded_step = step
         self.micro_loss, self.batches = [], []
+
+    def step_ended(self, trainer: L.Trainer, step: int, record: dict[str, Any]) -> None:
+        """What becomes of a finished step's row: rank 0 appends it (a replay compares it)."""
+        if self.file is not None:
+            self.file.append_step(record)
 
     def step_record(
         self, trainer: L.Trainer, pl_module: L.LightningModule, step: int

@@ -16,9 +16,7 @@ changed file is refused, naming it. Replay runs one process with the run's threa
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import sys
 import tempfile
 import warnings
@@ -131,22 +129,12 @@ def replay_callback(ledger: Any, until: int, checks: list[StepCheck]) -> Any:
 
                 pl_module.replay_samples = samples
 
-        def on_train_batch_end(
-            self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
-        ) -> None:
-            loss = outputs["loss"] if isinstance(outputs, Mapping) else outputs
-            self.micro_loss.append(float(loss.detach().double()))
-            step = int(trainer.global_step)
-            if step <= self.recorded_step:
-                return
-            replayed = self.step_record(trainer, pl_module, step)
-            check = StepCheck(step, ledger.step(step), replayed)
+        def step_ended(self, trainer: Any, step: int, record: dict[str, Any]) -> None:
+            check = StepCheck(step, ledger.step(step), record)
             checks.append(check)
             log.info("step %d: %s", step, "agrees" if check.ok else f"differs: {check.mismatches}")
             if "batch_digest" in check.mismatches or "sample_ids" in check.mismatches:
                 trainer.should_stop = True
-            self.recorded_step = step
-            self.micro_loss, self.batches = [], []
             if step >= until:
                 trainer.should_stop = True
 
@@ -310,11 +298,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"astrai.train.replay: {err}") from None
     print(format_checks(checks))
     if "out" in args:
-        out = Path(args["out"])
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(f".{out.name}.tmp")
-        tmp.write_text(json.dumps([c.to_dict() for c in checks], indent=2) + "\n")
-        os.replace(tmp, out)
+        from astrai.eval.report import write_json
+
+        write_json(args["out"], [c.to_dict() for c in checks])
     wanted = set(range(args["step"], (args.get("until") or args["step"]) + 1))
     done = {c.step for c in checks if c.ok}
     return 0 if wanted <= done and all(c.ok for c in checks) else 1

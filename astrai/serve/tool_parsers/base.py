@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import secrets
+from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -21,7 +22,7 @@ from astrai.serve.parsing import Event, TextDelta, ToolCall, emit_text, held_suf
 Parsed = list[tuple[str, Any]]  # (name, arguments) pairs; arguments checked later
 
 
-class ToolParser:
+class ToolParser(ABC):
     """Cuts tool-call spans out of a stream of text deltas (subclass per format).
 
     Class attributes: `name` (the `tool_parser=` value), `markers` (substrings of a chat
@@ -54,9 +55,9 @@ class ToolParser:
         self._ws = ""  # trailing whitespace held back: before a call it is not content
 
     # ------------------------------------------------------------------ the format
+    @abstractmethod
     def parse(self, body: str) -> Parsed | None:
         """A span's body (between its start and end) -> calls, or None if it is no call."""
-        raise NotImplementedError
 
     def parameters(self, name: str) -> Mapping[str, Any]:
         """The JSON schema of tool `name`'s parameters (`{}` if unknown)."""
