@@ -15,8 +15,9 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import threading
-from collections.abc import AsyncGenerator, Callable, Generator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Generator, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -24,6 +25,13 @@ from tqdm.auto import tqdm
 
 from astrai.extension import BackendUnavailable, selected_backend
 from astrai.extension.omp import release_idle_team
+from astrai.inference.adapters import (
+    AdapterError,
+    AdapterInfo,
+    AdapterNotFound,
+    EngineAdapters,
+    LoRASettings,
+)
 from astrai.inference.batch import BatchResult, batch_output, group_tasks, single
 from astrai.inference.cache import PagePool
 from astrai.inference.grammar import grammar_compiler
@@ -90,7 +98,10 @@ class InferenceEngine:
     server's cap, applied by the one prompt check every caller goes through.
     `packed_projections`: q/k/v and gate/up as one product each, and on the fp32 CPU every
     matmul from oneDNN-prepacked weights: copies kept in step with the model's, which
-    `astrai.model.packed` sizes (False saves that memory).
+    `astrai.model.packed` sizes (False saves that memory). `lora` (`LoRASettings` or its
+    fields): serve LoRA adapters over the model, picked per request by
+    `SamplingParams.adapter` (`load_adapter`; `astrai.inference.adapters`); a model that
+    carries a training run's adapters (`inject_lora`) serves them this way by default.
     """
 
     def __init__(
@@ -112,6 +123,7 @@ class InferenceEngine:
         stream_interval: float = 0.005,
         max_prompt_tokens: int | None = None,
         packed_projections: bool = True,
+        lora: LoRASettings | Mapping[str, Any] | None = None,
         start: bool = True,
     ) -> None:
         # No .eval() here: GRPO shares the live policy module, whose mode Lightning owns. The
@@ -141,6 +153,8 @@ class InferenceEngine:
             enable_radix=prefix_cache,
         )
         self.handoff = Handoff(stream_interval)
+        self.adapters = EngineAdapters.build(model, lora)  # None: no adapters
+        slots = None if self.adapters is None else self.adapters.slots
         self.scheduler = InferenceScheduler(
             self.pool,
             vocab_size=cfg.vocab_size,
@@ -149,6 +163,7 @@ class InferenceEngine:
             stop_ids=tokenizer.stop_ids,
             max_queue=max_queue,
             max_prompt_tokens=max_prompt_tokens,
+            adapters=slots,
         )
         self.runner = ModelRunner(
             model,
@@ -157,6 +172,7 @@ class InferenceEngine:
             decode_graphs=decode_graphs,
             logprob_chunk=logprob_chunk,
             grammar=grammar_compiler(tokenizer),
+            adapters=slots,
         )
         self._closed = False
         self._stop = threading.Event()
@@ -308,6 +324,30 @@ class InferenceEngine:
             self.scheduler.cleanup()
         if self.packed_projections:
             release_projections(self.model)  # the last engine on this model drops the packs
+        if self.adapters is not None:
+            self.adapters.slots.detach()
+
+    # ------------------------------------------------------------------ LoRA adapters
+    @property
+    def lora_enabled(self) -> bool:
+        return self.adapters is not None
+
+    def load_adapter(self, name: str, path: str | os.PathLike) -> AdapterInfo:
+        """Register the PEFT-layout adapter at `path` (ours or PEFT's) as `name`, while
+        serving; an `AdapterError` names the file and the limit it breaks."""
+        return self._adapters().load(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        """Forget adapter `name`; `AdapterInUse` while queued or running requests use it."""
+        self._adapters().unload(name, self.scheduler.uses_adapter)
+
+    def list_adapters(self) -> list[AdapterInfo]:
+        return [] if self.adapters is None else self.adapters.list()
+
+    def _adapters(self) -> EngineAdapters:
+        if self.adapters is None:
+            raise AdapterError("this engine serves no LoRA adapters: start it with lora=...")
+        return self.adapters
 
     def __enter__(self) -> InferenceEngine:
         return self
@@ -339,6 +379,13 @@ class InferenceEngine:
         (`InferenceScheduler.problem`).
         """
         params.validate(vocab_size=self.vocab_size)
+        if params.adapter is not None:
+            if self.adapters is None:
+                raise AdapterNotFound(
+                    f"adapter {params.adapter!r}: this engine serves no LoRA adapters "
+                    "(start it with lora=..., engine.lora in the config)"
+                )
+            self.adapters.resolve(params.adapter)  # AdapterNotFound names it
         if params.structured is not None:  # compiled (and cached) now: a bad one is a 400
             grammar_compiler(self.tokenizer).compile(params.structured)
         problem = self.scheduler.problem(prompt_ids, params)
@@ -346,10 +393,20 @@ class InferenceEngine:
             raise RequestRejected(problem)
 
     def _queue(self, tasks: Sequence[Task], rejection: str | Rejection | None) -> None:
-        """Queue the tasks of one prompt as a group, or reject them all with `rejection`."""
-        if rejection is None:
-            self.scheduler.submit_group(tasks)
-            return
+        """Queue the tasks of one prompt as a group, or reject them all with `rejection`;
+        with their adapter, resolved under the registry's lock (no unload in between)."""
+        with self.adapters.lock if self.adapters is not None else contextlib.nullcontext():
+            if rejection is None and self.adapters is not None:
+                try:
+                    adapter = self.adapters.resolve(tasks[0].params.adapter)
+                except AdapterNotFound as err:  # unloaded since the request was checked
+                    rejection = Rejection(str(err), param="adapter")
+                else:
+                    for task in tasks:
+                        task.adapter = adapter
+            if rejection is None:
+                self.scheduler.submit_group(tasks)
+                return
         for task in tasks:
             self.scheduler.reject(task, rejection)
 
@@ -596,5 +653,12 @@ class InferenceEngine:
     ) -> int:
         """Apply `fn` (e.g. copy new weights in) with the loop paused; advance the policy
         version to `version` (default: current + 1; an explicit one must be greater)."""
+
+        def apply() -> None:
+            if fn is not None:
+                fn()
+            if self.adapters is not None:  # a training run's live adapter: its new tensors
+                self.adapters.refresh_live()
+
         with self._paused():
-            return self.scheduler.apply_weight_update(version, fn or (lambda: None))
+            return self.scheduler.apply_weight_update(version, apply)

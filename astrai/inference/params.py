@@ -101,7 +101,9 @@ class SamplingParams:
     allows `max_tokens=0`), `prompt_logprobs_start`: `logprobs.py`; `logits_processors`:
     `processors.py`; `structured`: `structured.py`. `n` (vLLM's name): completions of the
     prompt, one group whose samples share its prefill; with a seed, sample `j` draws with
-    `seed + j` (`InferenceEngine.submit_group`, `run_batch`). Frozen (batches reuse).
+    `seed + j` (`InferenceEngine.submit_group`, `run_batch`). `adapter`: the name of a LoRA
+    adapter the engine has loaded (`astrai.inference.adapters`; None: the base model, or a
+    training run's live adapter). Frozen (batches reuse).
     """
 
     temperature: float = 1.0
@@ -123,6 +125,7 @@ class SamplingParams:
     logits_processors: Sequence[LogitsProcessor] = ()
     structured: StructuredOutput | None = None
     n: int = 1
+    adapter: str | None = None
 
     def __post_init__(self) -> None:
         stops = self.stop_ids
@@ -166,6 +169,8 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         _check_stop_ids(self.stop_ids, vocab_size)
         check_choice("max_tokens_policy", self.max_tokens_policy, MAX_TOKENS_POLICIES)
+        if self.adapter is not None and not (isinstance(self.adapter, str) and self.adapter):
+            raise ValueError(f"adapter must be None or an adapter's name, got {self.adapter!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(
                 f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}"

@@ -7,6 +7,8 @@ fixed-address workspace; when the decoding rows are the same as last step, their
 tokens are last step's samples, copied device-to-device instead of through the host.
 A plan with prompt log-prob rows runs eagerly through `Transformer.hidden_packed` and
 scores them in slices (`astrai.inference.logprobs`); the sampling rows keep the cheap path.
+A plan with rows of LoRA adapters runs eagerly with each token's adapter slot set for the
+adapted projections (`astrai.inference.adapters`); captured graphs serve base-only steps.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import NamedTuple
 import torch
 
 from astrai.extension import attn_backend
+from astrai.inference.adapters import AdapterSlots
 from astrai.inference.cache import PagePool
 from astrai.inference.constrain import GrammarRows
 from astrai.inference.grammar import GrammarCompiler
@@ -77,6 +80,7 @@ class ModelRunner:
         decode_graphs: bool | str | None = None,
         logprob_chunk: int = 512,
         grammar: GrammarCompiler | None = None,
+        adapters: AdapterSlots | None = None,
     ) -> None:
         if (
             isinstance(logprob_chunk, bool)
@@ -102,6 +106,7 @@ class ModelRunner:
         )
         self._sampling = SamplingBatchCache()
         self.grammar_rows = GrammarRows(grammar)
+        self.adapters = adapters
 
     def _build_graphs(self, mode: bool | str | None, batch: int) -> None:
         """CUDA graphs for decode by default on CUDA; `"stand-in"` for CPU tests; False: eager."""
@@ -171,7 +176,8 @@ class ModelRunner:
         the prompt log-probs of the plan (None when no row asks)."""
         graphs = self.graph_runner
         padded = None
-        if graphs is not None and plan.decode_only:
+        adapted = self.adapters is not None and any(t.adapter_slot >= 0 for t in plan.tasks)
+        if graphs is not None and plan.decode_only and not adapted:
             padded = graphs.padded_size(len(plan.rows))
         if padded is not None:  # pure decode: replay a captured graph on the workspace
             refresh_packs(self.model)  # a replay runs no Python to check them itself
@@ -187,6 +193,18 @@ class ModelRunner:
             return graphs.run(padded, len(plan.rows)), True, None
         if self.workspace is not None:
             self.workspace.last_rows = None
+        if not adapted:
+            return self._eager(plan)
+        step = self.adapters.step
+        step.batch = self.adapters.batch(
+            [t.adapter_slot for t, q in zip(plan.tasks, plan.q_lens) for _ in range(q)]
+        )
+        try:
+            return self._eager(plan)
+        finally:
+            step.batch = None
+
+    def _eager(self, plan: StepPlan) -> tuple[torch.Tensor, bool, list[PromptScores] | None]:
         kv_cache = self.pool.bind_tasks(plan.rows, plan.seq_lens, plan.q_lens)
         ends = torch.tensor(plan.q_lens).cumsum(0) - 1
         ids = torch.tensor(plan.token_ids, dtype=torch.int64, device=self.device)

@@ -36,6 +36,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from astrai.inference.adapters import AdapterSlots
+from astrai.inference.admission import prompt_problem
 from astrai.inference.cache import PagePool
 from astrai.inference.groups import HeldFollowers
 from astrai.inference.logprobs import PromptScores, TopLogprobs
@@ -85,6 +87,7 @@ class InferenceScheduler:
         stop_ids: Sequence[int] = (),
         max_queue: int | None = None,
         max_prompt_tokens: int | None = None,
+        adapters: AdapterSlots | None = None,
     ) -> None:
         if max_prefill_tokens <= 0:
             raise ValueError(f"max_prefill_tokens must be positive, got {max_prefill_tokens}")
@@ -98,6 +101,9 @@ class InferenceScheduler:
         self.max_queue = max_queue
         self.max_prompt_tokens = max_prompt_tokens
         self.policy_version = 0
+        # LoRA adapter slots (`astrai.inference.adapters`): a request holds its adapter's
+        # slot from admission to its end; None: the engine serves no adapters.
+        self.adapter_slots = adapters
         # Set by `fail_all` (the loop crashed): every new request is rejected with it.
         self.failure: str | None = None
         # Set whenever there is new work (a submission, a cancellation) for an idle loop.
@@ -128,69 +134,16 @@ class InferenceScheduler:
         return bool(self._waiting or self._running or len(self._held))
 
     def problem(self, prompt_ids: Sequence[int], params: SamplingParams) -> Rejection | None:
-        """Why a request with valid `params` can never run (None: it can).
-
-        The one prompt check of every caller (the HTTP server's, batch generation's,
-        evaluation's, offline use). `param` tags the setting at fault, for callers that answer
-        in their own field names: ``"prompt"`` (empty, longer than the context or than
-        `max_prompt_tokens`, ids outside the vocabulary), ``"max_tokens"`` (not positive; or,
-        with `max_tokens_policy="error"`, prompt + `max_tokens` beyond the context: with
-        "clamp" generation stops when the context is full), ``"prompt_logprobs_start"``
-        (nothing left to score); None: the engine has failed.
-        """
-        n = len(prompt_ids)
-        if not n:
-            return Rejection("empty prompt", param="prompt")
-        scoring = params.prompt_logprobs is not None
-        if params.max_tokens < 0 or (params.max_tokens == 0 and not scoring):
-            return Rejection(
-                f"max_tokens must be positive (0 only with prompt_logprobs), "
-                f"got {params.max_tokens}",
-                param="max_tokens",
-            )
-        too_long = self._too_long(n, params.max_tokens)
-        if too_long is not None:
-            return Rejection(too_long, param="prompt", exceeds_context=True)
-        if scoring and params.prompt_logprobs_start >= n:
-            return Rejection(
-                f"prompt_logprobs_start ({params.prompt_logprobs_start}) must be below the "
-                f"prompt length ({n}): nothing would be scored",
-                param="prompt_logprobs_start",
-            )
-        vocab = self.vocab_size
-        bad = [i for i in prompt_ids if not 0 <= i < vocab]
-        if bad:
-            return Rejection(
-                f"token id(s) outside the vocabulary [0, {vocab}): {bad[:5]}", param="prompt"
-            )
-        total = n + params.max_tokens
-        if params.max_tokens_policy == "error" and total > self.max_seq_len:
-            return Rejection(
-                f"this model's maximum context length is {self.max_seq_len} tokens, but "
-                f"{total} were requested ({n} in the prompt + {params.max_tokens} to "
-                f"generate); at most {self.max_seq_len - n} can be generated after this prompt",
-                param="max_tokens",
-                exceeds_context=True,
-            )
-        if self.failure is not None:
-            return Rejection(f"engine not ready: {self.failure}")
-        return None
-
-    def _too_long(self, n: int, max_tokens: int) -> str | None:
-        """The context holds the prompt plus at least one generated token (unless
-        max_tokens=0: scoring); `max_prompt_tokens` may cap prompts below that."""
-        room = self.max_seq_len - min(max_tokens, 1)
-        cap = self.max_prompt_tokens
-        limit = room if cap is None else min(room, cap)
-        if n <= limit:
-            return None
-        why = (
-            "max_prompt_tokens"
-            if limit < room
-            else f"the context holds {self.max_seq_len}: the prompt + at least one generated "
-            "token, unless max_tokens=0"
+        """Why a request with valid `params` can never run (None: it can): the one prompt
+        check of every caller (`astrai.inference.admission.prompt_problem`)."""
+        return prompt_problem(
+            prompt_ids,
+            params,
+            vocab_size=self.vocab_size,
+            max_seq_len=self.max_seq_len,
+            max_prompt_tokens=self.max_prompt_tokens,
+            failure=self.failure,
         )
-        return f"prompt is too long: {n} tokens, the limit is {limit} ({why})"
 
     def submit(self, task: Task) -> Task:
         """Queue a checked task (`InferenceEngine.check_request`); rejected if the loop has
@@ -233,6 +186,12 @@ class InferenceScheduler:
         task.rejection = reason if isinstance(reason, Rejection) else None
         self._finish(task, "rejected", str(reason))
         return task
+
+    def uses_adapter(self, adapter: object) -> bool:
+        """Whether a queued, held or running request runs with `adapter`."""
+        with self._lock:
+            tasks = (*self._waiting, *self._held, *self._running)
+            return any(t.adapter is adapter and not t.finished for t in tasks)
 
     def cancel_task(self, task_id: int) -> bool:
         """Request cancellation; `cleanup` ends the task and frees its KV after the step."""
@@ -394,7 +353,7 @@ class InferenceScheduler:
         """`task`'s prefill is complete: its complete pages enter the prefix cache (it keeps
         its references), and its group's followers are queued first, to find them there."""
         if self.pool.shares_prefixes:
-            self.pool.cache_task(task.row, task.materialized_ids())
+            self.pool.cache_task(task.row, task.materialized_ids(), task.prefix_namespace)
         self._release(task)
 
     def _release(self, leader: Task) -> None:
@@ -424,11 +383,7 @@ class InferenceScheduler:
         for t in waiting_cancelled:
             self._finish(t, "cancelled")
         for t in done:
-            if t.row is not None:
-                if t.computed > 0:
-                    self.pool.cache_task(t.row, t.materialized_ids())
-                self.pool.free_task(t.row)
-                t.row = None
+            self._free_kv(t)
             if not t.finished:
                 self._finish(t, "cancelled")
 
@@ -440,13 +395,24 @@ class InferenceScheduler:
             self._waiting.clear()
             self._running.clear()
         for task in tasks:
-            if task.row is not None:
-                try:
-                    self.pool.free_task(task.row)
-                except Exception:
-                    logger.exception("freeing KV of task %d failed", task.id)
+            try:
+                self._free_kv(task, cache=False)
+            except Exception:
+                logger.exception("freeing KV of task %d failed", task.id)
                 task.row = None
             self._finish(task, "aborted", f"engine error: {reason}")
+
+    def _free_kv(self, task: Task, *, cache: bool = True) -> None:
+        """Release `task`'s row (its computed complete pages enter the prefix cache, with
+        `cache`) and its adapter slot."""
+        if task.adapter_slot >= 0:
+            self.adapter_slots.release(task.adapter_slot)
+            task.adapter_slot = -1
+        if task.row is not None:
+            if cache and task.computed > 0:
+                self.pool.cache_task(task.row, task.materialized_ids(), task.prefix_namespace)
+            self.pool.free_task(task.row)
+            task.row = None
 
     def _reserve_decode(self) -> None:
         """Back the next token of every decoding task with KV, oldest first; when the pool is
@@ -480,11 +446,7 @@ class InferenceScheduler:
             self._running.remove(task)
             self._waiting.extendleft(reversed(self._held.release(task)))
             self._waiting.appendleft(task)
-        if task.row is not None:
-            if task.computed > 0:
-                self.pool.cache_task(task.row, task.materialized_ids())
-            self.pool.free_task(task.row)
-            task.row = None
+        self._free_kv(task)
         task.recompute = len(task.output_ids)
         task.computed = 0
         task.state = TaskState.WAITING
@@ -506,7 +468,9 @@ class InferenceScheduler:
 
     def _admit(self, admitted: list[Task]) -> None:
         while self._waiting and len(self._running) < self.max_batch_size:
-            task = self._waiting[0]
+            task = self._next_admissible()
+            if task is None:
+                return
             ids = task.prefill_ids
             # A preempted task was running: if it can no longer fit, it is aborted.
             failed = "aborted" if task.preemptions else "rejected"
@@ -514,7 +478,7 @@ class InferenceScheduler:
             if not self.pool.can_hold(need, reserve_pages=len(self._running)):
                 if not self._running:  # nothing will ever free memory for it
                     with self._lock:
-                        self._waiting.popleft()
+                        self._waiting.remove(task)
                     what = "prompt + generated tokens do" if task.recompute else "prompt does"
                     self._finish(task, failed, f"KV allocation failed: {what} not fit")
                     continue
@@ -524,7 +488,9 @@ class InferenceScheduler:
             p = task.params
             scoring = p.prompt_logprobs is not None and not task.recompute
             alloc = self.pool.alloc_task(
-                ids, limit=p.prompt_logprobs_start - 1 if scoring else None
+                ids,
+                limit=p.prompt_logprobs_start - 1 if scoring else None,
+                namespace=task.prefix_namespace,
             )
             if alloc is None:
                 return
@@ -533,13 +499,15 @@ class InferenceScheduler:
                 self.pool.free_task(row)
                 if not self._running:
                     with self._lock:
-                        self._waiting.popleft()
+                        self._waiting.remove(task)
                     self._finish(task, failed, "KV allocation failed")
                     continue
                 return
             with self._lock:
-                self._waiting.popleft()
+                self._waiting.remove(task)
                 self._running.append(task)
+            if task.adapter is not None:
+                task.adapter_slot = self.adapter_slots.acquire(task.adapter)
             task.row = row
             admitted.append(task)
             task.computed = min(cached, len(ids) - 1)
@@ -548,6 +516,15 @@ class InferenceScheduler:
                 task.cached_tokens = task.computed
                 self.total_prompt_tokens += len(task.prompt_ids)
                 self.total_cached_tokens += task.computed
+
+    def _next_admissible(self) -> Task | None:
+        """The first waiting task whose adapter can have a slot now (the base always can);
+        as vLLM, requests whose adapter must wait for a slot do not hold up the others."""
+        slots = self.adapter_slots
+        for task in self._waiting:
+            if task.adapter is None or slots.available(task.adapter):
+                return task
+        return None
 
     def _finish(self, task: Task, reason: str, error: str | None = None) -> None:
         if task.finished:

@@ -6,6 +6,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from astrai.inference.logprobs import TokenLogprob, TopLogprobs
 from astrai.inference.params import SamplingParams
@@ -77,6 +78,15 @@ class Task:
     recompute: int = 0
     preemptions: int = 0
     cached_tokens: int = 0  # prompt tokens the prefix cache served at its first admission
+    # The LoRA adapter it runs with (`astrai.inference.adapters.Adapter`, set when queued;
+    # None: the base model) and, while running, its device slot (-1: none).
+    adapter: Any = None
+    adapter_slot: int = -1
+
+    @property
+    def prefix_namespace(self) -> int | None:
+        """The prefix cache's key space: KV computed under one adapter is never another's."""
+        return None if self.adapter is None else self.adapter.info.uid
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:

@@ -14,6 +14,7 @@ from torch import nn
 
 from astrai.extension import KVCache, apply_rotary_emb, apply_rotary_qk, attention, linear
 from astrai.extension.linear import last_level_cache_bytes, prepack_weight
+from astrai.extension.lora import LoRALayer
 from astrai.model.config import ModelConfig
 
 
@@ -24,17 +25,22 @@ class Linear(nn.Linear):
     import/export see no difference. `cache_resident` (set by `mark_cache_resident`): the
     model's weights fit in the CPU's cache, where tiny products are faster on `F.linear`.
     `pack`: its weight prepacked for inference (`astrai.model.packed`); never used with
-    gradients on.
+    gradients on. `lora`: an engine's adapter stacks for this projection, whose per-token
+    deltas it adds while the engine runs a step with adapter rows (`astrai.extension.lora`).
     """
 
     cache_resident: bool = False
     pack: PackedLinear | None = None
+    lora: LoRALayer | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         pack = self.pack
         if pack is not None and not torch.is_grad_enabled() and pack.serves(self):
             return pack(x)[0]
-        return linear(x, self.weight, self.bias, small_on_aten=self.cache_resident)
+        out = linear(x, self.weight, self.bias, small_on_aten=self.cache_resident)
+        if self.lora is not None:
+            self.lora.apply(x, out)
+        return out
 
 
 class PackedLinear:
@@ -123,7 +129,8 @@ class PackedLinear:
         return (_no_pack, ())
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Each source's output, as views of one product's columns."""
+        """Each source's output, as views of one product's columns (with the source's
+        adapter deltas, in an engine step with adapter rows)."""
         out = linear(
             x,
             self.weight,
@@ -131,7 +138,11 @@ class PackedLinear:
             small_on_aten=self.sources[0].cache_resident,
             prepacked=self.prepacked,
         )
-        return out.split(self.sizes, dim=-1) if len(self.sizes) > 1 else (out,)
+        parts = out.split(self.sizes, dim=-1) if len(self.sizes) > 1 else (out,)
+        for source, part in zip(self.sources, parts):
+            if source.lora is not None:
+                source.lora.apply(x, part)
+        return parts
 
 
 def _no_pack() -> None:

@@ -91,6 +91,11 @@ class LoRALinear(nn.Module):
             p.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        slots = getattr(self.base_layer, "lora", None)
+        if slots is not None and slots.serving and not torch.is_grad_enabled():
+            # An engine serves this adapter from its slots (`astrai.inference.adapters`):
+            # the base layer adds each token's delta, the same path as served adapters.
+            return self.base_layer(x)
         return self.base_layer(x) + self.lora_B(self.lora_A(self.dropout(x))) * self.scaling
 
     @torch.no_grad()

@@ -52,10 +52,68 @@ def device_and_dtype(cfg: dict[str, Any]) -> tuple[str, Any]:
     return device, (getattr(torch, cfg["dtype"]) if cfg.get("dtype") else None)
 
 
+def lora_modules_of(cfg: dict[str, Any]) -> dict[str, str]:
+    """`lora_modules` as {name: directory}: a mapping, or vLLM's list of ``name=path``.
+    A bad entry or a directory that does not exist is a SystemExit naming
+    `lora_modules.<name>` (checked before the model loads)."""
+    given = cfg.get("lora_modules")
+    if not given:
+        return {}
+    if isinstance(given, dict):
+        pairs = [(str(k), v) for k, v in given.items()]
+    elif isinstance(given, list | tuple):
+        pairs = []
+        for item in given:
+            name, sep, path = str(item).partition("=")
+            if not sep or not name.strip() or not path.strip():
+                raise SystemExit(f"lora_modules: expected name=path, got {item!r}")
+            pairs.append((name.strip(), path.strip()))
+    else:
+        raise SystemExit(
+            f"lora_modules: expected a mapping {{name: dir}} or a list of name=dir, got {given!r}"
+        )
+    modules: dict[str, str] = {}
+    for name, path in pairs:
+        if not isinstance(path, str) or not path:
+            raise SystemExit(f"lora_modules.{name}: expected an adapter directory, got {path!r}")
+        if name in modules:
+            raise SystemExit(f"lora_modules.{name}: named twice")
+        if not Path(path).expanduser().is_dir():
+            raise SystemExit(
+                f"lora_modules.{name}: {path} is not a directory (a LoRA adapter directory "
+                "with adapter_config.json and adapter_model.safetensors)"
+            )
+        modules[name] = str(Path(path).expanduser())
+    return modules
+
+
+def engine_options(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The `engine` group's settings, with LoRA on (`engine.lora`, default limits) when
+    `lora_modules` names adapters and `engine.lora` is null."""
+    options = dict(cfg["engine"])
+    if cfg.get("lora_modules") and options.get("lora") is None:
+        options["lora"] = {}  # LoRASettings(): max_loras 4, max_lora_rank 16
+    return options
+
+
+def load_lora_modules(engine: InferenceEngine, modules: dict[str, str]) -> None:
+    """Load the startup adapters; a bad one is a SystemExit naming `lora_modules.<name>`
+    and the file (the engine's message), before the server starts."""
+    from astrai.inference.adapters import AdapterError
+
+    for name, path in modules.items():
+        try:
+            info = engine.load_adapter(name, path)
+        except (AdapterError, OSError) as err:
+            raise SystemExit(f"lora_modules.{name}: {err}") from None
+        logger.info("LoRA adapter %s (rank %d) from %s", name, info.rank, path)
+
+
 def build_engine(cfg: dict[str, Any]) -> InferenceEngine:
     """Load the model and tokenizer from `cfg["model_path"]` and start the engine that the
     `engine` group (conf/engine/) describes, capped to `max_prompt_tokens` (the engine's
-    one prompt check refuses longer prompts: a 400 naming the field)."""
+    one prompt check refuses longer prompts: a 400 naming the field), with LoRA adapter
+    serving on when `lora_modules` is given (`engine_options`)."""
     from hydra.utils import instantiate
 
     from astrai.model import AutoModel
@@ -69,7 +127,7 @@ def build_engine(cfg: dict[str, Any]) -> InferenceEngine:
     tokenizer = AutoTokenizer.from_pretrained(path)
     cap = cfg.get("max_prompt_tokens")
     extra = {} if cap is None else {"max_prompt_tokens": cap}
-    return instantiate(cfg["engine"])(model, tokenizer, **extra)
+    return instantiate(engine_options(cfg))(model, tokenizer, **extra)
 
 
 def build_reward(cfg: dict[str, Any]) -> Any:
@@ -142,6 +200,11 @@ def serve(cfg: dict[str, Any]) -> None:
     if cfg.get("reward_model"):
         check_model_dir(str(cfg["reward_model"]), key="reward_model")
     settings = settings_of(cfg)
+    modules = lora_modules_of(cfg)
+    if settings.model_name in modules:
+        raise SystemExit(
+            f"lora_modules.{settings.model_name}: the served model's own name; pick another"
+        )
     check_port(str(cfg["host"]), int(cfg["port"]))
     import uvicorn
 
@@ -152,6 +215,11 @@ def serve(cfg: dict[str, Any]) -> None:
     set_threads(cfg.get("threads"))
     reward = build_reward(cfg)
     engine = build_engine(cfg)
+    try:
+        load_lora_modules(engine, modules)
+    except SystemExit:
+        engine.shutdown()
+        raise
     app = create_app(engine, settings, reward=reward)
     config = uvicorn.Config(
         app,
@@ -162,9 +230,10 @@ def serve(cfg: dict[str, Any]) -> None:
         timeout_graceful_shutdown=cfg.get("timeout_graceful_shutdown"),
     )
     logger.info(
-        "serving %s (%s) on http://%s:%s%s",
+        "serving %s (%s)%s on http://%s:%s%s",
         settings.model_name,
         cfg["model_path"],
+        f" with LoRA adapters {', '.join(modules)}" if modules else "",
         cfg["host"],
         cfg["port"],
         " (API key required)" if settings.api_key else "",

@@ -9,10 +9,11 @@ from typing import TYPE_CHECKING
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from astrai.serve.access import AccessLogMiddleware
+from astrai.serve.adapters import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from astrai.serve.anthropic_builder import AnthropicResponseBuilder
 from astrai.serve.completions_builder import CompletionsResponseBuilder
 from astrai.serve.errors import APIError, error_body, kind_for_status
@@ -169,31 +170,29 @@ def create_app(
             run_blocking=state.run_blocking,
         )
 
-    def model_card(name: str) -> dict:
-        return {
-            "id": name,
-            "object": "model",
-            "created": int(state.started),
-            "owned_by": "astrai",
-        }
-
-    served = [settings.model_name] + ([reward.name] if reward is not None else [])
-
     @app.get("/v1/models", dependencies=auth)
     async def models() -> dict:
-        return {"object": "list", "data": [model_card(name) for name in served]}
+        return {"object": "list", "data": state.models.cards()}
 
     @app.get("/v1/models/{model_id:path}", dependencies=auth)
     async def model(model_id: str) -> dict:
-        if model_id not in served:
-            raise APIError(
-                404,
-                f"The model {model_id!r} does not exist",
-                kind="not_found",
-                param="model",
-                code="model_not_found",
-            )
-        return model_card(model_id)
+        return state.models.card(model_id)
+
+    @app.post(
+        "/v1/load_lora_adapter",
+        dependencies=auth,
+        response_class=PlainTextResponse,
+    )
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> PlainTextResponse:
+        return await state.models.load(body)
+
+    @app.post(
+        "/v1/unload_lora_adapter",
+        dependencies=auth,
+        response_class=PlainTextResponse,
+    )
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> PlainTextResponse:
+        return await state.models.unload(body)
 
     @app.get("/health")
     async def health() -> SafeJSONResponse:

@@ -24,6 +24,8 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from astrai.inference import EngineNotReady, RequestRejected
+from astrai.inference.adapters import AdapterNotFound
+from astrai.serve.adapters import model_not_found
 from astrai.serve.errors import APIError
 from astrai.serve.limits import check_prompt_chars, check_unicode
 from astrai.serve.parsing import Event, OutputParser, TextDelta
@@ -62,12 +64,18 @@ class ProtocolHandler:
 
     # ------------------------------------------------------------------ entry point
     async def prepare(self, body: Any) -> Prepared:
-        """Check the request's strings, then render and tokenize it off the event loop."""
+        """Resolve the model it names (a LoRA adapter, or the base; `adapters.py`), check
+        the request's strings, then render and tokenize it off the event loop."""
         settings = self.state.settings
+        adapter = self.state.models.resolve(body)  # an unknown model: 404 before any work
         check_unicode(body)
         check_prompt_chars(body, self.builder.prompt_fields, settings.max_prompt_chars)
         tokenizer = self.engine.tokenizer
-        return await self.state.run_blocking(self.builder.prepare, body, tokenizer, settings)
+        prepared = await self.state.run_blocking(self.builder.prepare, body, tokenizer, settings)
+        if adapter is not None:  # the engine batches it with other adapters' requests
+            prepared.params = replace(prepared.params, adapter=adapter)
+            prepared.model = adapter  # responses name the model that answered
+        return prepared
 
     async def count_tokens(self, body: Any) -> int:
         """Prompt tokens of `body`, exactly as `handle` would submit them (no generation)."""
@@ -124,6 +132,8 @@ class ProtocolHandler:
             for prompt, ids in enumerate(p.prompts):
                 try:
                     self.engine.check_request(ids, p.params)
+                except AdapterNotFound:  # unloaded since `prepare`
+                    raise model_not_found(p.model) from None
                 except RequestRejected as err:
                     raise refused(p, prompt, err.rejection) from None
                 except (TypeError, ValueError) as err:
@@ -136,6 +146,9 @@ class ProtocolHandler:
             except EngineNotReady as err:
                 self._cancel_all(ctx)
                 raise APIError(503, str(err), kind="overloaded") from err
+            except AdapterNotFound:  # unloaded since `prepare`
+                self._cancel_all(ctx)
+                raise model_not_found(p.model) from None
             except (TypeError, ValueError) as err:
                 self._cancel_all(ctx)
                 raise bad_settings(err) from err

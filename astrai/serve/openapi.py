@@ -43,18 +43,21 @@ _ANTHROPIC_ERROR = {
 _DESCRIPTIONS = {
     "400": "Invalid request (the error names the field)",
     "401": "Invalid or missing API key",
-    "404": "Unknown model",
+    "404": "Unknown model (or LoRA adapter)",
     "413": "Request body over the configured limit",
     "500": "Internal error",
     "503": "Not ready, shutting down, or the request queue is full (retry-after)",
     "504": "The request ran past its timeout",
 }
-_POST = ("400", "401", "413", "500", "503")
+_POST = ("400", "401", "404", "413", "500", "503")
+_LORA = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 
 
 def _errors(path: str, method: str) -> list[str]:
     if method != "post":
         return ["401", "404"] if "{" in path else ["401"]
+    if path in _LORA:  # 404: unload of an adapter that is not loaded
+        return ["400", "401", "404", "413", "500"]
     if path.endswith("/count_tokens"):
         return list(_POST)
     return [*_POST, "504"]

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+from astrai.serve.adapters import ServedModels
 from astrai.serve.errors import APIError
 from astrai.serve.parsing import ToolCallFormat
 from astrai.serve.protocol import RequestContext
@@ -48,6 +49,10 @@ class ServerState:
         self.requests_failed = 0
         self.tokens_out = 0
         self.started = time.time()
+        # The names requests may give as `model`: the base, the reward model, the adapters.
+        self.models = ServedModels(
+            engine, settings.model_name, self.started, reward.name if reward else None
+        )
         # Prompt rendering and tokenizing run here, so a large prompt never blocks the
         # event loop (other streams, /health); `tokenizers` releases the GIL while encoding.
         self.executor = ThreadPoolExecutor(

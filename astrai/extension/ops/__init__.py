@@ -14,6 +14,7 @@ __all__ = [
     "decode_attention",
     "extend_attention",
     "rotary_qk",
+    "sgmv_lora",
     "store_kv",
     "unusable",
 ]
@@ -38,4 +39,8 @@ def __getattr__(name: str):
         from astrai.extension.ops.rotary import rotary_qk
 
         return rotary_qk
+    if name == "sgmv_lora":
+        from astrai.extension.ops.lora import sgmv_lora
+
+        return sgmv_lora
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -53,3 +53,16 @@ def rotary_qk_ref(q, k, cos, sin):
         return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
 
     return rotate(q), rotate(k)
+
+
+def sgmv_lora_reference(x, a3, bt3, token_slots, scalings, out) -> None:
+    """`out[t] += scalings[s] * (x[t] @ a3[s].T) @ bt3[s]` for `s = token_slots[t] >= 0`,
+    in place, one slot at a time, in float64."""
+    slots = token_slots.long().cpu()
+    for s in slots.unique().tolist():
+        if s < 0:
+            continue
+        rows = (slots == s).nonzero()[:, 0].to(out.device)
+        h = x[rows].double() @ a3[s].double().t()
+        delta = (h @ bt3[s].double()) * float(scalings[s])
+        out[rows] = (out[rows].double() + delta).to(out.dtype)

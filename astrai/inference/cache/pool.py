@@ -249,17 +249,20 @@ class PagePool:
         return self.allocator.can_hold(num_tokens, reserve_pages)
 
     # ------------------------------------------------------------------ per-request lifecycle
-    def alloc_task(self, token_ids: list[int], limit: int | None = None) -> tuple[int, int] | None:
+    def alloc_task(
+        self, token_ids: list[int], limit: int | None = None, namespace: int | None = None
+    ) -> tuple[int, int] | None:
         """A request row plus the number of leading tokens whose KV is already cached.
 
         `limit` caps that number (a request scoring its prompt from position s must compute
-        the logits of position s - 1 on: limit s - 1).
+        the logits of position s - 1 on: limit s - 1). `namespace`: the request's LoRA
+        adapter id (None: the base), whose KV only its own requests share.
         """
         row = self.req_pool.alloc()
         if row is None:
             return None
         end = self._matchable(len(token_ids), limit)
-        shared = self.prefix.match(token_ids[:end]) if end >= 1 else []
+        shared = self.prefix.match(token_ids[:end], namespace) if end >= 1 else []
         self.allocator.open(row, shared)
         return row, len(shared) * self.page_size
 
@@ -284,7 +287,7 @@ class PagePool:
         """The rows for one admission's requests (the allocator's placement policy)."""
         return self.allocator.arrange(rows, prompt_lens)
 
-    def cache_task(self, row: int, token_ids: list[int]) -> None:
+    def cache_task(self, row: int, token_ids: list[int], namespace: int | None = None) -> None:
         """Index the complete pages of `token_ids` (tokens whose KV is materialised).
 
         Called when a prefill completes (the row keeps its references: a group's followers
@@ -292,7 +295,7 @@ class PagePool:
         sequence: pages already in the tree are walked past, the new ones added. A page a
         row references is never evicted (the LRU holds only unreferenced pages); when an
         ancestor is evicted, a referenced descendant merely leaves the index."""
-        self.prefix.insert(token_ids, self.allocator.pages(row))
+        self.prefix.insert(token_ids, self.allocator.pages(row), namespace)
 
     def free_task(self, row: int) -> None:
         self.allocator.free(row)

@@ -3,7 +3,9 @@
 
 In the radix tree each edge is one full page of token ids under a given parent, so a page is reused only
 when the whole prefix before it is identical. Matching compares the exact token tuples;
-the hash kept on each node is for introspection and never decides a match.
+the hash kept on each node is for introspection and never decides a match. A `namespace`
+(a LoRA adapter's id; None: the base model) selects one of several trees: KV computed under
+one adapter is never served to a request of another (SGLang keys its tree the same way).
 """
 
 from __future__ import annotations
@@ -28,11 +30,11 @@ class PrefixCache(ABC):
     """Finds the cached pages of a prompt's prefix and indexes the pages a request wrote."""
 
     @abstractmethod
-    def match(self, token_ids: list[int]) -> list[int]:
+    def match(self, token_ids: list[int], namespace: int | None = None) -> list[int]:
         """Pages holding the longest cached page-aligned prefix of `token_ids`."""
 
     @abstractmethod
-    def insert(self, token_ids: list[int], pages: list[int]) -> int:
+    def insert(self, token_ids: list[int], pages: list[int], namespace: int | None = None) -> int:
         """Index the complete pages of `token_ids`, stored in `pages`; returns pages added."""
 
     @abstractmethod
@@ -51,10 +53,10 @@ class PrefixCache(ABC):
 class NoPrefixCache(PrefixCache):
     """Shares nothing: every request computes its whole prompt."""
 
-    def match(self, token_ids: list[int]) -> list[int]:
+    def match(self, token_ids: list[int], namespace: int | None = None) -> list[int]:
         return []
 
-    def insert(self, token_ids: list[int], pages: list[int]) -> int:
+    def insert(self, token_ids: list[int], pages: list[int], namespace: int | None = None) -> int:
         return 0
 
     def reset(self) -> None:
@@ -71,7 +73,7 @@ class RadixCache(PrefixCache):
     def __init__(self, allocator: PageAllocator, page_size: int) -> None:
         self.allocator = allocator
         self.page_size = page_size
-        self.root = RadixNode(tokens=(), page=-1, parent=None, hash=0)
+        self.roots: dict[int | None, RadixNode] = {}
         self._by_page: dict[int, RadixNode] = {}
         allocator.on_evict = self._evict
         self.queried_tokens = 0
@@ -96,9 +98,16 @@ class RadixCache(PrefixCache):
         ps = self.page_size
         return [tuple(token_ids[i : i + ps]) for i in range(0, len(token_ids) - ps + 1, ps)]
 
-    def match(self, token_ids: list[int]) -> list[int]:
+    def root(self, namespace: int | None = None) -> RadixNode:
+        """The tree of `namespace` (created on first use)."""
+        node = self.roots.get(namespace)
+        if node is None:
+            node = self.roots[namespace] = RadixNode(tokens=(), page=-1, parent=None, hash=0)
+        return node
+
+    def match(self, token_ids: list[int], namespace: int | None = None) -> list[int]:
         """Pages holding the longest cached page-aligned prefix of `token_ids`."""
-        node, pages = self.root, []
+        node, pages = self.root(namespace), []
         for key in self._pages_of(token_ids):
             child = node.children.get(key)
             if child is None:
@@ -111,13 +120,13 @@ class RadixCache(PrefixCache):
         self.hit_tokens += len(pages) * self.page_size
         return pages
 
-    def insert(self, token_ids: list[int], pages: list[int]) -> int:
+    def insert(self, token_ids: list[int], pages: list[int], namespace: int | None = None) -> int:
         """Index the complete pages of `token_ids`, stored in `pages`; returns pages added.
 
         Where an identical page already exists under the same parent the tree keeps its
         own copy, and the caller's page stays private (freed when its request ends).
         """
-        node, added = self.root, 0
+        node, added = self.root(namespace), 0
         for key, page in zip(self._pages_of(token_ids), pages):
             child = node.children.get(key)
             if child is None:
@@ -149,4 +158,4 @@ class RadixCache(PrefixCache):
         for page in list(self._by_page):
             self.allocator.uncache(page)
         self._by_page.clear()
-        self.root.children.clear()
+        self.roots.clear()
