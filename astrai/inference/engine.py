@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import os
 import threading
 from collections.abc import AsyncGenerator, Callable, Generator, Iterator, Mapping, Sequence
 from typing import Any, Literal
@@ -25,15 +24,11 @@ from tqdm.auto import tqdm
 
 from astrai.extension import BackendUnavailable, selected_backend
 from astrai.extension.omp import release_idle_team
-from astrai.inference.adapters import (
-    AdapterError,
-    AdapterInfo,
-    AdapterNotFound,
-    EngineAdapters,
-    LoRASettings,
-)
+from astrai.inference.adapters import EngineAdapters, LoRASettings
 from astrai.inference.batch import BatchResult, batch_output, group_tasks, single
 from astrai.inference.cache import PagePool
+from astrai.inference.engine_lora import AdapterMethods
+from astrai.inference.errors import EngineNotReady, RequestRejected
 from astrai.inference.grammar import grammar_compiler
 from astrai.inference.graph import DecodeGraphRunner
 from astrai.inference.handoff import Handoff
@@ -61,29 +56,7 @@ __all__ = [
 ]
 
 
-class EngineNotReady(RuntimeError):
-    """The engine was shut down, or its loop crashed."""
-
-
-class RequestRejected(ValueError):
-    """Valid settings, but a prompt that can never run (empty, too long, ids outside the
-    vocabulary, `max_tokens` <= 0, prompt + `max_tokens` beyond the context with
-    `max_tokens_policy="error"`, the engine crashed): `submit` ends such a request at once
-    with finish reason `rejected` instead of raising. `param`: the setting at fault
-    (``"prompt"``, ``"max_tokens"``, ``"prompt_logprobs_start"``: see
-    `InferenceScheduler.problem`), None when the engine has failed; `rejection` the whole
-    `Rejection` (with `exceeds_context`)."""
-
-    def __init__(self, rejection: Rejection) -> None:
-        super().__init__(rejection.reason)
-        self.rejection = rejection
-
-    @property
-    def param(self) -> str | None:
-        return self.rejection.param
-
-
-class InferenceEngine:
+class InferenceEngine(AdapterMethods):
     """A model, its tokenizer, a KV pool, a scheduler, a model runner and a loop thread.
 
     `cache_mode="contiguous"` (default) gives every batch slot `max_seq_len` fixed KV
@@ -98,10 +71,8 @@ class InferenceEngine:
     server's cap, applied by the one prompt check every caller goes through.
     `packed_projections`: q/k/v and gate/up as one product each, and on the fp32 CPU every
     matmul from oneDNN-prepacked weights: copies kept in step with the model's, which
-    `astrai.model.packed` sizes (False saves that memory). `lora` (`LoRASettings` or its
-    fields): serve LoRA adapters over the model, picked per request by
-    `SamplingParams.adapter` (`load_adapter`; `astrai.inference.adapters`); a model that
-    carries a training run's adapters (`inject_lora`) serves them this way by default.
+    `astrai.model.packed` sizes (False saves that memory). `lora` (`LoRASettings`): serve LoRA
+    adapters, one per request (`SamplingParams.adapter`; `astrai.inference.adapters`).
     """
 
     def __init__(
@@ -327,28 +298,6 @@ class InferenceEngine:
         if self.adapters is not None:
             self.adapters.slots.detach()
 
-    # ------------------------------------------------------------------ LoRA adapters
-    @property
-    def lora_enabled(self) -> bool:
-        return self.adapters is not None
-
-    def load_adapter(self, name: str, path: str | os.PathLike) -> AdapterInfo:
-        """Register the PEFT-layout adapter at `path` (ours or PEFT's) as `name`, while
-        serving; an `AdapterError` names the file and the limit it breaks."""
-        return self._adapters().load(name, path)
-
-    def unload_adapter(self, name: str) -> None:
-        """Forget adapter `name`; `AdapterInUse` while queued or running requests use it."""
-        self._adapters().unload(name, self.scheduler.uses_adapter)
-
-    def list_adapters(self) -> list[AdapterInfo]:
-        return [] if self.adapters is None else self.adapters.list()
-
-    def _adapters(self) -> EngineAdapters:
-        if self.adapters is None:
-            raise AdapterError("this engine serves no LoRA adapters: start it with lora=...")
-        return self.adapters
-
     def __enter__(self) -> InferenceEngine:
         return self
 
@@ -379,13 +328,7 @@ class InferenceEngine:
         (`InferenceScheduler.problem`).
         """
         params.validate(vocab_size=self.vocab_size)
-        if params.adapter is not None:
-            if self.adapters is None:
-                raise AdapterNotFound(
-                    f"adapter {params.adapter!r}: this engine serves no LoRA adapters "
-                    "(start it with lora=..., engine.lora in the config)"
-                )
-            self.adapters.resolve(params.adapter)  # AdapterNotFound names it
+        self.check_adapter(params.adapter)  # AdapterNotFound names it
         if params.structured is not None:  # compiled (and cached) now: a bad one is a 400
             grammar_compiler(self.tokenizer).compile(params.structured)
         problem = self.scheduler.problem(prompt_ids, params)
@@ -395,15 +338,9 @@ class InferenceEngine:
     def _queue(self, tasks: Sequence[Task], rejection: str | Rejection | None) -> None:
         """Queue the tasks of one prompt as a group, or reject them all with `rejection`;
         with their adapter, resolved under the registry's lock (no unload in between)."""
-        with self.adapters.lock if self.adapters is not None else contextlib.nullcontext():
-            if rejection is None and self.adapters is not None:
-                try:
-                    adapter = self.adapters.resolve(tasks[0].params.adapter)
-                except AdapterNotFound as err:  # unloaded since the request was checked
-                    rejection = Rejection(str(err), param="adapter")
-                else:
-                    for task in tasks:
-                        task.adapter = adapter
+        with self.adapter_lock():
+            if rejection is None:
+                rejection = self.assign_adapter(tasks)
             if rejection is None:
                 self.scheduler.submit_group(tasks)
                 return
@@ -608,6 +545,7 @@ class InferenceEngine:
         base = single(params_from(params, extra), "score")
         if base.prompt_logprobs is None:
             base = dataclasses.replace(base, prompt_logprobs=0)
+        self.check_adapter(base.adapter)  # AdapterNotFound before any work, as submit's
         pairs = check_score_requests(
             requests, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size
         )
@@ -654,11 +592,5 @@ class InferenceEngine:
         """Apply `fn` (e.g. copy new weights in) with the loop paused; advance the policy
         version to `version` (default: current + 1; an explicit one must be greater)."""
 
-        def apply() -> None:
-            if fn is not None:
-                fn()
-            if self.adapters is not None:  # a training run's live adapter: its new tensors
-                self.adapters.refresh_live()
-
-        with self._paused():
-            return self.scheduler.apply_weight_update(version, apply)
+        with self._paused():  # then a training run's live adapter is read again
+            return self.scheduler.apply_weight_update(version, lambda: self.reweigh(fn))

@@ -196,3 +196,49 @@ def test_hook_schedule_and_wandb_table(tok, tmp_path):
     trainer.global_step = 6
     assert cb.evaluate(trainer, module) == {}
     cb.teardown(trainer, module, "fit")
+
+
+def test_a_lora_policy_is_evaluated_through_its_live_adapter(tok, tmp_path):
+    """With LoRA (dropout on, the module in train mode, as Lightning keeps it), evaluation
+    runs the live adapter from the engine's slot, without dropout: its completions are the
+    merged policy's, before and after the adapter trains (the versioned update re-reads it)."""
+    import copy
+
+    from astrai.inference.adapters import LIVE_ADAPTER
+    from astrai.model import LoRAConfig, inject_lora, merge_lora
+
+    model = _model(tok)
+    inject_lora(model, LoRAConfig(r=4, lora_alpha=8, lora_dropout=0.5))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.3)
+    model.train()
+    module = SimpleNamespace(model=model, tokenizer=tok, device=torch.device("cpu"))
+    suite = GenerationSuite("arithmetic", task="arithmetic", num_prompts=4, max_tokens=8)
+    cb = EvalCallback({"arithmetic": suite}, every_n_steps=1)
+    trainer = _trainer(tmp_path, 0)
+    prompts = suite.encode(tok)
+    stop = set(tok.stop_ids)
+
+    def completions(step):
+        lines = (tmp_path / "eval_samples.jsonl").read_text().splitlines()
+        return [r["completion"] for r in map(json.loads, lines) if r["step"] == step]
+
+    def merged_completions():
+        merged = merge_lora(copy.deepcopy(model)).eval()
+        return [tok.decode(_greedy(merged, p, 8, stop), skip_special_tokens=True) for p in prompts]
+
+    cb.evaluate(trainer, module)
+    assert cb.engine.adapters.default.info.name == LIVE_ADAPTER
+    assert completions(0) == merged_completions()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.add_(0.2 * torch.randn_like(p))
+    trainer.global_step = 1
+    cb.evaluate(trainer, module)
+    assert completions(1) == merged_completions()
+    assert completions(1) != completions(0)
+    assert model.training  # the module's mode is Lightning's, untouched
+    cb.teardown(trainer, module, "fit")
