@@ -14,7 +14,9 @@ the token counts stay equal), and the offline side once more with the same const
 (`SamplingParams.structured`): the structured-output overhead, as the ratios of the HTTP
 figures (target >= 0.8) and of the offline ones (also per CPU second of this process,
 which other processes on a shared machine disturb less than wall time). Options:
-``conf/bench/serve.yaml``; the engine is the engine group's (``engine.*``).
+``conf/bench/serve.yaml``; the engine is the engine group's (``engine.*``). With
+``lora=[1,4,16]`` (or ``lora=16``, ``lora=true``) the LoRA throughput benchmark runs instead:
+base-only against requests spread over that many adapters (:mod:`astrai.bench.lora`).
 """
 
 from __future__ import annotations
@@ -97,7 +99,12 @@ def _client(url: str, bodies: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Offline and HTTP throughput on the workload of conf/bench/serve.yaml."""
+    """Offline and HTTP throughput on the workload of conf/bench/serve.yaml; with `lora`,
+    the LoRA throughput benchmark instead (astrai/bench/lora.py)."""
+    if cfg.get("lora") not in (None, False):
+        from astrai.bench.lora import run as run_lora
+
+        return run_lora(cfg)
     # Imported here: the spawned client process imports this module and needs none of them.
     from hydra.utils import instantiate
 
@@ -209,6 +216,10 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def format_report(report: dict[str, Any]) -> str:
+    if "rows" in report:  # lora=...
+        from astrai.bench.lora import format_report as format_lora
+
+        return format_lora(report)
     w = report["workload"]
     lines = [
         f"model {report['model']} ({report['parameters'] / 1e6:.1f}M params) on "

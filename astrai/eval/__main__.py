@@ -1,4 +1,4 @@
-"""``python -m astrai.eval model_path=<dir> [eval=[arithmetic,code]] [out=results.json]``.
+"""``python -m astrai.eval model_path=<dir> [adapter=<dir>] [eval=[arithmetic,code]] [out=results.json]``.
 
 Hydra composes ``conf/eval.yaml``: the suites come from the ``eval`` group (``conf/eval/``,
 each file one suite under ``suites.<name>``; ``eval=[perplexity,multiple_choice]`` picks
@@ -7,7 +7,9 @@ The model directory is checked first, then every suite reads and checks its task
 tokenises its items, all before torch and the model are imported, so a wrong
 ``model_path`` or a bad file fails in a second with one line naming it. One engine
 (sized by the longest suite) runs all of them; the results print as a table and, with
-``out=<path>``, are written as JSON with every sample.
+``out=<path>``, are written as JSON with every sample. ``adapter=<dir>`` evaluates a LoRA
+adapter over the base `model_path` (served from an engine slot, every request naming it:
+:mod:`astrai.eval.adapter`); its directory is checked with the model's.
 
 ``python -m astrai.eval compare A B [overrides]`` runs the same suites on two model
 directories and reports paired differences (:mod:`astrai.eval.compare`).
@@ -20,6 +22,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from astrai.eval.adapter import check_adapter
 from astrai.eval.report import format_table, write_results
 from astrai.eval.runner import CONF_DIR, build_suites, evaluate_model
 from astrai.eval.suite import SuiteResult
@@ -31,6 +34,12 @@ log = logging.getLogger("astrai.eval")
 def run(cfg: Mapping[str, Any]) -> list[SuiteResult]:
     """Check suites, load the model, evaluate, print the table and write `out`."""
     model_dir = check_model_dir(str(cfg["model_path"]))  # before anything heavy is imported
+    adapter = None
+    if cfg.get("adapter"):
+        try:
+            adapter = check_adapter(str(cfg["adapter"]))
+        except ValueError as err:
+            raise SystemExit(str(err)) from None
     suites = build_suites(cfg.get("suites") or {})
 
     from astrai.data.storage import DataError
@@ -42,10 +51,14 @@ def run(cfg: Mapping[str, Any]) -> list[SuiteResult]:
     except (DataError, ValueError) as err:
         raise SystemExit(str(err)) from None
 
-    results, max_seq_len = evaluate_model(cfg, model_dir, tokenizer, suites, need)
+    results, max_seq_len = evaluate_model(cfg, model_dir, tokenizer, suites, need, adapter)
     print(format_table(results))
     if cfg.get("out"):
-        meta = {"model_path": str(model_dir), "max_seq_len": max_seq_len}
+        meta = {
+            "model_path": str(model_dir),
+            "adapter": None if adapter is None else str(adapter.path),
+            "max_seq_len": max_seq_len,
+        }
         path = write_results(cfg["out"], results, samples=bool(cfg.get("samples")), meta=meta)
         print(f"results -> {path}")
     return results

@@ -174,7 +174,9 @@ class MultipleChoiceSuite(Suite):
         with progress_bar(len(encoded), f"eval {self.name}", progress, "question") as bar:
             for start in range(0, len(encoded), self.chunk_size):
                 chunk = encoded[start : start + self.chunk_size]
-                flat = engine.score([pair for pairs in chunk for pair in pairs])
+                flat = engine.score(
+                    [pair for pairs in chunk for pair in pairs], self.score_params()
+                )
                 for pairs in chunk:
                     scores.append(flat[: len(pairs)])
                     flat = flat[len(pairs) :]

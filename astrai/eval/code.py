@@ -144,7 +144,7 @@ class CodeSuite(Suite):
         with progress_bar(total, f"eval {self.name}", progress, "sample") as bar:
             for j0 in range(0, self.num_samples, MAX_N):
                 m = min(MAX_N, self.num_samples - j0)
-                params = dataclasses.replace(self.sampling, n=m)
+                params = self.request(dataclasses.replace(self.sampling, n=m))
                 for start in range(0, len(prompts), self.chunk_size):
                     chunk = prompts[start : start + self.chunk_size]
                     results = engine.run_batch(

@@ -15,7 +15,8 @@ shorter context), so perplexity windows match too.
 The configuration is ``conf/compare.yaml``: all of ``conf/eval.yaml`` (suites, engine,
 device, dtype, ...) with the two models given as positional arguments instead of
 ``model_path``. Both directories are checked, and every suite's task file read, before any
-model is loaded.
+model is loaded. ``adapter_a=DIR`` / ``adapter_b=DIR`` evaluate a LoRA adapter over that
+side's model (``compare BASE BASE adapter_b=DIR``: what the adapter changes).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from astrai.eval.adapter import EvalAdapter, check_adapter
 from astrai.eval.paired import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, compare_samples
 from astrai.eval.report import write_json
 from astrai.eval.suite import Suite, SuiteResult
@@ -41,7 +43,8 @@ log = logging.getLogger("astrai.eval")
 
 USAGE = (
     "usage: python -m astrai.eval compare A B [eval=[perplexity,...]] [out=compare.json] "
-    "[suites.<name>.<option>=...] [engine=...] (A and B: model directories)"
+    "[suites.<name>.<option>=...] [engine=...] [adapter_a=DIR] [adapter_b=DIR] "
+    "(A and B: model directories)"
 )
 #: per-sample fields that are no measurement of the model's quality: counts (`tokens`), and
 #: per-document perplexity, whose mean is dominated by the worst documents (its log, `nll`,
@@ -198,6 +201,20 @@ def format_comparison(
     )
 
 
+def check_adapters(cfg: Mapping[str, Any]) -> tuple[EvalAdapter | None, EvalAdapter | None]:
+    """The LoRA adapters over A and B (`adapter_a`, `adapter_b`; None: the base), checked
+    before any model loads; `adapter=` is refused (it would not say which side)."""
+    if cfg.get("adapter"):
+        raise SystemExit("compare: give the adapter of each side as adapter_a= / adapter_b=")
+    out = []
+    for key in ("adapter_a", "adapter_b"):
+        try:
+            out.append(check_adapter(str(cfg[key]), key) if cfg.get(key) else None)
+        except ValueError as err:
+            raise SystemExit(f"compare: {err}") from None
+    return out[0], out[1]
+
+
 def _context_cap(model_dir: Path) -> int | None:
     """The model's `max_position_embeddings` from its config.json (None: not stated)."""
     try:
@@ -222,6 +239,7 @@ def run(cfg: Mapping[str, Any]) -> dict[str, Any]:
     from astrai.eval.runner import build_suites, evaluate_model
 
     dirs = check_dirs(str(cfg["a"]), str(cfg["b"]))  # before anything heavy is imported
+    adapters = check_adapters(cfg)
     suites: dict[str, Suite] = build_suites(cfg.get("suites") or {})
 
     from astrai.data.storage import DataError
@@ -240,9 +258,9 @@ def run(cfg: Mapping[str, Any]) -> dict[str, Any]:
     run_cfg = {**cfg, "engine": engine}
 
     runs = []
-    for label, model_dir, tokenizer, need in zip("AB", dirs, tokenizers, needs):
-        log.info("model %s: %s", label, model_dir)
-        results, max_seq_len = evaluate_model(run_cfg, model_dir, tokenizer, suites, need)
+    for label, model_dir, tokenizer, need, adapter in zip("AB", dirs, tokenizers, needs, adapters):
+        log.info("model %s: %s%s", label, model_dir, f" + {adapter.path}" if adapter else "")
+        results, max_seq_len = evaluate_model(run_cfg, model_dir, tokenizer, suites, need, adapter)
         runs.append((results, max_seq_len))
         _release()
     (results_a, len_a), (results_b, len_b) = runs
@@ -255,11 +273,13 @@ def run(cfg: Mapping[str, Any]) -> dict[str, Any]:
     data = {
         "a": {
             "model_path": str(dirs[0]),
+            "adapter": None if adapters[0] is None else str(adapters[0].path),
             "max_seq_len": len_a,
             "suites": {r.name: r.to_dict(samples=samples) for r in results_a},
         },
         "b": {
             "model_path": str(dirs[1]),
+            "adapter": None if adapters[1] is None else str(adapters[1].path),
             "max_seq_len": len_b,
             "suites": {r.name: r.to_dict(samples=samples) for r in results_b},
         },

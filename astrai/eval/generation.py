@@ -212,7 +212,7 @@ class GenerationSuite(Suite):
             for start in range(0, len(ids), self.chunk_size):
                 chunk = ids[start : start + self.chunk_size]
                 results += engine.run_batch(
-                    chunk, self.sampling, seed=self.seed + start, return_details=True
+                    chunk, self.request(self.sampling), seed=self.seed + start, return_details=True
                 )
                 bar.update(len(chunk))
         return results

@@ -17,6 +17,7 @@ lm_eval is imported only here (``pip install astrai[eval]``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import json
 import logging
@@ -37,6 +38,7 @@ from lm_eval.models.utils import (
 )
 from tqdm import tqdm
 
+from astrai.eval.adapter import check_adapter, lora_settings
 from astrai.inference import InferenceEngine, SamplingParams
 from astrai.model import AutoModel
 from astrai.tokenizer import AutoTokenizer
@@ -105,7 +107,9 @@ class AstraiLM(TemplateLM):
     engine per call; `auto`: all, which batches best), `max_batch_size` (rows the engine runs
     together), `max_length` (context for scoring, default the model's
     max_position_embeddings, like `hf`), `max_gen_toks`, `add_bos_token`,
-    `prefix_token_id`, `seed` (sampled generation), and any `InferenceEngine` keyword
+    `prefix_token_id`, `seed` (sampled generation), `adapter` (a LoRA adapter directory
+    over `pretrained`: the engine serves it from one slot and every request names it, as
+    `python -m astrai.eval adapter=DIR` does), and any `InferenceEngine` keyword
     (`cache_mode` (default paged), `page_size`, `kv_tokens`, `prefix_cache`,
     `max_prefill_tokens`, ...). The engine's `max_seq_len` is `max_length + 1`; its paged
     KV budget, unless `kv_tokens` or `memory_fraction` is given, is 2048 tokens per row
@@ -128,12 +132,13 @@ class AstraiLM(TemplateLM):
         prefix_token_id: int | None = None,
         seed: int = 1234,
         cache_mode: str = "paged",
+        adapter: str | None = None,
         **engine_options: Any,
     ) -> None:
         super().__init__()
         unknown = sorted(set(engine_options) - ENGINE_OPTIONS - {"max_seq_len"})
         if unknown:
-            options = ["pretrained", "dtype", "device", "batch_size", "max_batch_size"]
+            options = ["pretrained", "adapter", "dtype", "device", "batch_size", "max_batch_size"]
             options += ["max_length", "max_gen_toks", "add_bos_token", "prefix_token_id", "seed"]
             options += sorted(ENGINE_OPTIONS - {"max_seq_len"})
             raise ValueError(
@@ -149,6 +154,10 @@ class AstraiLM(TemplateLM):
             raise ValueError(f"astrai model_args max_length={max_length!r}: expected >= 2")
         if int(max_gen_toks) < 1:
             raise ValueError(f"astrai model_args max_gen_toks={max_gen_toks!r}: expected >= 1")
+        try:
+            lora = check_adapter(adapter) if adapter else None  # before the model loads
+        except ValueError as err:
+            raise ValueError(f"astrai model_args: {err}") from None
         self.chunk = _batch_size(batch_size)
         torch_dtype, self._device = _dtype(dtype), _device(device)
 
@@ -171,6 +180,8 @@ class AstraiLM(TemplateLM):
             rows = int(engine_options.get("max_batch_size") or DEFAULT_ROWS)
             length = self._max_length + 1
             engine_options["kv_tokens"] = max(length, rows * min(length, KV_ROW_TOKENS))
+        if lora is not None:
+            engine_options["lora"] = lora_settings(engine_options.get("lora"), lora)
         self.engine = InferenceEngine(
             self.model,
             self.tokenizer,
@@ -179,15 +190,28 @@ class AstraiLM(TemplateLM):
             start=False,  # scoring and run_batch run on the calling thread
             **engine_options,
         )
+        #: the adapter every request names (None: the base model)
+        self.adapter = None if lora is None else lora.name
+        if lora is not None:
+            try:
+                self.engine.load_adapter(lora.name, lora.path)
+            except ValueError as err:  # AdapterError: another base's adapter, a bad file
+                raise ValueError(f"astrai model_args adapter={adapter}: {err}") from None
         self.pretrained = str(pretrained)
         logger.info(
-            "astrai: %s on %s (%s), max_length %d, engine %s",
+            "astrai: %s%s on %s (%s), max_length %d, engine %s",
             pretrained,
+            "" if lora is None else f" + adapter {lora.path}",
             self._device,
             next(self.model.parameters()).dtype,
             self._max_length,
             cache_mode,
         )
+
+    @property
+    def _score_params(self) -> SamplingParams | None:
+        """The settings of every `engine.score` call: the adapter, if any."""
+        return None if self.adapter is None else SamplingParams(adapter=self.adapter)
 
     # ------------------------------------------------------------------ facts lm-eval asks
     @property
@@ -315,7 +339,7 @@ class AstraiLM(TemplateLM):
             total=len(pairs), desc="astrai loglikelihood", disable=disable_tqdm or None
         ) as bar:
             for chunk in self._score_chunks(pairs, order):
-                scored = self.engine.score([pairs[i] for i in chunk])
+                scored = self.engine.score([pairs[i] for i in chunk], self._score_params)
                 for i, result in zip(chunk, scored):
                     results[i] = (float(result.logprob), bool(result.greedy))
                     key = requests[i][0]
@@ -384,6 +408,8 @@ class AstraiLM(TemplateLM):
                         f"max_length={self.max_length}"
                     )
                 sampling = self._sampling(kwargs, max_gen_toks)
+                if self.adapter is not None:
+                    sampling = dataclasses.replace(sampling, adapter=self.adapter)
                 prompts = {i: self.tok_encode(requests[i].args[0])[-max_ctx:] for i in indices}
                 ordered = sorted(indices, key=lambda i: prompts[i])
                 for chunk in self._chunks(ordered):

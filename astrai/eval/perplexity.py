@@ -224,7 +224,7 @@ class PerplexitySuite(Suite):
         with progress_bar(len(requests), f"eval {self.name}", progress, "window") as bar:
             for start in range(0, len(requests), self.chunk_size):
                 chunk = requests[start : start + self.chunk_size]
-                scores = engine.score([w for _, w in chunk])
+                scores = engine.score([w for _, w in chunk], self.score_params())
                 for (doc, (_, continuation)), score in zip(chunk, scores):
                     nats[doc] -= score.logprob
                     tokens[doc] += len(continuation)

@@ -4,11 +4,13 @@ A suite holds its items (read and checked when it is built, so a bad task file f
 any model is loaded) and scores them on an engine it is handed: `python -m astrai.eval`
 builds one engine for all its suites, the training callback builds one on the live weights.
 A suite talks to the engine only through `engine.tokenizer`, `engine.run_batch(...)` and
-`engine.score(...)`.
+`engine.score(...)`, and every request it makes names its `adapter` (a LoRA adapter the
+engine has loaded; None: the base model), so one suite evaluates a base or an adapter.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -44,6 +46,19 @@ class Suite(ABC):
     """An evaluation over fixed items; `name` is its metric namespace (`eval/<name>/<metric>`)."""
 
     name: str
+    #: the engine adapter every request of this suite names (None: the base model); the
+    #: runner sets it (`python -m astrai.eval adapter=DIR`)
+    adapter: str | None = None
+
+    def request(self, params: SamplingParams) -> SamplingParams:
+        """`params` naming this suite's `adapter`: the one place a suite's requests get it."""
+        if self.adapter is None or params.adapter == self.adapter:
+            return params
+        return dataclasses.replace(params, adapter=self.adapter)
+
+    def score_params(self) -> SamplingParams | None:
+        """The settings of this suite's `engine.score` calls (None: the engine's defaults)."""
+        return None if self.adapter is None else SamplingParams(adapter=self.adapter)
 
     @abstractmethod
     def required_seq_len(self, tokenizer: AutoTokenizer) -> int:

@@ -8,10 +8,13 @@ adapter adds exact zeros. Each token of a step names its slot (`LoRABatch.token_
 base projection's output, in place: one call per projection whatever the mix of adapters.
 
 Two implementations behind this one entry point (S-LoRA / Punica's gathered product):
-- plain torch (the CPU, and any device without Triton): the token's slot as a mask over
-  the stacked columns. `h = x A[:w]^T` is one product over the columns of the slots in
-  use (`width`), `h * mask` keeps each token's own slot's columns times its scaling, and
-  `out += h B^T[:w]` is a second: three ops per projection for any number of adapters.
+- plain torch (the CPU, and any device without Triton): when every token uses one adapter,
+  two products with its slot; otherwise the step's tokens grouped by slot (padded to the
+  largest group, laid out once per step in `LoRABatch`), gathered, two batched products
+  against the slots' stacks, and scattered back with `index_add_`: five ops per projection
+  whatever the mix, and the multiply-adds of each token's own rank only. (Multiplying
+  every token by every slot in use and masking costs a product per slot per token: on the
+  benchmark machine twice the time at 4 adapters, experiments/bench/lora.md.)
 - Triton on CUDA (`astrai.extension.ops.lora`): a segmented gather kernel that reads each
   token's slot and touches only its rank's columns.
 `ASTR_LORA_BACKEND=torch|triton` selects one strictly (triton raises where unusable).
@@ -30,41 +33,54 @@ LORA_BACKENDS = ("torch", "triton")
 
 @dataclass
 class LoRABatch:
-    """Which adapter slot each token of one forward uses.
+    """Which adapter slot each token of one forward uses, laid out once per step for every
+    adapted projection.
 
-    `token_slots` `[T]` int32 (-1: the base model); `scalings` `[slots]` each slot's
-    `alpha / r` (or rsLoRA's); `mask` `[T, width]`: the token's slot's scaling over that
-    slot's `rank` columns, 0 elsewhere (the torch path); `width` = (highest slot in use + 1)
-    * rank, the stacked columns the step reads; `active`: some token uses an adapter (a
-    step of base rows only skips every delta)."""
+    `token_slots` `[T]` int32 (-1: the base model) and `scalings` `[slots]` (each slot's
+    `alpha / r`, or rsLoRA's) serve the Triton kernel. The torch path groups the tokens by
+    slot: `single` = `(slot, scaling)` when every token uses one slot (two products, no
+    gather); otherwise `rows` `[G * M]` the token indices of the `G` slots in use, each
+    group padded to `M` with row 0, `groups` `[G]` their slots (None: slots 0..G-1, a view
+    of the stacks), `scale` `[G, M, 1]` the slot's scaling (0 for padding, whose delta is
+    then exactly zero). `active`: some token uses an adapter."""
 
     token_slots: torch.Tensor
     scalings: torch.Tensor
-    mask: torch.Tensor
-    width: int
     active: bool
+    single: tuple[int, float] | None = None
+    rows: torch.Tensor | None = None
+    groups: torch.Tensor | None = None
+    scale: torch.Tensor | None = None
 
     @classmethod
     def build(
         cls, token_slots: list[int], scalings: torch.Tensor, rank: int, device: torch.device
     ) -> LoRABatch:
         """The batch of a step whose tokens use `token_slots` (host ints, -1: base)."""
-        top = max(token_slots, default=-1)
-        slots = torch.tensor(token_slots, dtype=torch.int32)
-        width = (top + 1) * rank
-        mask = torch.zeros(len(token_slots), width, dtype=scalings.dtype)
-        if top >= 0:
-            used = slots >= 0
-            cols = slots[used].long()[:, None] * rank + torch.arange(rank)
-            mask[used.nonzero()[:, :1].expand(-1, rank), cols] = scalings.cpu()[slots[used].long()][
-                :, None
-            ].expand(-1, rank)
+        slots = torch.tensor(token_slots, dtype=torch.int32, device=device)
+        by_slot: dict[int, list[int]] = {}
+        for t, slot in enumerate(token_slots):
+            if slot >= 0:
+                by_slot.setdefault(slot, []).append(t)
+        if not by_slot:
+            return cls(slots, scalings, active=False)
+        host = scalings.tolist()
+        if len(by_slot) == 1 and len(next(iter(by_slot.values()))) == len(token_slots):
+            (slot,) = by_slot
+            return cls(slots, scalings, active=True, single=(slot, host[slot]))
+        used = sorted(by_slot)
+        m = max(len(v) for v in by_slot.values())
+        rows = [t for s in used for t in by_slot[s] + [0] * (m - len(by_slot[s]))]
+        scale = [[host[s]] * len(by_slot[s]) + [0.0] * (m - len(by_slot[s])) for s in used]
         return cls(
-            token_slots=slots.to(device),
-            scalings=scalings,
-            mask=mask.to(device),
-            width=width,
-            active=top >= 0,
+            slots,
+            scalings,
+            active=True,
+            rows=torch.tensor(rows, dtype=torch.long, device=device),
+            groups=None
+            if used == list(range(len(used)))
+            else torch.tensor(used, dtype=torch.long, device=device),
+            scale=torch.tensor(scale, dtype=scalings.dtype, device=device)[..., None],
         )
 
 
@@ -156,9 +172,23 @@ def lora_delta(
             out,
         )
         return
-    w = batch.width
-    h = torch.mm(x, a[:w].t()).mul_(batch.mask)
-    out.addmm_(h, bt[:w])
+    if batch.single is not None:  # every token on one adapter: two products
+        slot, scaling = batch.single
+        r0, r1 = slot * rank, (slot + 1) * rank
+        out.addmm_(torch.mm(x, a[r0:r1].t()), bt[r0:r1], alpha=scaling)
+        return
+    # Tokens grouped by slot (padded): one batched product per side, then scattered back.
+    slots = a.shape[0] // rank
+    a3, bt3 = a.view(slots, rank, -1), bt.view(slots, rank, -1)
+    groups = batch.scale.shape[0]
+    if batch.groups is None:
+        a3, bt3 = a3[:groups], bt3[:groups]
+    else:
+        a3, bt3 = a3.index_select(0, batch.groups), bt3.index_select(0, batch.groups)
+    xs = x.index_select(0, batch.rows).view(groups, -1, x.shape[-1])
+    h = torch.bmm(xs, a3.transpose(1, 2)).mul_(batch.scale)
+    y = torch.bmm(h, bt3)
+    out.index_add_(0, batch.rows, y.view(-1, y.shape[-1]))
 
 
 __all__ = ["LORA_BACKENDS", "LoRABatch", "LoRALayer", "LoRAStep", "lora_backend", "lora_delta"]

@@ -383,6 +383,10 @@ class EngineAdapters:
             self.slots.evict(adapter)
         logger.info("unloaded LoRA adapter %r", name)
 
+    def close(self) -> None:
+        """Take the slots' hooks off the model (the engine stops)."""
+        self.slots.detach()
+
     def refresh_live(self) -> None:
         """Copy the live adapter's current tensors into its slot (a weight update)."""
         if self.default is not None:
