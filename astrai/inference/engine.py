@@ -38,6 +38,7 @@ from astrai.inference.result import GenerateResult, interleave
 from astrai.inference.runner import ModelRunner
 from astrai.inference.scheduler import InferenceScheduler
 from astrai.inference.scoring import check_score_requests, score_phases, score_result
+from astrai.inference.speculative import SpeculativeConfig, make_proposer
 from astrai.inference.structured import StructuredOutput, per_prompt
 from astrai.inference.task import Rejection, Task
 from astrai.model import Transformer
@@ -73,6 +74,7 @@ class InferenceEngine(AdapterMethods):
     matmul from oneDNN-prepacked weights: copies kept in step with the model's, which
     `astrai.model.packed` sizes (False saves that memory). `lora` (`LoRASettings`): serve LoRA
     adapters, one per request (`SamplingParams.adapter`; `astrai.inference.adapters`).
+    `speculative` (`SpeculativeConfig`): speculative decoding (`astrai.inference.speculative`).
     """
 
     def __init__(
@@ -95,6 +97,7 @@ class InferenceEngine(AdapterMethods):
         max_prompt_tokens: int | None = None,
         packed_projections: bool = True,
         lora: LoRASettings | Mapping[str, Any] | None = None,
+        speculative: SpeculativeConfig | Mapping[str, Any] | None = None,
         start: bool = True,
     ) -> None:
         # No .eval() here: GRPO shares the live policy module, whose mode Lightning owns. The
@@ -126,6 +129,8 @@ class InferenceEngine(AdapterMethods):
         self.handoff = Handoff(stream_interval)
         self.adapters = EngineAdapters.build(model, lora)  # None: no adapters
         slots = None if self.adapters is None else self.adapters.slots
+        spec = SpeculativeConfig.of(speculative)
+        self.proposer = make_proposer(spec, model, max_batch_size, max_seq_len)
         self.scheduler = InferenceScheduler(
             self.pool,
             vocab_size=cfg.vocab_size,
@@ -135,6 +140,7 @@ class InferenceEngine(AdapterMethods):
             max_queue=max_queue,
             max_prompt_tokens=max_prompt_tokens,
             adapters=slots,
+            speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
         )
         self.runner = ModelRunner(
             model,
@@ -144,6 +150,7 @@ class InferenceEngine(AdapterMethods):
             logprob_chunk=logprob_chunk,
             grammar=grammar_compiler(tokenizer),
             adapters=slots,
+            proposer=self.proposer,
         )
         self._closed = False
         self._stop = threading.Event()
@@ -295,8 +302,9 @@ class InferenceEngine(AdapterMethods):
             self.scheduler.cleanup()
         if self.packed_projections:
             release_projections(self.model)  # the last engine on this model drops the packs
-        if self.adapters is not None:
-            self.adapters.slots.detach()
+        for extra in (self.adapters, self.proposer):  # LoRA slots' hooks, a draft model
+            if extra is not None:
+                extra.close()
 
     def __enter__(self) -> InferenceEngine:
         return self
@@ -305,12 +313,10 @@ class InferenceEngine(AdapterMethods):
         self.shutdown()
 
     def get_stats(self) -> dict[str, Any]:
-        """Counters since start (total_tasks, total_prompt_tokens, cached_prompt_tokens,
-        total_tokens generated, steps, preemptions, finished_requests by reason), current
-        load (active_tasks running, waiting_queue, kv_usage), the prefix cache's hit rate,
-        and the engine-measured latencies: `ttft_seconds` / `itl_seconds` histograms (queued
-        -> first token, gaps between tokens) with recent p50 / p99. The server's `/metrics`
-        exposes these same numbers (astrai/serve/metrics.py)."""
+        """Counters since start (tasks, prompt / cached / generated tokens, steps,
+        preemptions, finished_requests by reason, speculation's `spec_*`), current load
+        (active_tasks, waiting_queue, kv_usage), the prefix cache's hit rate, `ttft_seconds` /
+        `itl_seconds` histograms with recent p50 / p99: what `/metrics` exposes."""
         return {**self.scheduler.stats(), "ready": self.ready}
 
     # ------------------------------------------------------------------ submission
@@ -487,15 +493,13 @@ class InferenceEngine(AdapterMethods):
         draws with seed `seed + i` (any int: seeds are used mod 2**64). `params.n > 1`:
         `len(prompts) * n` results, prompt-major (result `i * n + j` is sample `j` of prompt
         `i`, seed `seed + i * n + j`), each prompt's samples one group that prefills it once
-        (`submit_group`). `structured`: one
-        output constraint for every prompt, or one per prompt (`astrai.inference.structured`);
-        None: `params.structured`. Returns token-id lists, or `(ids, logprobs)` pairs with
-        `return_logprobs`, or `BatchResult`s with `return_details`. A rejected prompt (empty,
-        too long, `max_tokens <= 0`, KV allocation failed) gets finish reason `rejected` and
-        an error; a request that faults (see `step`) gets `aborted`; neither blocks the
-        others. Invalid sampling settings raise ValueError before anything runs. The
-        background loop is paused for the call. RL wants `logprobs_mode="scaled"` (its
-        trainer's forward divides the logits by the sampling temperature too).
+        (`submit_group`). `structured`: one output constraint for every prompt, or one per
+        prompt (`astrai.inference.structured`); None: `params.structured`. Returns token-id
+        lists, `(ids, logprobs)` pairs (`return_logprobs`) or `BatchResult`s
+        (`return_details`). A rejected prompt gets finish reason `rejected` and an error, a
+        faulting request `aborted`; neither blocks the others. Invalid settings raise
+        ValueError before anything runs. The background loop is paused for the call. RL
+        wants `logprobs_mode="scaled"` (its trainer's forward divides by the temperature too).
         """
         params = params_from(params, sampling).validate(vocab_size=self.vocab_size)
         backend = selected_backend()

@@ -152,6 +152,11 @@ class GenerateResult:
         return list(self.task.logprobs)
 
     @property
+    def speculation(self) -> dict[str, int]:
+        """Speculative decoding's figures for this request: tokens proposed and accepted."""
+        return {"proposed": self.task.spec_proposed, "accepted": self.task.spec_accepted}
+
+    @property
     def top_logprobs(self) -> list[TopLogprobs]:
         """Per generated token, its `params.logprobs` most likely `(token_id, logprob)` under
         the raw distribution, descending (empty unless the request asked)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -35,7 +35,9 @@ from astrai.inference.logprobs import PromptScores, TopLogprobs
 from astrai.inference.sampling import SamplingBatchCache
 from astrai.inference.scheduler import StepPlan
 from astrai.inference.scoring import PromptTargets
+from astrai.inference.speculative import Proposer, with_drafts
 from astrai.inference.task import Task
+from astrai.inference.verify import verify
 from astrai.inference.workspace import InferenceWorkspace
 from astrai.model import Transformer
 from astrai.model.layers import mark_cache_resident
@@ -51,7 +53,9 @@ class StepOutput(NamedTuple):
     scored by this forward; `top_logprobs`: per sampler, None when no sampler asks;
     `faults`: `{sampler index: error}` for requests whose own sampling failed (their token is
     a placeholder: `postprocess` aborts them instead); `stopped`: samplers whose structured
-    output is complete (`constrain.GrammarRows`), to finish with reason `stop`.
+    output is complete (`constrain.GrammarRows`), to finish with reason `stop`. A step that
+    verified proposals (`astrai.inference.verify`): `more` the tokens each sampler emitted
+    after its first, `verified` `{plan row: (proposed, accepted)}`.
     """
 
     token_ids: list[int]
@@ -60,6 +64,8 @@ class StepOutput(NamedTuple):
     top_logprobs: list[TopLogprobs] | None = None
     faults: dict[int, str] | None = None
     stopped: set[int] | None = None
+    more: dict[int, list[tuple[int, float, TopLogprobs]]] | None = None
+    verified: dict[int, tuple[int, int]] | None = None
 
 
 class ModelRunner:
@@ -81,6 +87,7 @@ class ModelRunner:
         logprob_chunk: int = 512,
         grammar: GrammarCompiler | None = None,
         adapters: AdapterSlots | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
         if (
             isinstance(logprob_chunk, bool)
@@ -107,6 +114,7 @@ class ModelRunner:
         self._sampling = SamplingBatchCache()
         self.grammar_rows = GrammarRows(grammar)
         self.adapters = adapters
+        self.proposer = proposer  # speculative decoding (astrai.inference.speculative)
 
     def _build_graphs(self, mode: bool | str | None, batch: int) -> None:
         """CUDA graphs for decode by default on CUDA; `"stand-in"` for CPU tests; False: eager."""
@@ -155,7 +163,10 @@ class ModelRunner:
         `faults`, the others are sampled as usual; an exception raised here is the forward's.
         """
         previous, self._last_sampled = self._last_sampled, None
+        drafts = self._proposals(plan)
         with attn_backend(plan.backend):
+            if drafts:
+                return self._speculate(plan, drafts)
             logits, graphed, prompt = self._forward(plan, previous)
             if not plan.samplers:
                 return StepOutput([], [], prompt)
@@ -169,15 +180,61 @@ class ModelRunner:
             out.token_ids, out.logprobs, prompt, out.top_logprobs, out.faults, stopped
         )
 
+    def _proposals(self, plan: StepPlan) -> dict[int, list[int]]:
+        """Each speculating row's proposals (`{plan row: tokens}`; empty: a plain step).
+        Plans that score prompts never speculate (their logits follow the plan's layout)."""
+        if self.proposer is None or not any(plan.draft_budgets):
+            return {}
+        if PromptTargets.of(plan) is not None:
+            return {}
+        rows = [i for i, k in enumerate(plan.draft_budgets) if k > 0]
+        budgets = [plan.draft_budgets[i] for i in rows]
+        proposals = self.proposer.propose([plan.tasks[i] for i in rows], budgets)
+        return {i: p[:k] for i, k, p in zip(rows, budgets, proposals) if p}
+
+    def _speculate(self, plan: StepPlan, drafts: dict[int, list[int]]) -> StepOutput:
+        """Feed each speculating row's proposals after its newest token, then verify them."""
+        spec = with_drafts(plan, drafts)
+        ends = torch.tensor(spec.q_lens).cumsum(0).tolist()
+        idx, first, rows_drafts = [], [], []
+        for row in plan.sample_rows:
+            d = drafts.get(row, [])
+            first.append(len(idx))
+            rows_drafts.append(d)
+            idx.extend(range(ends[row] - 1 - len(d), ends[row]))
+        logits, _, _ = self._forward(spec, None, torch.tensor(idx, device=self.device))
+
+        def sample(rows: torch.Tensor, tasks: list[Task]) -> Any:
+            return sample_isolated(rows, tasks, self._sampling, self._generator)
+
+        out = verify(logits, plan.samplers, rows_drafts, first, sample, self.grammar_rows)
+        verified = {
+            row: (len(drafts[row]), out.accepted[s])
+            for s, row in enumerate(plan.sample_rows)
+            if row in drafts
+        }
+        for row, (proposed, accepted) in verified.items():
+            self.proposer.verified(plan.tasks[row], proposed, accepted)
+        return StepOutput(
+            out.tokens,
+            out.logprobs,
+            None,
+            out.tops,
+            out.faults,
+            out.stopped,
+            out.more,
+            verified,
+        )
+
     def _forward(
-        self, plan: StepPlan, previous: torch.Tensor | None
+        self, plan: StepPlan, previous: torch.Tensor | None, logits_idx: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, bool, list[PromptScores] | None]:
         """Logits `[len(plan.samplers), vocab]`, whether a captured graph produced them, and
         the prompt log-probs of the plan (None when no row asks)."""
         graphs = self.graph_runner
         padded = None
         adapted = self.adapters is not None and any(t.adapter_slot >= 0 for t in plan.tasks)
-        if graphs is not None and plan.decode_only and not adapted:
+        if graphs is not None and plan.decode_only and not adapted and logits_idx is None:
             padded = graphs.padded_size(len(plan.rows))
         if padded is not None:  # pure decode: replay a captured graph on the workspace
             refresh_packs(self.model)  # a replay runs no Python to check them itself
@@ -194,22 +251,26 @@ class ModelRunner:
         if self.workspace is not None:
             self.workspace.last_rows = None
         if not adapted:
-            return self._eager(plan)
+            return self._eager(plan, logits_idx)
         step = self.adapters.step
         step.batch = self.adapters.batch(
             [t.adapter_slot for t, q in zip(plan.tasks, plan.q_lens) for _ in range(q)]
         )
         try:
-            return self._eager(plan)
+            return self._eager(plan, logits_idx)
         finally:
             step.batch = None
 
-    def _eager(self, plan: StepPlan) -> tuple[torch.Tensor, bool, list[PromptScores] | None]:
+    def _eager(
+        self, plan: StepPlan, logits_idx: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, bool, list[PromptScores] | None]:
+        """An eager forward of `plan`: logits of its sampling rows (or of `logits_idx`)."""
         kv_cache = self.pool.bind_tasks(plan.rows, plan.seq_lens, plan.q_lens)
         ends = torch.tensor(plan.q_lens).cumsum(0) - 1
         ids = torch.tensor(plan.token_ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(plan.positions, dtype=torch.int64, device=self.device)
-        logits_idx = ends[plan.sample_rows].to(self.device)
+        if logits_idx is None:
+            logits_idx = ends[plan.sample_rows].to(self.device)
         model, max_position = self.model, max(plan.positions)
         targets = PromptTargets.of(plan)
         if targets is None:  # the cheap path: logits of the sampling rows only

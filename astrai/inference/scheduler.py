@@ -44,6 +44,7 @@ from astrai.inference.logprobs import PromptScores, TopLogprobs
 from astrai.inference.metrics import EngineMetrics
 from astrai.inference.params import SamplingParams, check_max_prompt_tokens
 from astrai.inference.processors import describe
+from astrai.inference.speculative import SpecCounters, next_budget
 from astrai.inference.task import Rejection, Task, TaskState
 
 logger = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ class StepPlan:
     sample_rows: list[int] = field(default_factory=list)
     samplers: list[Task] = field(default_factory=list)
     backend: str | None = None
+    draft_budgets: list[int] = field(default_factory=list)  # proposals each row may verify
 
     @property
     def decode_only(self) -> bool:
@@ -88,6 +90,7 @@ class InferenceScheduler:
         max_queue: int | None = None,
         max_prompt_tokens: int | None = None,
         adapters: AdapterSlots | None = None,
+        speculative_tokens: int = 0,
     ) -> None:
         if max_prefill_tokens <= 0:
             raise ValueError(f"max_prefill_tokens must be positive, got {max_prefill_tokens}")
@@ -104,6 +107,10 @@ class InferenceScheduler:
         # LoRA adapter slots (`astrai.inference.adapters`): a request holds its adapter's
         # slot from admission to its end; None: the engine serves no adapters.
         self.adapter_slots = adapters
+        # Speculative decoding: at most this many proposals per decoding request and step
+        # (KV reserved for them: `StepPlan.draft_budgets`); 0: off.
+        self.speculative_tokens = speculative_tokens
+        self.spec = SpecCounters(enabled=speculative_tokens > 0)
         # Set by `fail_all` (the loop crashed): every new request is rejected with it.
         self.failure: str | None = None
         # Set whenever there is new work (a submission, a cancellation) for an idle loop.
@@ -221,6 +228,7 @@ class InferenceScheduler:
             "held_followers": len(self._held),
             "steps": self.num_steps,
             "preemptions": self.preemptions,
+            **self.spec.stats(),
             "policy_version": self.policy_version,
             **self.pool.stats(),
             **self.metrics.stats(),
@@ -284,6 +292,7 @@ class InferenceScheduler:
                 plan.sample_rows.append(len(plan.tasks))
                 plan.samplers.append(t)
             plan.tasks.append(t)
+            plan.draft_budgets.append(t.draft_budget if t.prefilled else 0)
             plan.rows.append(t.row)
             plan.q_lens.append(n)
             plan.seq_lens.append(start + n)
@@ -300,15 +309,24 @@ class InferenceScheduler:
         top_logprobs: list[TopLogprobs] | None = None,
         faults: dict[int, str] | None = None,
         stopped: set[int] | None = None,
+        more: dict[int, list[tuple[int, float, TopLogprobs]]] | None = None,
+        verified: dict[int, tuple[int, int]] | None = None,
     ) -> None:
         """Account the forward of `plan`, record its prompt log-probs, append each sampler's
         token (and top alternatives); apply stop rules. Score-only tasks (`max_tokens=0`)
         end once their prompt is computed. A sampler in `faults` (its own sampling failed)
         or whose `on_token` callback raises ends `aborted` with the cause; the rest go on.
-        A sampler in `stopped` (its structured output is complete) ends `stop`."""
-        for t, n in zip(plan.tasks, plan.q_lens):
+        A sampler in `stopped` (its structured output is complete) ends `stop` after its
+        last token. Speculative rows: `verified` `{row: (proposed, accepted)}` (the
+        accepted proposals' KV is kept), `more` `{sampler: [(token, logprob, top), ...]}`
+        the tokens after the first, each under the same stop rules."""
+        verified = verified or {}
+        for row, (t, n) in enumerate(zip(plan.tasks, plan.q_lens)):
             was_prefilled = t.prefilled
-            t.computed += n
+            proposed, accepted = verified.get(row, (0, 0))
+            t.computed += n + accepted
+            if proposed:
+                self.spec.record(t, proposed, accepted)
             if t.prefilled and not was_prefilled:
                 self._prefilled(t)
         for scores in prompt_logprobs or ():
@@ -320,34 +338,42 @@ class InferenceScheduler:
         self.num_steps += 1
         now = time.perf_counter()
         tops = top_logprobs or [()] * len(plan.samplers)
-        faults, stopped = faults or {}, stopped or set()
+        faults, stopped, more = faults or {}, stopped or set(), more or {}
         for i, (t, tok, lp, top) in enumerate(zip(plan.samplers, tokens, logprobs, tops)):
             if i in faults:
                 logger.warning("request %d aborted: %s", t.id, faults[i])
                 self._finish(t, "aborted", faults[i])
                 continue
-            t.output_ids.append(tok)
-            t.logprobs.append(lp)
-            if t.params.logprobs > 0:
-                t.top_logprobs.append(top)
-            self.total_tokens += 1
-            if t.first_token_at is None:
-                t.first_token_at = now
-                self.milestones += 1
-            self.metrics.on_token(t, now)
-            if t.on_token is not None:
-                try:
-                    t.on_token(t, tok, lp)
-                except Exception as err:
-                    logger.exception("on_token callback of task %d failed", t.id)
-                    self._finish(t, "aborted", f"on_token callback failed: {describe(err)}")
-                    continue
-            p = t.params
-            stops = self.stop_ids if p.stop_ids is None else p.stop_ids
-            if i in stopped or (not p.ignore_eos and tok in stops):
-                self._finish(t, "stop")
-            elif len(t.output_ids) >= p.max_tokens or t.total_len >= self.max_seq_len:
-                self._finish(t, "length")
+            emitted = [(tok, lp, top), *more.get(i, ())]
+            for k, (tok, lp, top) in enumerate(emitted):
+                if not t.finished:
+                    self._emit(t, tok, lp, top, now, i in stopped and k == len(emitted) - 1)
+
+    def _emit(self, t: Task, tok: int, lp: float, top: TopLogprobs, now: float, done: bool) -> None:
+        """Append one sampled token to `t` and apply the stop rules (`done`: its structured
+        output is complete)."""
+        t.output_ids.append(tok)
+        t.logprobs.append(lp)
+        if t.params.logprobs > 0:
+            t.top_logprobs.append(top)
+        self.total_tokens += 1
+        if t.first_token_at is None:
+            t.first_token_at = now
+            self.milestones += 1
+        self.metrics.on_token(t, now)
+        if t.on_token is not None:
+            try:
+                t.on_token(t, tok, lp)
+            except Exception as err:
+                logger.exception("on_token callback of task %d failed", t.id)
+                self._finish(t, "aborted", f"on_token callback failed: {describe(err)}")
+                return
+        p = t.params
+        stops = self.stop_ids if p.stop_ids is None else p.stop_ids
+        if done or (not p.ignore_eos and tok in stops):
+            self._finish(t, "stop")
+        elif len(t.output_ids) >= p.max_tokens or t.total_len >= self.max_seq_len:
+            self._finish(t, "length")
 
     def _prefilled(self, task: Task) -> None:
         """`task`'s prefill is complete: its complete pages enter the prefix cache (it keeps
@@ -424,6 +450,10 @@ class InferenceScheduler:
             i += 1
             if t.finished or t.cancel_requested or not t.prefilled:
                 continue
+            k = self.speculative_tokens and next_budget(
+                t, self.speculative_tokens, self.max_seq_len
+            )
+            t.draft_budget = k if k and self.pool.ensure(t.row, t.total_len + k) else 0
             while not self.pool.ensure(t.row, t.total_len):
                 if len(self._running) == 1:
                     self._finish(

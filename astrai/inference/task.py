@@ -82,6 +82,13 @@ class Task:
     # None: the base model) and, while running, its device slot (-1: none).
     adapter: Any = None
     adapter_slot: int = -1
+    # Speculative decoding (`astrai.inference.speculative`): this step's proposal budget,
+    # tokens proposed and accepted so far, and the back-off state.
+    draft_budget: int = 0
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    spec_misses: int = 0
+    spec_skip: int = 0
 
     @property
     def prefix_namespace(self) -> int | None:

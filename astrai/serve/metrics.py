@@ -54,6 +54,10 @@ _GAUGES = {
         "Fraction of KV slots held by requests (paged: pages in use; contiguous: rows in use).",
     ),
     "kv_capacity_tokens": ("kv_cache_capacity_tokens", "KV slots of the pool, in tokens."),
+    "spec_mean_accepted_length": (
+        "spec_decode_mean_accepted_length",
+        "Tokens a request gains per verification: 1 + accepted proposals / verifications.",
+    ),
     "prefix_hit_rate": (
         "prefix_cache_hit_rate",
         "Prompt tokens found in the radix prefix cache / tokens looked up (0: no cache).",
@@ -72,6 +76,13 @@ _COUNTERS = {
         "Running requests preempted (KV freed, requeued) because the pool ran out.",
     ),
     "steps": ("engine_steps", "Engine steps (one batched forward round each)."),
+    # speculative decoding (engine.speculative; vLLM's names): 0 while it is off
+    "spec_num_drafts": ("spec_decode_num_drafts", "Verifications of proposed tokens."),
+    "spec_draft_tokens": ("spec_decode_num_draft_tokens", "Tokens proposed for verification."),
+    "spec_accepted_tokens": (
+        "spec_decode_num_accepted_tokens",
+        "Proposed tokens accepted (the target model sampled the same).",
+    ),
 }
 _HISTOGRAMS = {
     "ttft_seconds": (
