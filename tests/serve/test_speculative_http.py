@@ -23,7 +23,7 @@ class PositionScripted(Transformer):
     conftest's `ScriptedTransformer` it scores any number of positions per row, as a
     speculative step asks."""
 
-    script: list[int] = []
+    script: tuple[int, ...] = ()
     end_id: int = 0
 
     def forward_packed(self, input_ids, positions, kv_cache, logits_indices=None, **kwargs):
