@@ -12,7 +12,8 @@ how to install it; astrai/bench/engine_vllm.py). The report also has prefill and
 tokens/s and the radix cache's cost at 0% hits (`prefix_overhead=true`; methods:
 astrai/bench/engine_phases.py), the per-step decode time at `step_batches`
 (astrai/bench/engine_steps.py), and `matrix=NAME` runs a table of model shapes instead (astrai/bench/engine_matrix.py,
-conf/bench/engine_matrix.yaml). `repeats=N` measures every configuration N times and keeps each one's
+conf/bench/engine_matrix.yaml); `speculative=ngram` runs speculative decoding on and off instead
+(astrai/bench/speculative.py). `repeats=N` measures every configuration N times and keeps each one's
 best run, which damps the noise of a shared machine without favouring either side.
 Options: ``conf/bench/engine.yaml``; the engine is the engine group's (``engine.*``).
 """
@@ -35,6 +36,7 @@ from astrai.bench.engine_matrix import format_matrix, run_matrix
 from astrai.bench.engine_phases import best, phases, prefix_overhead, run_sync, workload
 from astrai.bench.engine_steps import format_steps, run_steps
 from astrai.bench.engine_vllm import format_vllm, selected_peers, vllm_peer
+from astrai.bench.speculative import format_speculative, run_speculative
 from astrai.inference import InferenceEngine
 from astrai.model import Transformer
 from astrai.model.mla_config import kv_bytes_per_token
@@ -71,10 +73,13 @@ def run_astrai(
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
     """astrai and its `peers` on the workload of conf/bench/engine.yaml, prefill/decode
     speeds, the prefix cache's cost at 0% hits, then the shared-prefix runs; with
-    `matrix=NAME` the shape matrix instead (astrai/bench/engine_matrix.py)."""
+    `matrix=NAME` the shape matrix instead (astrai/bench/engine_matrix.py), with
+    `speculative=ngram` speculation on vs off instead (astrai/bench/speculative.py)."""
     peers = selected_peers(cfg)  # a bad name is refused before any work
     if cfg["matrix"] is not None:
         return run_matrix(cfg)
+    if cfg["speculative"] is not None:
+        return run_speculative(cfg)
     engine = instantiate(cfg["engine"])
     model, tokenizer, device = bench_model(cfg)
     model_cfg, dtype = model.config, getattr(torch, cfg["dtype"])
@@ -159,6 +164,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
 def format_report(report: dict[str, Any]) -> str:
     if "rows" in report:  # matrix=NAME
         return format_matrix(report)
+    if "speculative" in report:  # speculative=ngram
+        return format_speculative(report)
     lines = [
         f"model {report['model']} ({report['parameters'] / 1e6:.1f}M params) on "
         f"{report['device']}, {report['threads']} threads"

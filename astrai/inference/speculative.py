@@ -101,26 +101,33 @@ class Proposer(ABC):
 
 
 class NgramIndex:
-    """One request's n-grams (sizes `lo..hi`) -> where each last started, kept up to date
-    as tokens arrive, so that a lookup costs a dict access per size, not a scan."""
+    """One request's n-grams (sizes `lo..hi`) -> where each first and last started, kept
+    up to date as tokens arrive, so that a lookup costs a dict access per size, not a scan."""
 
     def __init__(self, lo: int, hi: int) -> None:
         self.lo, self.hi = lo, hi
         self.seen = 0  # tokens indexed
         self.last: dict[tuple[int, ...], int] = {}
+        self.first: dict[tuple[int, ...], int] = {}
 
     def lookup(self, seq: Sequence[int], k: int) -> list[int]:
         """The `k` tokens after the latest earlier occurrence of the longest suffix of
-        `seq` (sizes hi..lo) that occurred before; [] when none did."""
+        `seq` (sizes hi..lo) that occurred before (the first occurrence when that gives
+        more: in a repeated run the latest runs into the suffix); [] when none did."""
         n_seq = len(seq)
         self._index(seq, n_seq - 1)  # every n-gram that ends before the suffix
         proposal: list[int] = []
         for n in range(min(self.hi, n_seq - 1), self.lo - 1, -1):
-            start = self.last.get(tuple(seq[n_seq - n :]))
-            if start is not None:
-                proposal = list(seq[start + n : start + n + k])
-                if proposal:
-                    break
+            key = tuple(seq[n_seq - n :])
+            start = self.last.get(key)
+            if start is None:
+                continue
+            proposal = list(seq[start + n : start + n + k])
+            if len(proposal) < k:  # the latest match runs into the suffix (a repeated run):
+                first = self.first[key]  # the first one may continue further
+                proposal = max(proposal, list(seq[first + n : first + n + k]), key=len)
+            if proposal:
+                break
         self._index(seq, n_seq)
         return proposal
 
@@ -129,7 +136,9 @@ class NgramIndex:
         only after its lookup, so a match is always an earlier occurrence)."""
         for end in range(self.seen + 1, upto + 1):
             for n in range(self.lo, min(self.hi, end) + 1):
-                self.last[tuple(seq[end - n : end])] = end - n
+                key = tuple(seq[end - n : end])
+                self.last[key] = end - n
+                self.first.setdefault(key, end - n)
         self.seen = max(self.seen, upto)
 
 

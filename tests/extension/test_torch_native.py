@@ -16,6 +16,8 @@ from astrai.extension.backend.torch_native import row_segments
 MIXED = [(0, 7), (5, 3), (0, 1), (9, 1), (2, 6)]  # (cached prefix, new tokens)
 PREFILL = [(0, 7), (0, 1), (0, 12)]
 DECODE = [(6, 1), (0, 1), (13, 1), (3, 1)]
+# decode rows beside extend rows (a speculative step, chunked prefill): batched as a decode
+SPECULATIVE = [(6, 1), (5, 4), (13, 1), (0, 1), (3, 1), (9, 3)]
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
 
@@ -27,7 +29,9 @@ def run(case, scale):
 
 @pytest.mark.parametrize("group", [1, 2, 4])
 @pytest.mark.parametrize("head_dim", [16, 32, 64])
-@pytest.mark.parametrize("reqs", [MIXED, PREFILL, DECODE], ids=["mixed", "prefill", "decode"])
+@pytest.mark.parametrize(
+    "reqs", [MIXED, PREFILL, DECODE, SPECULATIVE], ids=["mixed", "prefill", "decode", "spec"]
+)
 def test_matches_reference_fp32(group, head_dim, reqs):
     case = make_case(reqs, n_heads=2 * group, n_kv_heads=2, head_dim=head_dim, seed=group)
     assert case.cache.is_decode == (reqs is DECODE)
@@ -96,7 +100,7 @@ def test_decode_steps_accumulate_in_cache():
 
 @pytest.mark.parametrize("head_major", [False, True], ids=["token_major", "head_major"])
 @pytest.mark.parametrize("group", [1, 4])
-@pytest.mark.parametrize("reqs", [MIXED, DECODE], ids=["mixed", "decode"])
+@pytest.mark.parametrize("reqs", [MIXED, DECODE, SPECULATIVE], ids=["mixed", "decode", "spec"])
 def test_contiguous_rows_match_reference(group, reqs, head_major):
     """The strided (no-gather) decode path over contiguous rows, idle rows in between."""
     case = make_case(
