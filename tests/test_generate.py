@@ -162,3 +162,38 @@ def test_missing_input_is_named(model_dir, tmp_path):
     )
     assert run.returncode != 0 and "nope.jsonl" in run.stderr
     assert not (tmp_path / "o.jsonl").exists()
+
+
+@pytest.mark.slow  # two subprocesses loading a model
+def test_cli_with_speculative_decoding_writes_the_same_lines(model_dir, tmp_path):
+    """`engine.speculative` reaches batch generation through the engine group: the same
+    greedy and seeded completions as without it."""
+    src = tmp_path / "in.jsonl"
+    lines = [
+        {"prompt": "def add(a, b):\n    return a + b\n" * 3, "temperature": 0},
+        {"prompt": "hello world, the answer is 42\n" * 3, "temperature": 0},
+        {"prompt": "hello world", "seed": 7, "temperature": 1.0},
+    ]
+    src.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    outputs = {}
+    for name, extra in (("off", []), ("on", ["engine.speculative={method: ngram}"])):
+        dst = tmp_path / f"{name}.jsonl"
+        run = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "astrai.generate",
+                f"model_path={model_dir}",
+                f"input={src}",
+                f"output={dst}",
+                "max_tokens=24",
+                "progress=false",
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert run.returncode == 0, run.stderr[-2000:]
+        outputs[name] = [json.loads(line)["completion"] for line in dst.read_text().splitlines()]
+    assert outputs["on"] == outputs["off"]

@@ -120,3 +120,29 @@ def test_deep_copies_of_a_served_policy_carry_no_engine_state(prompt_setup):
     assert all(getattr(m, "lora", None) is None for m in clone.modules())
     engine.shutdown()
     assert all(getattr(m, "lora", None) is None for m in module.model.modules())
+
+
+def test_rollouts_with_speculative_decoding_are_the_same_samples(prompt_setup):
+    """`engine.speculative` in GRPO's engine: the seeded rollouts are the same completions,
+    with the same log-probs (1e-5), as without it, so training sees no difference."""
+    import functools
+
+    root, tok = prompt_setup
+    prompts = [tok.encode("What is 2 + 3?"), tok.encode("What is 3 * 4?")]
+    batch = {"prompt_ids": prompts, "records": [{"answer": "5"}] * 2}
+    runs = {}
+    for name, spec in (("off", None), ("on", {"method": "ngram", "num_speculative_tokens": 3})):
+        engine = functools.partial(
+            InferenceEngine, max_batch_size=16, max_seq_len=64, speculative=spec
+        )
+        module = _grpo(root, tok, temperature=0.7, engine=engine)
+        _, metrics = module.compute_loss(batch)
+        runs[name] = (module.generation, metrics["ratio"].item())
+        if spec is not None:
+            assert module.engine.get_stats()["spec_draft_tokens"] > 0  # it did speculate
+        module.teardown("fit")
+    (off, _), (on, ratio) = runs["off"], runs["on"]
+    assert on.completions == off.completions
+    for a, b in zip(on.logprobs, off.logprobs):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+    assert ratio == pytest.approx(1.0, abs=1e-5)
