@@ -34,11 +34,12 @@ from astrai.inference.graph import DecodeGraphRunner
 from astrai.inference.handoff import Handoff
 from astrai.inference.logprobs import ScoreResult
 from astrai.inference.params import MAX_LOGPROBS, SamplingParams, check_count, params_from
+from astrai.inference.proposers import make_proposer
 from astrai.inference.result import GenerateResult, interleave
 from astrai.inference.runner import ModelRunner
 from astrai.inference.scheduler import InferenceScheduler
 from astrai.inference.scoring import check_score_requests, score_phases, score_result
-from astrai.inference.speculative import SpeculativeConfig, make_proposer
+from astrai.inference.speculative import SpeculativeConfig
 from astrai.inference.structured import StructuredOutput, per_prompt
 from astrai.inference.task import Rejection, Task
 from astrai.model import Transformer
@@ -129,8 +130,7 @@ class InferenceEngine(AdapterMethods):
         self.handoff = Handoff(stream_interval)
         self.adapters = EngineAdapters.build(model, lora)  # None: no adapters
         slots = None if self.adapters is None else self.adapters.slots
-        spec = SpeculativeConfig.of(speculative)
-        self.proposer = make_proposer(spec, model, max_batch_size, max_seq_len)
+        spec, self.proposer = make_proposer(speculative, model, max_batch_size, max_seq_len)
         self.scheduler = InferenceScheduler(
             self.pool,
             vocab_size=cfg.vocab_size,

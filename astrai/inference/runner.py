@@ -35,9 +35,9 @@ from astrai.inference.logprobs import PromptScores, TopLogprobs
 from astrai.inference.sampling import SamplingBatchCache
 from astrai.inference.scheduler import StepPlan
 from astrai.inference.scoring import PromptTargets
-from astrai.inference.speculative import Proposer, with_drafts
+from astrai.inference.speculative import Proposer
 from astrai.inference.task import Task
-from astrai.inference.verify import verify
+from astrai.inference.verify import verify, with_drafts
 from astrai.inference.workspace import InferenceWorkspace
 from astrai.model import Transformer
 from astrai.model.layers import mark_cache_resident

@@ -1,4 +1,4 @@
-"""Speculative decoding: proposers, and a decode row that also feeds its proposals.
+"""Speculative decoding: the setting, the n-gram proposer, budgets and figures.
 
 vLLM's `speculative_config` names: `method` (``ngram``: prompt lookup over the request's own
 prompt and output; ``draft_model``: a smaller model sharing the tokenizer, greedy), at most
@@ -8,12 +8,12 @@ directory).
 
 One step: the scheduler gives each decoding request a budget (K, less near `max_tokens` or
 the end of the context, 0 while it backs off) and reserves KV for it; the runner asks the
-proposer for up to that many tokens, feeds the request's newest token plus its proposals as
-one ragged extend row (`with_drafts`: the chunked-prefill path), and verifies them
-(`astrai.inference.verify`). Both proposers are deterministic, so verification is "sample
-and compare": position j is sampled from the target's own distribution with the request's
-own generator, exactly as without speculation, and the proposal is accepted while it equals
-the sample. The first sample that differs is emitted in place of the proposal and ends the
+proposer (`astrai.inference.proposers`) for up to that many tokens, feeds the request's
+newest token plus its proposals as one ragged extend row (`verify.with_drafts`: the
+chunked-prefill path), and verifies them (`astrai.inference.verify`). Both proposers are
+deterministic, so verification is "sample and compare": position j is sampled from the
+target's own distribution with the request's own generator, exactly as without speculation,
+and the proposal is accepted while it equals the sample. The first sample that differs is emitted in place of the proposal and ends the
 row; when all are accepted, the sample after the last proposal is a bonus token. For a
 one-hot proposal this is the rejection sampler of Leviathan et al. (accept with
 probability p(x), else draw from the residual p without x) with the randomness shared, so
@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any
 from astrai.inference.params import check_choice, is_int
 
 if TYPE_CHECKING:
-    from astrai.inference.scheduler import StepPlan
     from astrai.inference.task import Task
 
 SPEC_METHODS = ("ngram", "draft_model")
@@ -160,40 +159,6 @@ class NgramProposer(Proposer):
         return out
 
 
-def make_proposer(
-    config: SpeculativeConfig | None, model: Any, max_batch_size: int, max_seq_len: int | None
-) -> Proposer | None:
-    """The engine's proposer for `config` (None: speculation off)."""
-    if config is None:
-        return None
-    if config.method == "ngram":
-        return NgramProposer(config)
-    from astrai.inference.draft import DraftModelProposer  # loads a second model
-
-    return DraftModelProposer(config, model, max_batch_size, max_seq_len)
-
-
-def with_drafts(plan: StepPlan, drafts: Mapping[int, list[int]]) -> StepPlan:
-    """`plan` with row `i`'s proposals `drafts[i]` fed after its newest token (its KV is
-    reserved: `StepPlan.draft_budgets`), as one extend row."""
-    out = dataclasses.replace(
-        plan, q_lens=[], seq_lens=[], token_ids=[], positions=[], sample_rows=[]
-    )
-    offset = 0
-    for i, (q, seq) in enumerate(zip(plan.q_lens, plan.seq_lens)):
-        extra = drafts.get(i, [])
-        start = seq - q
-        out.token_ids.extend(plan.token_ids[offset : offset + q])
-        out.token_ids.extend(extra)
-        offset += q
-        n = q + len(extra)
-        out.q_lens.append(n)
-        out.seq_lens.append(start + n)
-        out.positions.extend(range(start, start + n))
-    out.sample_rows = list(plan.sample_rows)
-    return out
-
-
 def next_budget(task: Task, k: int, max_seq_len: int) -> int:
     """How many proposals `task` may verify this step: `k`, less near its `max_tokens` or
     the end of the context; 0 while it backs off (`MAX_SKIP`)."""
@@ -247,7 +212,5 @@ __all__ = [
     "Proposer",
     "SpecCounters",
     "SpeculativeConfig",
-    "make_proposer",
     "next_budget",
-    "with_drafts",
 ]

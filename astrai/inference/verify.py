@@ -11,8 +11,10 @@ each seeded stream). A grammar completed, a fault, or a sample that differs ends
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,6 +22,9 @@ from astrai.inference.constrain import GrammarRows
 from astrai.inference.isolation import IsolatedSample
 from astrai.inference.logprobs import TopLogprobs
 from astrai.inference.task import Task
+
+if TYPE_CHECKING:
+    from astrai.inference.scheduler import StepPlan
 
 
 @dataclass
@@ -92,4 +97,25 @@ def verify(
         out.accepted[s] = len(tokens) - 1
         if len(tokens) > 1:
             out.more[s] = tokens[1:]
+    return out
+
+
+def with_drafts(plan: StepPlan, drafts: Mapping[int, list[int]]) -> StepPlan:
+    """`plan` with row `i`'s proposals `drafts[i]` fed after its newest token (its KV is
+    reserved: `StepPlan.draft_budgets`), as one extend row."""
+    out = dataclasses.replace(
+        plan, q_lens=[], seq_lens=[], token_ids=[], positions=[], sample_rows=[]
+    )
+    offset = 0
+    for i, (q, seq) in enumerate(zip(plan.q_lens, plan.seq_lens)):
+        extra = drafts.get(i, [])
+        start = seq - q
+        out.token_ids.extend(plan.token_ids[offset : offset + q])
+        out.token_ids.extend(extra)
+        offset += q
+        n = q + len(extra)
+        out.q_lens.append(n)
+        out.seq_lens.append(start + n)
+        out.positions.extend(range(start, start + n))
+    out.sample_rows = list(plan.sample_rows)
     return out
