@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -54,9 +55,15 @@ class LoRABatch:
 
     @classmethod
     def build(
-        cls, token_slots: list[int], scalings: torch.Tensor, rank: int, device: torch.device
+        cls,
+        token_slots: list[int],
+        scalings: torch.Tensor,
+        rank: int,
+        device: torch.device,
+        host_scalings: Sequence[float] | None = None,
     ) -> LoRABatch:
-        """The batch of a step whose tokens use `token_slots` (host ints, -1: base)."""
+        """The batch of a step whose tokens use `token_slots` (host ints, -1: base);
+        `host_scalings`, `scalings` on the host, spares a device sync per step."""
         slots = torch.tensor(token_slots, dtype=torch.int32, device=device)
         by_slot: dict[int, list[int]] = {}
         for t, slot in enumerate(token_slots):
@@ -64,7 +71,7 @@ class LoRABatch:
                 by_slot.setdefault(slot, []).append(t)
         if not by_slot:
             return cls(slots, scalings, active=False)
-        host = scalings.tolist()
+        host = scalings.tolist() if host_scalings is None else host_scalings
         if len(by_slot) == 1 and len(next(iter(by_slot.values()))) == len(token_slots):
             (slot,) = by_slot
             return cls(slots, scalings, active=True, single=(slot, host[slot]))

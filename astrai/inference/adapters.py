@@ -20,7 +20,6 @@ name no adapter.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import os
 import threading
@@ -29,16 +28,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from astrai.extension.lora import LoRABatch, LoRALayer, LoRAStep
+from astrai.model.hub import from_hf_key
 from astrai.model.layers import Linear
-from astrai.model.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoRAConfig, LoRALinear
+from astrai.model.lora import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    PEFT_PREFIX,
+    LoRAConfig,
+    LoRALinear,
+    read_lora_dir,
+)
 
 logger = logging.getLogger(__name__)
 
-_PEFT_PREFIX = "base_model.model."
 # MLA decodes through kv_b_proj's absorbed weight, never its forward: no delta would apply.
 _NOT_ADAPTABLE = ("kv_b_proj",)
 LIVE_ADAPTER = "policy"  # the name a training run's live adapter is listed under
@@ -141,18 +146,11 @@ def read_adapter(
     """The config and `(A, B)` per module name of a PEFT-layout adapter directory (ours or
     PEFT's), checked against the base's `shapes` (`{name: (in, out)}`) and `max_rank`;
     an `AdapterError` names the file and what is wrong."""
-    path = Path(path)
-    cfg_file, weights = path / ADAPTER_CONFIG, path / ADAPTER_WEIGHTS
-    for file in (cfg_file, weights):
-        if not file.is_file():
-            raise AdapterError(f"LoRA adapter file not found: {file}")
     try:
-        data = json.loads(cfg_file.read_text())
-        config = LoRAConfig.from_peft(data, source=str(cfg_file))
-    except json.JSONDecodeError as err:
-        raise AdapterError(f"{cfg_file}: not valid JSON ({err})") from None
-    except ValueError as err:
+        config, data, stored = read_lora_dir(path)
+    except (OSError, ValueError) as err:  # missing files, bad config, corrupt weights
         raise AdapterError(str(err)) from None
+    cfg_file, weights = Path(path) / ADAPTER_CONFIG, Path(path) / ADAPTER_WEIGHTS
     for key in ("use_dora", "lora_bias"):
         if data.get(key):
             raise AdapterError(f"{cfg_file}: {key}=true is not supported by the engine")
@@ -160,14 +158,9 @@ def read_adapter(
         raise AdapterError(
             f"{cfg_file}: rank r={config.r} is above the engine's max_lora_rank ({max_rank})"
         )
-    try:
-        with safe_open(str(weights), framework="pt") as f:
-            stored = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-    except (SafetensorError, OSError) as err:
-        raise AdapterError(f"{weights}: corrupt or truncated safetensors file ({err})") from None
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in stored.items():
-        body = key.removeprefix(_PEFT_PREFIX).removeprefix("model.")
+        body = from_hf_key(key.removeprefix(PEFT_PREFIX))
         module, _, part = body.rpartition(".lora_")
         if part not in ("A.weight", "B.weight") or not module:
             raise AdapterError(f"{weights}: tensor {key} is not a LoRA A/B weight")
@@ -199,7 +192,7 @@ class AdapterSlots:
     """The device stacks of every adaptable projection and which adapter holds each slot.
 
     Used by the scheduler's thread only (acquire / release at admission and finish) and by
-    the runner (`batch`); `AdapterRegistry` serialises loads and unloads around them."""
+    the runner (`batch`); `EngineAdapters` serialises loads and unloads around them."""
 
     def __init__(self, model: nn.Module, settings: LoRASettings) -> None:
         self.settings = settings
@@ -216,6 +209,7 @@ class AdapterSlots:
             module.lora = layer
             self.layers[name] = layer
         self.scalings = torch.zeros(n, dtype=torch.float32, device=ref.device)
+        self.host_scalings = [0.0] * n  # the same, on the host: no device sync per step
         self.holder: list[Adapter | None] = [None] * n
         self.users = [0] * n
         self._clock = itertools.count()
@@ -284,6 +278,7 @@ class AdapterSlots:
                 layer.a[r0 : r0 + r].copy_(a)
                 layer.bt[r0 : r0 + r].copy_(b.t())
         self.scalings[slot] = adapter.scaling
+        self.host_scalings[slot] = adapter.scaling
         self.holder[slot] = adapter
 
     def refresh(self, adapter: Adapter) -> None:
@@ -293,7 +288,9 @@ class AdapterSlots:
             self.write(slot, adapter)
 
     def batch(self, token_slots: list[int]) -> LoRABatch:
-        return LoRABatch.build(token_slots, self.scalings, self.rank, self.scalings.device)
+        return LoRABatch.build(
+            token_slots, self.scalings, self.rank, self.scalings.device, self.host_scalings
+        )
 
 
 class EngineAdapters:
@@ -327,23 +324,26 @@ class EngineAdapters:
         if not isinstance(name, str) or not name.strip():
             raise AdapterError(f"adapter name must be a non-empty string, got {name!r}")
         with self.lock:
-            if name in self.by_name:
-                raise AdapterError(f"an adapter named {name!r} is already loaded")
-            limit = self.settings.max_cpu_loras
-            if len(self.by_name) >= limit:
-                raise AdapterError(
-                    f"cannot load {name!r}: {limit} adapters are loaded, the engine's "
-                    f"max_cpu_loras; unload one first"
-                )
+            self._check_room(name)
         config, tensors = read_adapter(path, self.slots.shapes, self.settings.max_lora_rank)
         info = AdapterInfo(name=name, path=str(path), rank=config.r, uid=next(self._uids))
         adapter = Adapter(info, config.scaling, tensors)
-        with self.lock:
-            if name in self.by_name:
-                raise AdapterError(f"an adapter named {name!r} is already loaded")
+        with self.lock:  # again: another load may have come in while the files were read
+            self._check_room(name)
             self.by_name[name] = adapter
         logger.info("loaded LoRA adapter %r (rank %d) from %s", name, config.r, path)
         return info
+
+    def _check_room(self, name: str) -> None:
+        """A new adapter `name` may be registered (the caller holds the lock)."""
+        if name in self.by_name:
+            raise AdapterError(f"an adapter named {name!r} is already loaded")
+        limit = self.settings.max_cpu_loras
+        if len(self.by_name) >= limit:
+            raise AdapterError(
+                f"cannot load {name!r}: {limit} adapters are loaded, the engine's "
+                f"max_cpu_loras; unload one first"
+            )
 
     def register_live(self, model: nn.Module) -> Adapter:
         """The training run's own adapter (`inject_lora`'s wrappers in `model`), which

@@ -13,6 +13,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -23,7 +24,7 @@ from astrai.model.hub import CheckpointError, to_hf_key
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
-_PEFT_PREFIX = "base_model.model."
+PEFT_PREFIX = "base_model.model."  # PEFT's key prefix: base_model.model.<hf name>.lora_A...
 
 
 @dataclass
@@ -155,7 +156,7 @@ def save_lora(model: nn.Module, path: str | os.PathLike) -> Path:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tensors = {
-        _PEFT_PREFIX + to_hf_key(n).replace(".base_layer", ""): t.to("cpu").contiguous()
+        PEFT_PREFIX + to_hf_key(n).replace(".base_layer", ""): t.to("cpu").contiguous()
         for n, t in lora_state_dict(model).items()
     }
     tmp = path / f".{ADAPTER_WEIGHTS}.tmp"
@@ -167,27 +168,40 @@ def save_lora(model: nn.Module, path: str | os.PathLike) -> Path:
     return path
 
 
-def load_lora(model: nn.Module, path: str | os.PathLike) -> nn.Module:
-    """Inject adapters described by `adapter_config.json` and load their weights."""
+def read_lora_dir(
+    path: str | os.PathLike,
+) -> tuple[LoRAConfig, dict[str, Any], dict[str, torch.Tensor]]:
+    """A PEFT-layout adapter directory (ours or PEFT's): its config, the raw
+    `adapter_config.json` (for keys `LoRAConfig` does not hold) and the tensors by PEFT key.
+    A missing file is a FileNotFoundError, a bad config a ValueError, a corrupt weights file
+    a `CheckpointError`: each names the file."""
     path = Path(path)
     cfg_file, weights = path / ADAPTER_CONFIG, path / ADAPTER_WEIGHTS
     for file in (cfg_file, weights):
         if not file.is_file():
             raise FileNotFoundError(f"LoRA adapter file not found: {file}")
     try:
-        config = LoRAConfig.from_peft(json.loads(cfg_file.read_text()), source=str(cfg_file))
+        data = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as err:
         raise ValueError(f"{cfg_file}: not valid JSON ({err})") from None
+    config = LoRAConfig.from_peft(data, source=str(cfg_file))
     try:
         with safe_open(str(weights), framework="pt") as f:
             stored = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
     except (SafetensorError, OSError) as err:
         raise CheckpointError(f"{weights}: corrupt or truncated safetensors file ({err})") from None
+    return config, data, stored
+
+
+def load_lora(model: nn.Module, path: str | os.PathLike) -> nn.Module:
+    """Inject adapters described by `adapter_config.json` and load their weights."""
+    weights = Path(path) / ADAPTER_WEIGHTS
+    config, _, stored = read_lora_dir(path)
     if getattr(model, "lora_config", None) is None:
         inject_lora(model, config)
     expected = {}
     for name, param in lora_state_dict(model).items():
-        key = _PEFT_PREFIX + to_hf_key(name).replace(".base_layer", "")
+        key = PEFT_PREFIX + to_hf_key(name).replace(".base_layer", "")
         expected[key] = (name, param)
     missing = sorted(set(expected) - set(stored))
     unexpected = sorted(set(stored) - set(expected))
@@ -215,5 +229,6 @@ __all__ = [
     "load_lora",
     "lora_state_dict",
     "merge_lora",
+    "read_lora_dir",
     "save_lora",
 ]
