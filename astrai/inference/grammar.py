@@ -2,15 +2,17 @@
 
 llguidance needs its own view of the tokenizer (`LLTokenizer`: every token's bytes, the EOS
 ids); building it walks the vocabulary, so there is one per tokenizer (`grammar_compiler`),
-built at the first constrained request. A grammar is compiled into an `LLMatcher` once and
-kept in an LRU keyed by the grammar's text; each request gets a `deep_copy` of it (cheap:
-the compiled lexer and parser tables are shared), so repeated schemas cost nothing.
+built once: by `warm_up` (a server calls it at start-up), else at the first constrained
+request. A grammar is compiled into an `LLMatcher` once and kept in an LRU keyed by the
+grammar's text; each request gets a `deep_copy` of it (cheap: the compiled lexer and
+parser tables are shared), so repeated schemas cost nothing.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from functools import cached_property
@@ -50,6 +52,13 @@ class GrammarCompiler:
         tok = self.tokenizer
         return llg.LLTokenizer(tok.backend.to_str(), n_vocab=len(tok), eos_token=tok.stop_ids)
 
+    def warm_up(self) -> None:
+        """Build `ll_tokenizer` now (seconds for a 150k vocabulary), so that the first
+        constrained request does not stall the requests running beside it."""
+        started = time.perf_counter()
+        _ = self.ll_tokenizer
+        logger.debug("llguidance tokenizer ready in %.2f s", time.perf_counter() - started)
+
     @property
     def vocab_size(self) -> int:
         """Token ids the masks cover; higher ids (model vocabulary padding) are masked out."""
@@ -62,8 +71,12 @@ class GrammarCompiler:
 
     def compile(self, spec: StructuredOutput) -> llg.LLMatcher:
         """The compiled, never-advanced matcher of `spec` (cached: do not advance it; use
-        `matcher`). ValueError naming `spec.field` if the grammar does not compile."""
-        text = spec.grammar(self.special_id)
+        `matcher`). ValueError naming `spec.field` if the grammar does not compile, in
+        `readable_error`'s words."""
+        try:
+            text = spec.grammar(self.special_id)
+        except ValueError as err:
+            raise ValueError(readable_error(str(err))) from None
         with self._lock:
             cached = self._cache.get(text)
             if cached is not None:
@@ -76,7 +89,7 @@ class GrammarCompiler:
         except Exception as err:  # llguidance raises for some malformed grammars
             error = str(err)
         if error is not None:
-            raise ValueError(f"{spec.field}: invalid {spec.kind}: {error}")
+            raise ValueError(f"{spec.field}: invalid {spec.kind}: {readable_error(error)}")
         with self._lock:
             self.misses += 1
             self._cache[text] = matcher
@@ -91,6 +104,25 @@ class GrammarCompiler:
     def stats(self) -> dict[str, int]:
         with self._lock:
             return {"grammars": len(self._cache), "hits": self.hits, "misses": self.misses}
+
+
+# llguidance's grammar has 16-bit symbol ids: a larger grammar trips an assertion (a panic).
+_SYMBOLS_PANIC = "grammar.symbols.len()"
+
+
+def readable_error(error: str) -> str:
+    """An llguidance error as a client may read it: never its Rust backtrace, and an
+    internal assertion (a panic) said in our words."""
+    text = error.split("<backtrace>")[0].strip()
+    head, panic, rest = text.partition("panic:")
+    if not panic:
+        return text
+    if _SYMBOLS_PANIC in rest:
+        why = "the grammar is too large to compile (over llguidance's 65,525 grammar symbols)"
+    else:
+        why = "the grammar compiler failed on it (an internal limit of llguidance)"
+    logger.warning("llguidance panicked: %s", rest.strip().splitlines()[0] if rest else "")
+    return f"{head}{why}"
 
 
 _compilers: weakref.WeakKeyDictionary[AutoTokenizer, GrammarCompiler] = weakref.WeakKeyDictionary()

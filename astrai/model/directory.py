@@ -3,11 +3,14 @@
 `serve`, `generate` and `eval` take the same `model_path` and check it here first, so a
 wrong path is one line naming what is missing, in a second, instead of a traceback after
 torch and the model code have been imported. `astrai.model.hub` reads the same names.
+A reward model's export (`strategy=reward`: a `*ForSequenceClassification` config.json)
+given where a generative model is expected is named as such, with the flag that serves it.
 Keep this module free of heavy imports: the commands import it before anything else.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -48,10 +51,36 @@ def model_dir_problem(path: str | os.PathLike) -> str | None:
     return f"not a model directory: no {', no '.join(missing)} ({EXPECTED})"
 
 
-def check_model_dir(path: str | os.PathLike, key: str = "model_path") -> Path:
+def reward_architecture(path: str | os.PathLike) -> str | None:
+    """The `*ForSequenceClassification` architecture `path`'s config.json declares (a reward
+    model's export), else None (also when the file is missing or unreadable: the loader
+    names those problems)."""
+    try:
+        data = json.loads((Path(path).expanduser() / CONFIG_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    architectures = data.get("architectures") if isinstance(data, dict) else None
+    for name in architectures if isinstance(architectures, list) else ():
+        if isinstance(name, str) and name.endswith("ForSequenceClassification"):
+            return name
+    return None
+
+
+def check_model_dir(
+    path: str | os.PathLike, key: str = "model_path", *, generative: bool = True
+) -> Path:
     """`path` (user expanded) if it looks like a model directory; otherwise a one-line
-    `SystemExit` naming `key`, the path and what is missing."""
+    `SystemExit` naming `key`, the path and what is missing. With `generative` (a model to
+    generate with), a reward model's directory is refused too, naming `reward_model=`."""
     problem = model_dir_problem(path)
+    if problem is None and generative:
+        architecture = reward_architecture(path)
+        if architecture is not None:
+            problem = (
+                f"a reward model ({architecture}, a strategy=reward export): it scores "
+                f"text, it does not generate; serve it with python -m astrai.serve "
+                f"reward_model={path} next to a generative model_path=<dir>"
+            )
     if problem is not None:
         raise SystemExit(f"{key}={path}: {problem}")
     return Path(path).expanduser()

@@ -5,8 +5,11 @@ Options are in ``conf/serve.yaml`` (Hydra), the engine's in the ``engine`` group
 ``$ASTRAI_MODEL`` or ``outputs/latest/export``, where ``make train`` exports its last run.
 Every check that needs no model runs first, before torch, the model code, uvicorn or the
 app are imported (they are deferred into the functions, and `astrai.serve` imports its
-names lazily): the model directory (`astrai.model.directory`), the server settings, then
-the port. A wrong one fails in a second with one line naming the key.
+names lazily): the model directory (`astrai.model.directory`: a reward model's is named as
+such), the server settings, the address (a non-loopback `host` needs `api_key` or
+`allow_unauthenticated=true`), the adapter names, the port, then the engine's `lora` and
+`speculative` options (these import torch, but no model). A wrong one fails in seconds with
+one line naming the key.
 """
 
 from __future__ import annotations
@@ -22,7 +25,10 @@ from typing import TYPE_CHECKING, Any
 from astrai.model.directory import check_model_dir
 
 if TYPE_CHECKING:
+    from fastapi import FastAPI
+
     from astrai.inference import InferenceEngine
+    from astrai.inference.speculative import SpeculativeConfig
     from astrai.serve.settings import ServeSettings
 
 CONF_DIR = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "conf"))
@@ -35,9 +41,12 @@ _SETTINGS = (
     "max_prompt_chars",
     "tokenizer_threads",
     "request_timeout_s",
+    "max_client_batch_size",
     "max_tokens_policy",
     "tool_parser",
     "reasoning_parser",
+    "allow_runtime_lora",
+    "allowed_lora_roots",
 )
 
 
@@ -54,8 +63,10 @@ def device_and_dtype(cfg: dict[str, Any]) -> tuple[str, Any]:
 
 def lora_modules_of(cfg: dict[str, Any]) -> dict[str, str]:
     """`lora_modules` as {name: directory}: a mapping, or vLLM's list of ``name=path``.
-    A bad entry or a directory that does not exist is a SystemExit naming
-    `lora_modules.<name>` (checked before the model loads)."""
+    A bad entry, a bad name (`lora_paths.check_lora_name`) or a directory that does not
+    exist is a SystemExit naming `lora_modules.<name>` (checked before the model loads)."""
+    from astrai.serve.lora_paths import check_lora_name
+
     given = cfg.get("lora_modules")
     if not given:
         return {}
@@ -74,6 +85,10 @@ def lora_modules_of(cfg: dict[str, Any]) -> dict[str, str]:
         )
     modules: dict[str, str] = {}
     for name, path in pairs:
+        try:
+            check_lora_name(name, key=f"lora_modules.{name}")
+        except ValueError as err:
+            raise SystemExit(str(err)) from None
         if not isinstance(path, str) or not path:
             raise SystemExit(f"lora_modules.{name}: expected an adapter directory, got {path!r}")
         if name in modules:
@@ -89,11 +104,47 @@ def lora_modules_of(cfg: dict[str, Any]) -> dict[str, str]:
 
 def engine_options(cfg: dict[str, Any]) -> dict[str, Any]:
     """The `engine` group's settings, with LoRA on (`engine.lora`, default limits) when
-    `lora_modules` names adapters and `engine.lora` is null."""
+    `lora_modules` names adapters or `allow_runtime_lora` is true and `engine.lora` is null."""
     options = dict(cfg["engine"])
-    if cfg.get("lora_modules") and options.get("lora") is None:
+    wants_lora = cfg.get("lora_modules") or cfg.get("allow_runtime_lora") is True
+    if wants_lora and options.get("lora") is None:
         options["lora"] = {}  # LoRASettings(): max_loras 4, max_lora_rank 16
     return options
+
+
+def check_engine_options(cfg: dict[str, Any]) -> SpeculativeConfig | None:
+    """Check `engine.lora` and `engine.speculative` (and a draft model's directory) before
+    the model loads: a bad one is a SystemExit naming the key. Returns the speculative
+    setting (None: off)."""
+    from astrai.inference.adapters import LoRASettings
+    from astrai.inference.speculative import SpeculativeConfig
+
+    options = engine_options(cfg)
+    try:
+        LoRASettings.of(options.get("lora"))
+        spec = SpeculativeConfig.of(options.get("speculative"))
+    except (TypeError, ValueError) as err:  # the messages name engine.lora / engine.speculative
+        raise SystemExit(str(err)) from None
+    if spec is not None and spec.model:
+        check_model_dir(spec.model, key="engine.speculative.model")
+    return spec
+
+
+def reward_name_of(cfg: dict[str, Any], model_name: str) -> str | None:
+    """The id `/v1/models` lists the reward model under: `reward_model_name`, else its
+    directory's name, else (the same as the served model's, e.g. two `export` folders)
+    ``<that name>-reward``. An explicit name equal to `model_name` is a SystemExit."""
+    if not cfg.get("reward_model"):
+        return None
+    given = cfg.get("reward_model_name")
+    if given:
+        if str(given) == model_name:
+            raise SystemExit(
+                f"reward_model_name={given}: the served model's own name (model_name); pick another"
+            )
+        return str(given)
+    name = Path(str(cfg["reward_model"])).expanduser().resolve().name
+    return f"{name}-reward" if name == model_name else name
 
 
 def load_lora_modules(engine: InferenceEngine, modules: dict[str, str]) -> None:
@@ -130,10 +181,11 @@ def build_engine(cfg: dict[str, Any]) -> InferenceEngine:
     return instantiate(engine_options(cfg))(model, tokenizer, **extra)
 
 
-def build_reward(cfg: dict[str, Any]) -> Any:
+def build_reward(cfg: dict[str, Any], name: str | None = None) -> Any:
     """The reward model of `POST /v1/score` (`reward_model=<dir>`; None without one), on the
-    engine's device and dtype; a directory without a score head is a SystemExit naming the
-    key (it loads before the engine, so this fails in seconds)."""
+    engine's device and dtype, listed as `name` (None: its directory's name); a directory
+    without a score head is a SystemExit naming the key (it loads before the engine, so
+    this fails in seconds)."""
     if not cfg.get("reward_model"):
         return None
     from astrai.model import CheckpointError
@@ -141,7 +193,9 @@ def build_reward(cfg: dict[str, Any]) -> Any:
 
     device, dtype = device_and_dtype(cfg)
     try:
-        return RewardScorer.from_pretrained(str(cfg["reward_model"]), device=device, dtype=dtype)
+        return RewardScorer.from_pretrained(
+            str(cfg["reward_model"]), device=device, dtype=dtype, name=name
+        )
     except CheckpointError as err:
         raise SystemExit(f"reward_model={cfg['reward_model']}: {err}") from None
 
@@ -194,18 +248,60 @@ def settings_of(cfg: dict[str, Any]) -> ServeSettings:
     return settings
 
 
+def check_address(cfg: dict[str, Any]) -> None:
+    """`host` / `port` usable, and a non-loopback `host` only with `api_key` or
+    `allow_unauthenticated=true` (`settings.check_listen`): else a SystemExit naming the key."""
+    from astrai.serve.settings import check_listen
+
+    try:
+        check_listen(
+            cfg.get("host"),
+            cfg.get("port"),
+            cfg.get("api_key") or None,
+            cfg.get("allow_unauthenticated", False),
+        )
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
+
+
+def startup_line(settings: ServeSettings, app: FastAPI, spec: SpeculativeConfig | None) -> str:
+    """What the server runs with that `auto` settings leave open: the tool-call and
+    reasoning parsers as resolved, and whether speculative decoding is on."""
+    from astrai.serve.reasoning import resolve_reasoning_parser
+
+    state = app.state.astrai
+    tool = state.tool_parser.name if state.tool_parser is not None else "none"
+    if settings.tool_parser_spec == "auto":
+        tool += " (auto)"
+    reasoning = resolve_reasoning_parser(settings.reasoning_parser, state.engine.tokenizer)
+    reasoning = reasoning or "none"
+    if settings.reasoning_parser == "auto":
+        reasoning += " (auto)"
+    speculative = (
+        "off"
+        if spec is None
+        else f"{spec.method}, up to {spec.num_speculative_tokens} tokens per step"
+    )
+    line = f"tool parser {tool}; reasoning parser {reasoning}; speculative decoding {speculative}"
+    if settings.allow_runtime_lora:
+        line += f"; runtime LoRA loading from {', '.join(settings.allowed_lora_roots)}"
+    return line
+
+
 def serve(cfg: dict[str, Any]) -> None:
     """Build the engine, run uvicorn until SIGINT/SIGTERM, then end streams and stop."""
     check_model_dir(str(cfg["model_path"]))  # the cheap checks first: fail fast with the fix
     if cfg.get("reward_model"):
-        check_model_dir(str(cfg["reward_model"]), key="reward_model")
+        check_model_dir(str(cfg["reward_model"]), key="reward_model", generative=False)
     settings = settings_of(cfg)
+    check_address(cfg)
+    reward_name = reward_name_of(cfg, settings.model_name)
     modules = lora_modules_of(cfg)
-    if settings.model_name in modules:
-        raise SystemExit(
-            f"lora_modules.{settings.model_name}: the served model's own name; pick another"
-        )
+    for name in modules:
+        if name in (settings.model_name, reward_name):
+            raise SystemExit(f"lora_modules.{name}: the name of a served model; pick another")
     check_port(str(cfg["host"]), int(cfg["port"]))
+    spec = check_engine_options(cfg)
     import uvicorn
 
     from astrai.runtime import set_threads
@@ -213,7 +309,7 @@ def serve(cfg: dict[str, Any]) -> None:
 
     logging.getLogger().setLevel(str(cfg.get("log_level", "info")).upper())
     set_threads(cfg.get("threads"))
-    reward = build_reward(cfg)
+    reward = build_reward(cfg, reward_name)
     engine = build_engine(cfg)
     try:
         load_lora_modules(engine, modules)
@@ -230,13 +326,14 @@ def serve(cfg: dict[str, Any]) -> None:
         timeout_graceful_shutdown=cfg.get("timeout_graceful_shutdown"),
     )
     logger.info(
-        "serving %s (%s)%s on http://%s:%s%s",
+        "serving %s (%s)%s on http://%s:%s%s; %s",
         settings.model_name,
         cfg["model_path"],
         f" with LoRA adapters {', '.join(modules)}" if modules else "",
         cfg["host"],
         cfg["port"],
         " (API key required)" if settings.api_key else "",
+        startup_line(settings, app, spec),
     )
     try:
         Server(config).run()

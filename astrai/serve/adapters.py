@@ -1,25 +1,36 @@
 """Many LoRA adapters over one base, as vLLM serves them: which model a request names, the
-`/v1/models` cards, and `POST /v1/load_lora_adapter` / `POST /v1/unload_lora_adapter`.
+`/v1/models` cards, and (only with `allow_runtime_lora`) `POST /v1/load_lora_adapter` /
+`POST /v1/unload_lora_adapter`.
 
 A request picks an adapter by its `model` field; the base stays reachable by the served
-model name (and by a request that names no model). Where the engine serves adapters
-(`engine.lora_enabled`) a name that is neither gets a 404, as vLLM answers; an engine
-without adapters keeps answering any name with the base model, as this server always
-did, so clients that send a placeholder name keep working. The engine owns the adapters
-(`astrai.inference.adapters`): this module only maps names and errors to HTTP.
+model name (and by a request that names no model, or `"model": null`). Where the engine
+serves adapters (`engine.lora_enabled`) a name that is neither gets a 404, as vLLM answers;
+an engine without adapters keeps answering any name with the base model, as this server
+always did, so clients that send a placeholder name keep working. The engine owns the
+adapters (`astrai.inference.adapters`): this module only maps names and errors to HTTP.
+
+Runtime loading is the operator's choice (`RuntimeLoRA`, mounted by `install_runtime_lora`
+only when `ServeSettings.allow_runtime_lora` is true, as vLLM mounts its routes only under
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING``): a client's `lora_path` must lie inside
+`allowed_lora_roots` (`astrai.serve.lora_paths`; refused without looking outside them), and
+the adapters the engine already served when the app was built (the operator's
+`lora_modules`) are pinned: a client can neither unload nor replace them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from fastapi import Depends, FastAPI
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from astrai.inference.adapters import AdapterError, AdapterInfo, AdapterInUse, AdapterNotFound
 from astrai.serve.errors import APIError
+from astrai.serve.lora_paths import AdapterRoots, LoRAPathNotAllowed, check_lora_name
 
 if TYPE_CHECKING:
     from astrai.inference import InferenceEngine
@@ -30,6 +41,13 @@ NO_LORA = (
     "this server was started without LoRA adapter support; start it with "
     "lora_modules='{name: dir}' or engine.lora='{max_loras: 4, max_lora_rank: 16}' "
     "(python -m astrai.serve), or build its engine with InferenceEngine(..., lora={})"
+)
+#: the routes `install_runtime_lora` mounts; elsewhere they are a 404 saying how to mount them
+RUNTIME_LORA_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+RUNTIME_LORA_OFF = (
+    "loading and unloading LoRA adapters at runtime is off on this server; the operator "
+    "turns it on with python -m astrai.serve allow_runtime_lora=true "
+    "allowed_lora_roots=[<dir>] (docs/serving.md)"
 )
 
 
@@ -108,11 +126,12 @@ class ServedModels:
 
     def cards(self) -> list[dict[str, Any]]:
         """vLLM's model list: the base (`parent` null), the reward model, then each adapter
-        with `root` its directory and `parent` the base."""
+        with `parent` the base. `root` is each one's own name, never a directory: the
+        server's file system is not the clients' business."""
         out = [self._card(self.base, self.base, None)]
         if self.reward is not None:
             out.append(self._card(self.reward, self.reward, None))
-        out += [self._card(info.name, info.path, self.base) for info in self.adapters().values()]
+        out += [self._card(name, name, self.base) for name in self.adapters()]
         return out
 
     def card(self, model_id: str) -> dict[str, Any]:
@@ -127,27 +146,44 @@ class ServedModels:
             code="model_not_found",
         )
 
-    # ------------------------------------------------------------------ load / unload
+
+class RuntimeLoRA:
+    """`POST /v1/load_lora_adapter` / `/v1/unload_lora_adapter` of one app: loads from
+    inside `roots` only, never unloads the adapters served when it was made (`pinned`)."""
+
+    def __init__(self, models: ServedModels, roots: AdapterRoots) -> None:
+        self.models = models
+        self.engine = models.engine
+        self.roots = roots
+        self.pinned = frozenset(models.adapters())  # the operator's (lora_modules)
+
     def _check_enabled(self) -> None:
-        if not self.serves_adapters:
+        if not self.models.serves_adapters:
             raise APIError(400, NO_LORA, code="lora_not_enabled")
 
     async def load(self, body: LoadLoRAAdapterRequest) -> PlainTextResponse:
         """Load an adapter while serving (the files are read off the event loop)."""
         self._check_enabled()
-        name = body.lora_name
-        if name in (self.base, self.reward):
+        try:
+            name = check_lora_name(body.lora_name)
+        except ValueError as err:
+            raise APIError(400, str(err), param="lora_name") from None
+        if name in (self.models.base, self.models.reward):
             raise APIError(
                 400,
                 f"lora_name: {name!r} is the name of a served model; pick another",
                 param="lora_name",
             )
-        if name in self.adapters():
+        if name in self.models.adapters():
             raise APIError(
                 400, f"The lora adapter '{name}' has already been loaded.", param="lora_name"
             )
         try:
-            await asyncio.to_thread(self.engine.load_adapter, name, body.lora_path)
+            path = self.roots.resolve(body.lora_path)
+        except LoRAPathNotAllowed as err:
+            raise APIError(400, str(err), param="lora_path", code="lora_path_not_allowed") from None
+        try:
+            await asyncio.to_thread(self.engine.load_adapter, name, path)
         except AdapterError as err:  # names the file and the limit (rank, shape, registry)
             raise APIError(400, str(err)) from None
         except OSError as err:  # unreadable files: the message names them
@@ -155,9 +191,18 @@ class ServedModels:
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     async def unload(self, body: UnloadLoRAAdapterRequest) -> PlainTextResponse:
-        """Unload an adapter; refused (400) while queued or running requests use it."""
+        """Unload an adapter a client loaded; refused (400) for a pinned one and while
+        queued or running requests use it."""
         self._check_enabled()
         name = body.lora_name
+        if name in self.pinned:
+            raise APIError(
+                400,
+                f"The lora adapter '{name}' was loaded at start-up (lora_modules) and cannot "
+                "be unloaded; only adapters loaded at runtime can",
+                param="lora_name",
+                code="adapter_pinned",
+            )
         try:
             await asyncio.to_thread(self.engine.unload_adapter, name)
         except AdapterNotFound:
@@ -173,3 +218,21 @@ class ServedModels:
         except AdapterError as err:
             raise APIError(400, str(err), param="lora_name") from None
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+
+def install_runtime_lora(
+    app: FastAPI, models: ServedModels, roots: Sequence[str], dependencies: list[Any]
+) -> RuntimeLoRA:
+    """Mount vLLM's load / unload routes on `app` (behind `dependencies`: the API key)."""
+    runtime = RuntimeLoRA(models, AdapterRoots.of(roots))
+    auth = [Depends(d) for d in dependencies]
+
+    @app.post(RUNTIME_LORA_PATHS[0], dependencies=auth, response_class=PlainTextResponse)
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> PlainTextResponse:
+        return await runtime.load(body)
+
+    @app.post(RUNTIME_LORA_PATHS[1], dependencies=auth, response_class=PlainTextResponse)
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> PlainTextResponse:
+        return await runtime.unload(body)
+
+    return runtime

@@ -9,11 +9,12 @@ from typing import TYPE_CHECKING
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import PlainTextResponse, Response
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from astrai.inference.grammar import grammar_compiler
 from astrai.serve.access import AccessLogMiddleware
-from astrai.serve.adapters import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+from astrai.serve.adapters import RUNTIME_LORA_OFF, RUNTIME_LORA_PATHS, install_runtime_lora
 from astrai.serve.anthropic_builder import AnthropicResponseBuilder
 from astrai.serve.completions_builder import CompletionsResponseBuilder
 from astrai.serve.errors import APIError, error_body, kind_for_status
@@ -73,9 +74,11 @@ def create_app(
     `reward`: a loaded reward model for `POST /v1/score` (`astrai.serve.score`); without
     one that route answers a 400 saying how to load one. `fingerprint`: called once per
     request, at submission; its string is the `system_fingerprint` of OpenAI responses and
-    chunks (None, or no callable: the field is left out).
+    chunks (None, or no callable: the field is left out). The LoRA load / unload routes
+    are mounted only with `settings.allow_runtime_lora` (`astrai.serve.adapters`).
     """
     settings = settings or ServeSettings()
+    warm_up_structured_outputs(engine)
     state = ServerState(
         engine,
         settings,
@@ -123,9 +126,10 @@ def create_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> SafeJSONResponse:
+        unmounted = exc.status_code == 404 and request.url.path in RUNTIME_LORA_PATHS
         err = APIError(
             exc.status_code,
-            str(exc.detail),
+            RUNTIME_LORA_OFF if unmounted else str(exc.detail),
             kind=kind_for_status(exc.status_code),
             headers=dict(exc.headers or {}),  # e.g. Allow on a 405
         )
@@ -161,13 +165,14 @@ def create_app(
         dependencies=auth,
         responses={404: {"description": "Unknown model (not the loaded reward model)"}},
     )
-    async def score(body: ScoreRequest) -> dict:
+    async def score(body: ScoreRequest, request: Request) -> dict:
         return await score_request(
             state.reward,
             body,
             draining=state.draining,
             settings=state.settings,
             run_blocking=state.run_blocking,
+            disconnected=request.is_disconnected,
         )
 
     @app.get("/v1/models", dependencies=auth)
@@ -178,21 +183,8 @@ def create_app(
     async def model(model_id: str) -> dict:
         return state.models.card(model_id)
 
-    @app.post(
-        "/v1/load_lora_adapter",
-        dependencies=auth,
-        response_class=PlainTextResponse,
-    )
-    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> PlainTextResponse:
-        return await state.models.load(body)
-
-    @app.post(
-        "/v1/unload_lora_adapter",
-        dependencies=auth,
-        response_class=PlainTextResponse,
-    )
-    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> PlainTextResponse:
-        return await state.models.unload(body)
+    if settings.allow_runtime_lora:  # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING
+        install_runtime_lora(app, state.models, settings.allowed_lora_roots, [check_key])
 
     @app.get("/health")
     async def health() -> SafeJSONResponse:
@@ -213,3 +205,14 @@ def create_app(
         return {**engine.get_stats(), **state.stats()}
 
     return app
+
+
+def warm_up_structured_outputs(engine: InferenceEngine) -> None:
+    """Build llguidance's view of the tokenizer now, at start-up: built by the first
+    structured-output request instead, it takes seconds for a large vocabulary and holds
+    up every request around it. A tokenizer llguidance cannot read is logged, not fatal:
+    only structured requests need it."""
+    try:
+        grammar_compiler(engine.tokenizer).warm_up()
+    except Exception as err:  # llguidance's own errors: a plain server still serves
+        logger.warning("structured outputs will not work with this tokenizer: %s", err)

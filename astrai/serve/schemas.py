@@ -98,7 +98,7 @@ class ResponseFormat(_Body):
 
 
 class ChatCompletionRequest(_Body):
-    model: str = "astrai"
+    model: str | None = "astrai"  # null: the base model, as in vLLM
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = 1.0
     top_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = 1.0
@@ -132,7 +132,7 @@ TokenIds = Annotated[list[StrictInt], Field(min_length=1)]
 class CompletionRequest(_Body):
     """Legacy `/v1/completions` (what lm-eval's `local-completions` speaks)."""
 
-    model: str = "astrai"
+    model: str | None = "astrai"  # null: the base model, as in vLLM
     prompt: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
     suffix: str | None = None
     max_tokens: Annotated[int, Field(ge=0)] | None = 16
@@ -217,7 +217,7 @@ class AnthropicToolChoice(_Body):
 
 
 class MessagesRequest(_Body):
-    model: str = "astrai"
+    model: str | None = "astrai"  # null: the base model, as in vLLM
     messages: Annotated[list[AnthropicMessage], Field(min_length=1)]
     system: str | list[AnthropicText] | None = None
     max_tokens: Annotated[int, Field(ge=1)] = 1024
@@ -234,7 +234,7 @@ class MessagesRequest(_Body):
 class CountTokensRequest(_Body):
     """Anthropic `/v1/messages/count_tokens`: a Messages request without sampling."""
 
-    model: str = "astrai"
+    model: str | None = "astrai"  # null: the base model, as in vLLM
     messages: Annotated[list[AnthropicMessage], Field(min_length=1)]
     system: str | list[AnthropicText] | None = None
     tools: list[AnthropicTool] | None = None

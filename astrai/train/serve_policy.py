@@ -18,6 +18,12 @@ no version-counter bumps) and draws its noise from the global RNG only inside a 
 state (reseeded privately, so unseeded requests still differ), so a run's weights are the
 same bit for bit with or without requests. ``max_window_s`` bounds the wait: then the
 requests still generating are cut short (finish reason ``length``) and training goes on.
+Nothing here loads or unloads LoRA adapters: the runtime adapter routes of `astrai.serve`
+are never mounted on this server.
+
+A bad ``serve_policy`` block (an unknown key, ``port=abc``, a busy port, a non-loopback
+``host`` without ``api_key`` or ``allow_unauthenticated=true``) is one line from
+`astrai.train.preflight` (`serve_policy_problems`) before the run starts.
 """
 
 from __future__ import annotations
@@ -52,7 +58,8 @@ class PolicyServeSettings:
     """The ``serve_policy`` block of conf/train.yaml.
 
     `port`: None turns serving off; 0 takes any free port (the log line names it).
-    `api_key`: as `python -m astrai.serve`'s. `model_name`: the id `/v1/models` lists and
+    `api_key`, `allow_unauthenticated`: as `python -m astrai.serve`'s (a `host` other than
+    loopback needs a key, or `allow_unauthenticated: true`). `model_name`: the id `/v1/models` lists and
     responses carry (train.yaml: the run's `name`). `max_batch_size`, `max_seq_len`: the
     engine built here when the run has none (no GRPO, no evaluation callback); None: the
     model's context, at most 4096. `max_window_s`: the longest training waits for the
@@ -66,6 +73,7 @@ class PolicyServeSettings:
     max_batch_size: int = 8
     max_seq_len: int | None = None
     max_window_s: float | None = 300.0
+    allow_unauthenticated: bool = False
 
     @classmethod
     def parse(cls, settings: Mapping[str, Any] | None) -> PolicyServeSettings:
@@ -78,12 +86,15 @@ class PolicyServeSettings:
                     f"serve_policy.{key}: unknown setting (known: {', '.join(sorted(known))})"
                 )
         out = cls(**given)
-        port = out.port
-        if port is not None and (
-            isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535
-        ):
-            raise ValueError(
-                f"serve_policy.port: must be null or an int in [0, 65535], got {port!r}"
+        if out.port is not None:
+            from astrai.serve.settings import check_listen
+
+            check_listen(
+                out.host,
+                out.port,
+                out.api_key,
+                out.allow_unauthenticated,
+                prefix="serve_policy.",
             )
         for key in ("max_batch_size", "max_seq_len"):
             value = getattr(out, key)
@@ -94,6 +105,25 @@ class PolicyServeSettings:
                 f"serve_policy.max_window_s: must be positive or null, got {out.max_window_s!r}"
             )
         return out
+
+
+def serve_policy_problems(settings: Mapping[str, Any] | None) -> list[str]:
+    """The problems of a ``serve_policy`` block, one line each (empty: fine), found without
+    a model: its settings (`PolicyServeSettings.parse`), then whether its port is free."""
+    from astrai.serve.__main__ import check_port
+
+    try:
+        parsed = PolicyServeSettings.parse(settings)
+    except (TypeError, ValueError) as err:
+        return [str(err)]
+    if parsed.port is None:
+        return []
+    try:
+        check_port(parsed.host, parsed.port)
+    except SystemExit as err:  # its message names `port=`; ours, the run's key
+        message = str(err).replace("another port=<n>", "another serve_policy.port=<n>")
+        return [f"serve_policy.{message}"]
+    return []
 
 
 # ---------------------------------------------------------------------- the gate
@@ -269,39 +299,47 @@ class PolicyServer(Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if not self.enabled or stage != "fit" or not trainer.is_global_zero:
             return
-        from astrai.serve.__main__ import check_port
-
-        try:  # a busy port fails now, before any step
-            check_port(self.settings.host, int(self.settings.port or 0))
-        except SystemExit as err:  # its message names `port=`; ours, the run's key
-            message = str(err).replace("another port=<n>", "another serve_policy.port=<n>")
-            raise ValueError(f"serve_policy.{message}") from None
+        # a port taken since the preflight fails now, before any step
+        problems = serve_policy_problems(dataclasses.asdict(self.settings))
+        if problems:
+            raise ValueError(problems[0])
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self.enabled or not trainer.is_global_zero or not self._usable(trainer, pl_module):
             return
-        from starlette.middleware import Middleware
-
-        from astrai.serve import ServerThread, ServeSettings, create_app
+        from astrai.serve import ServerThread
 
         self.gate = PolicyGate()  # a fit after a finished one starts with an open door
         self.engine = self._resolve_engine(trainer, pl_module)
-        name = self.settings.model_name or "astrai-policy"
-        settings = ServeSettings(model_name=name, api_key=self.settings.api_key)
-        app = create_app(self.engine, settings, fingerprint=self.fingerprint)
-        # innermost: after the access log, the body limit and the metrics
-        app.user_middleware.append(
-            Middleware(_GateMiddleware, gate=self.gate, retry_after_s=settings.retry_after_s)
-        )
-        self.app = app
+        self.app = app = self.build_app(self.engine)
         self.server = ServerThread(app, self.settings.host, int(self.settings.port or 0)).start()
         log.info(
             "serving the live policy at %s (model %s%s); requests are answered between "
             "optimizer steps",
             self.server.url,
-            name,
+            self.model_name,
             ", API key required" if self.settings.api_key else "",
         )
+
+    @property
+    def model_name(self) -> str:
+        """The id `/v1/models` lists and responses carry."""
+        return self.settings.model_name or "astrai-policy"
+
+    def build_app(self, engine: InferenceEngine) -> FastAPI:
+        """`astrai.serve`'s app over `engine`, behind this callback's gate. Its settings
+        never allow runtime LoRA loading: the load / unload routes are not mounted."""
+        from starlette.middleware import Middleware
+
+        from astrai.serve import ServeSettings, create_app
+
+        settings = ServeSettings(model_name=self.model_name, api_key=self.settings.api_key)
+        app = create_app(engine, settings, fingerprint=self.fingerprint)
+        # innermost: after the access log, the body limit and the metrics
+        app.user_middleware.append(
+            Middleware(_GateMiddleware, gate=self.gate, retry_after_s=settings.retry_after_s)
+        )
+        return app
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, i: int

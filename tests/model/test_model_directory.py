@@ -55,3 +55,37 @@ def test_a_missing_path_and_a_file_are_named(tmp_path):
         check_model_dir(str(file), key="policy")
     with pytest.raises(SystemExit, match=r"^policy="):
         check_model_dir(str(file), key="policy")
+
+
+def test_a_reward_model_is_named_with_the_flag_that_serves_it(tmp_path, build_model_dir):
+    """`+experiment=tiny_reward` then `make serve`: a reward model's export given where a
+    generative model is expected is one line naming `reward_model=`, read from config.json
+    alone; as the reward model itself it passes."""
+    import torch
+
+    from astrai.model import load_pretrained
+    from astrai.model.reward import RewardModel, save_reward_model
+    from astrai.tokenizer import AutoTokenizer
+
+    base = build_model_dir(tmp_path / "m", ["hello world " * 20])
+    reward = save_reward_model(
+        RewardModel.from_backbone(load_pretrained(base, dtype=torch.float32)),
+        tmp_path / "export",
+        tokenizer=AutoTokenizer.from_pretrained(base),
+    )
+    with pytest.raises(SystemExit) as info:
+        check_model_dir(str(reward))
+    message = str(info.value)
+    assert message.startswith(
+        f"model_path={reward}: a reward model (LlamaForSequenceClassification"
+    )
+    assert f"python -m astrai.serve reward_model={reward}" in message and "\n" not in message
+    assert check_model_dir(str(reward), key="reward_model", generative=False) == reward
+    assert model_dir_problem(reward) is None  # the files are all there
+    assert check_model_dir(str(base)) == base  # a causal LM passes
+
+
+def test_an_unreadable_config_is_left_to_the_loader(tmp_path):
+    folder = make(tmp_path / "m", "config.json", "model.safetensors", "tokenizer.json")
+    (folder / "config.json").write_text("{not json")
+    assert check_model_dir(str(folder)) == folder

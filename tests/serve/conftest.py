@@ -150,6 +150,21 @@ def aant(base_url) -> anthropic.AsyncAnthropic:
     return anthropic.AsyncAnthropic(base_url=base_url, api_key="x", max_retries=0, timeout=60)
 
 
+@pytest.fixture
+def in_process(monkeypatch):
+    """`serve(cfg)` (python -m astrai.serve) run in this process: keep this process's torch
+    threads and root log level."""
+    import logging
+
+    import astrai.runtime
+
+    monkeypatch.setattr(astrai.runtime, "set_threads", lambda threads: None)
+    root = logging.getLogger()
+    level = root.level
+    yield
+    root.setLevel(level)
+
+
 @pytest.fixture(scope="session")
 def dense_logprobs(engine):
     """`dense_logprobs(ids)` -> `[len(ids), vocab]` log_softmax of the model's dense training

@@ -3,6 +3,23 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def serve_config(overrides: list[str]) -> dict[str, Any]:
+    """conf/serve.yaml composed with `overrides`, as `python -m astrai.serve` hands it to
+    `serve(cfg)`."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("serve", overrides=overrides)
+    out = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(out, dict)
+    return out
 
 
 def wait_idle(engine, timeout: float = 30.0) -> None:

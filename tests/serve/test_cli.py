@@ -3,6 +3,7 @@ engine settings come from the shared `engine` config group."""
 
 import functools
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
+from serve_helpers import serve_config
 from server_process import free_port, wait_healthy
 
 from astrai.inference import InferenceEngine
@@ -115,3 +117,98 @@ def test_serve_command(model_dir):
     assert proc.returncode == 0, out
     log = [line for line in out.splitlines() if "tokens_in=" in line]
     assert len(log) == 1 and "ttft=" in log[0] and "duration=" in log[0], out
+
+
+class Reached(Exception):
+    """Raised by the patched `build_engine`: every start-up check has passed."""
+
+
+@pytest.fixture
+def no_model(monkeypatch, in_process):
+    """`serve(cfg)` stops where the model would load (raising `Reached`)."""
+    import astrai.serve.__main__ as main
+
+    def reached(cfg):
+        raise Reached
+
+    monkeypatch.setattr(main, "build_engine", reached)
+    return main.serve
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        (["max_body_bytes=0"], "max_body_bytes: must be a positive int"),
+        (["max_body_bytes=-5"], "max_body_bytes: must be a positive int"),
+        (["max_prompt_chars=-1"], "max_prompt_chars: must be an int >= 0 or null"),
+        (["request_timeout_s=0"], "request_timeout_s: must be a positive number"),
+        (["request_timeout_s=-1.5"], "request_timeout_s: must be a positive number"),
+        (["port=abc"], r"port: must be an int in \[0, 65535\], got 'abc'"),
+        (["port=70000"], r"port: must be an int in \[0, 65535\]"),
+        (["engine.lora={max_loras: 0}"], "engine.lora.max_loras must be a positive int"),
+        (["engine.lora={rank: 8}"], r"engine.lora: unknown key\(s\) \['rank'\]"),
+        (["engine.speculative={method: eagle}"], "engine.speculative.method must be one of"),
+        (
+            ["engine.speculative={num_speculative_tokens: 0}"],
+            "engine.speculative.num_speculative_tokens must be an int",
+        ),
+        (
+            ["engine.speculative={method: draft_model, model: /no/such/draft}"],
+            "engine.speculative.model=/no/such/draft: model directory not found",
+        ),
+    ],
+)
+def test_settings_that_would_fail_every_request_are_refused_at_start_up(
+    model_dir, no_model, overrides, named
+):
+    with pytest.raises(SystemExit) as err:
+        no_model(serve_config([f"model_path={model_dir}", "port=0", *overrides]))
+    message = str(err.value)
+    assert re.match(named, message), message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "192.168.1.20", "example.org"])
+def test_a_non_loopback_host_needs_a_key_or_an_explicit_yes(model_dir, no_model, host):
+    base = [f"model_path={model_dir}", "port=0", f"host='{host}'", "api_key=null"]
+    with pytest.raises(SystemExit) as err:
+        no_model(serve_config(base))
+    message = str(err.value)
+    assert message.startswith(f"host={host}: reachable from other machines"), message
+    assert "api_key=<key>" in message and "allow_unauthenticated=true" in message
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["host=127.0.0.1"],
+        ["host=localhost"],
+        ["host='::1'"],
+        ["host=0.0.0.0", "api_key=sesame"],
+        ["host=0.0.0.0", "allow_unauthenticated=true"],
+    ],
+)
+def test_loopback_a_key_or_an_explicit_yes_pass(model_dir, no_model, overrides):
+    with pytest.raises(Reached):
+        no_model(serve_config([f"model_path={model_dir}", "port=0", "api_key=null", *overrides]))
+
+
+@pytest.mark.slow  # subprocesses importing hydra
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (["port=abc"], "port: must be an int in [0, 65535], got 'abc'"),
+        (["host=0.0.0.0", "api_key=null"], "host=0.0.0.0: reachable from other machines"),
+    ],
+)
+def test_bad_address_is_one_line(model_dir, args, line):
+    p = subprocess.run(
+        [sys.executable, "-m", "astrai.serve", f"model_path={model_dir}", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode != 0
+    assert p.stderr.strip() == line or p.stderr.strip().startswith(line), p.stderr[-2000:]
+    assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1

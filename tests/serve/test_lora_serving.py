@@ -1,7 +1,9 @@
 """Many LoRA adapters over one base, served as vLLM serves them: `model` picks the adapter
 (OpenAI chat and completions, Anthropic messages), adapters of one burst share the engine,
 `/v1/models` lists them with their parent, and `/v1/load_lora_adapter` /
-`/v1/unload_lora_adapter` change them while other streams keep going."""
+`/v1/unload_lora_adapter` (mounted with `allow_runtime_lora`) change them while other
+streams keep going; a client loads only from inside `allowed_lora_roots` and never
+unloads or replaces the adapters the operator started with."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from serve_helpers import wait_idle
 from astrai.inference import InferenceEngine
 from astrai.model import AutoModel
 from astrai.serve import ServerThread, ServeSettings, create_app
-from astrai.serve.adapters import ServedModels
+from astrai.serve.adapters import RUNTIME_LORA_OFF, ServedModels
 
 BASE = "base"
 PROMPT = "def main(args):"
@@ -56,9 +58,22 @@ def lora_engine(model_dir, tokenizer, adapter_dirs):
     eng.shutdown()
 
 
+def runtime_settings(root, **kw) -> ServeSettings:
+    """A server whose clients may load adapters from inside `root`."""
+    return ServeSettings(
+        model_name=BASE, allow_runtime_lora=True, allowed_lora_roots=(str(root),), **kw
+    )
+
+
 @pytest.fixture(scope="module")
-def lora_server(lora_engine):
-    with ServerThread(create_app(lora_engine, ServeSettings(model_name=BASE))) as srv:
+def root(adapter_dirs):
+    """The directory clients may load adapters from (every adapter of `adapter_dirs`)."""
+    return adapter_dirs["a"].parent
+
+
+@pytest.fixture(scope="module")
+def lora_server(lora_engine, root):
+    with ServerThread(create_app(lora_engine, runtime_settings(root))) as srv:
         yield srv
 
 
@@ -109,15 +124,17 @@ def post(server, path: str, body: dict, **kw) -> httpx.Response:
     return httpx.post(server.url + path, json=body, timeout=60, **kw)
 
 
-def test_models_lists_adapters_with_their_parent(lora_server, client, adapter_dirs):
-    data = httpx.get(lora_server.url + "/v1/models").json()["data"]
+def test_models_lists_adapters_with_their_parent(lora_server, client, adapter_dirs, root):
+    r = httpx.get(lora_server.url + "/v1/models")
+    data = r.json()["data"]
     cards = {m["id"]: m for m in data}
     assert list(cards)[:1] == [BASE] and {"a", "b"} <= set(cards)
     assert cards[BASE]["parent"] is None
     for name in ("a", "b"):
         assert cards[name]["parent"] == BASE
-        assert cards[name]["root"] == str(adapter_dirs[name])
+        assert cards[name]["root"] == name  # never the server's directory
         assert cards[name]["object"] == "model"
+    assert str(root) not in r.text and "/tmp" not in r.text
     got = client.models.retrieve("a")
     assert got.id == "a" and got.model_extra["parent"] == BASE
     with pytest.raises(openai.NotFoundError):
@@ -245,10 +262,12 @@ def test_load_and_unload_while_a_stream_runs(
 
 
 def test_unload_of_an_adapter_in_use_is_refused(lora_server, lora_engine, tokenizer, client, slow):
+    body = {"lora_name": "e", "lora_path": "b"}  # relative: inside the first root
+    assert post(lora_server, "/v1/load_lora_adapter", body).status_code == 200
     bias = no_stop_bias(tokenizer)
     slow(0.03)
     stream = client.completions.create(
-        model="b",
+        model="e",
         prompt=PROMPT,
         max_tokens=20,
         temperature=0,
@@ -257,22 +276,25 @@ def test_unload_of_an_adapter_in_use_is_refused(lora_server, lora_engine, tokeni
     )
     chunks = iter(stream)
     next(chunks)
-    r = post(lora_server, "/v1/unload_lora_adapter", {"lora_name": "b"})
+    r = post(lora_server, "/v1/unload_lora_adapter", {"lora_name": "e"})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
-    assert err["param"] == "lora_name" and "b" in err["message"]
+    assert err["param"] == "lora_name" and err["code"] == "adapter_in_use"
+    assert "'e'" in err["message"]
     assert sum(1 for _ in chunks) >= 1  # the stream finishes normally
     slow(0.0)
-    assert "b" in [m.id for m in client.models.list()]
+    assert "e" in [m.id for m in client.models.list()]
+    wait_idle(lora_engine)
+    assert post(lora_server, "/v1/unload_lora_adapter", {"lora_name": "e"}).status_code == 200
 
 
-def test_load_errors_name_the_file_and_the_limit(lora_server, adapter_dirs, tmp_path):
+def test_load_errors_name_the_file_and_the_limit(lora_server, adapter_dirs, root):
     def load(name: str, path) -> dict:
         r = post(lora_server, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
         assert r.status_code == 400, r.text
         return r.json()["error"]
 
-    missing = tmp_path / "no-such-adapter"
+    missing = root / "no-such-adapter"  # inside the root: the operator's files, named
     assert str(missing) in load("x", missing)["message"]
     err = load("x", adapter_dirs["big"])["message"]
     assert "adapter_config.json" in err and "max_lora_rank" in err and "16" in err
@@ -290,7 +312,7 @@ def test_load_errors_name_the_file_and_the_limit(lora_server, adapter_dirs, tmp_
     assert "x" not in [m["id"] for m in listed]
 
 
-def test_registry_full_names_the_limit(model_dir, tokenizer, adapter_dirs):
+def test_registry_full_names_the_limit(model_dir, tokenizer, adapter_dirs, root):
     loaded = AutoModel.from_pretrained(model_dir)
     eng = InferenceEngine(
         loaded,
@@ -301,7 +323,7 @@ def test_registry_full_names_the_limit(model_dir, tokenizer, adapter_dirs):
         lora={"max_loras": 1, "max_lora_rank": 8, "max_cpu_loras": 1},
     )
     try:
-        with ServerThread(create_app(eng, ServeSettings(model_name=BASE))) as srv:
+        with ServerThread(create_app(eng, runtime_settings(root))) as srv:
             ok = {"lora_name": "a", "lora_path": str(adapter_dirs["a"])}
             assert post(srv, "/v1/load_lora_adapter", ok).status_code == 200
             r = post(srv, "/v1/load_lora_adapter", {**ok, "lora_name": "c"})
@@ -310,8 +332,8 @@ def test_registry_full_names_the_limit(model_dir, tokenizer, adapter_dirs):
         eng.shutdown()
 
 
-def test_load_and_unload_need_the_api_key(lora_engine, adapter_dirs):
-    settings = ServeSettings(model_name=BASE, api_key="sesame")
+def test_load_and_unload_need_the_api_key(lora_engine, adapter_dirs, root):
+    settings = runtime_settings(root, api_key="sesame")
     with ServerThread(create_app(lora_engine, settings)) as srv:
         body = {"lora_name": "keyed", "lora_path": str(adapter_dirs["c"])}
         assert post(srv, "/v1/load_lora_adapter", body).status_code == 401
@@ -323,17 +345,36 @@ def test_load_and_unload_need_the_api_key(lora_engine, adapter_dirs):
         assert r.status_code == 200
 
 
-def test_a_server_without_lora_says_how_to_enable_it(base_url, oai):
-    """The shared server's engine has no LoRA: load is refused with the fix, and any model
-    name still reaches the base model, as before."""
-    r = httpx.post(base_url + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/x"})
-    assert r.status_code == 400
-    message = r.json()["error"]["message"]
-    assert "lora_modules" in message and "engine.lora" in message
-    r = httpx.post(base_url + "/v1/unload_lora_adapter", json={"lora_name": "a"})
-    assert r.status_code == 400
-    got = oai.completions.create(model="anything", prompt=PROMPT, max_tokens=2)
-    assert got.choices[0].text is not None
+def test_runtime_loading_is_off_unless_the_operator_allows_it(base_url, lora_engine, root):
+    """Without `allow_runtime_lora` the routes are not mounted (vLLM's default): a 404 that
+    says how the operator turns them on, also over an engine that serves adapters."""
+    with ServerThread(create_app(lora_engine, ServeSettings(model_name=BASE))) as srv:
+        for url in (base_url, srv.url):
+            for path, body in (
+                ("/v1/load_lora_adapter", {"lora_name": "t", "lora_path": str(root / "a")}),
+                ("/v1/unload_lora_adapter", {"lora_name": "a"}),
+            ):
+                r = httpx.post(url + path, json=body)
+                assert r.status_code == 404, r.text
+                assert r.json()["error"]["message"] == RUNTIME_LORA_OFF
+        assert "t" not in [m["id"] for m in httpx.get(srv.url + "/v1/models").json()["data"]]
+        assert "a" in [m["id"] for m in httpx.get(srv.url + "/v1/models").json()["data"]]
+
+
+def test_a_server_without_lora_says_how_to_enable_it(engine, root):
+    """Runtime loading allowed over an engine without LoRA: load is refused with the fix,
+    and any model name still reaches the base model, as before."""
+    with ServerThread(create_app(engine, runtime_settings(root))) as srv:
+        body = {"lora_name": "a", "lora_path": "a"}
+        r = httpx.post(srv.url + "/v1/load_lora_adapter", json=body)
+        assert r.status_code == 400
+        message = r.json()["error"]["message"]
+        assert "lora_modules" in message and "engine.lora" in message
+        r = httpx.post(srv.url + "/v1/unload_lora_adapter", json={"lora_name": "a"})
+        assert r.status_code == 400
+        with openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0) as oai:
+            got = oai.completions.create(model="anything", prompt=PROMPT, max_tokens=2)
+        assert got.choices[0].text is not None
 
 
 def test_an_adapter_unloaded_after_resolution_is_a_404(lora_server, client, monkeypatch):
@@ -344,3 +385,73 @@ def test_an_adapter_unloaded_after_resolution_is_a_404(lora_server, client, monk
         with pytest.raises(openai.NotFoundError) as err:
             client.completions.create(model="ghost", prompt=prompt, max_tokens=2)
         assert "`ghost`" in err.value.body["message"]
+
+
+def test_a_path_outside_the_roots_is_refused_alike(lora_server, root, tmp_path):
+    """The issue's reproduction: `/etc` answered "file not found: /etc/adapter_config.json"
+    (an existence oracle). Now every path outside the roots gets one answer, whether it
+    exists or not, a `..` or a symlink leading out of the root included."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "adapter_config.json").write_text("{}")
+    link = root / "escape"
+    if not link.is_symlink():
+        link.symlink_to(outside, target_is_directory=True)
+    answers = set()
+    for path in (
+        "/etc",
+        "/no/such/dir",
+        str(outside),
+        str(tmp_path / "missing"),
+        str(root / ".." / "outside"),
+        "../../etc",
+        str(link),
+        "escape",
+    ):
+        r = post(lora_server, "/v1/load_lora_adapter", {"lora_name": "t", "lora_path": path})
+        assert r.status_code == 400, (path, r.text)
+        err = r.json()["error"]
+        assert err["param"] == "lora_path" and err["code"] == "lora_path_not_allowed"
+        answer = err["message"].replace(repr(path), "<path>")  # the client's own path echoed
+        assert "adapter_config" not in answer and str(root) not in answer
+        answers.add(answer)
+    assert len(answers) == 1, answers
+    assert "t" not in [m["id"] for m in httpx.get(lora_server.url + "/v1/models").json()["data"]]
+
+
+def test_the_operators_adapters_cannot_be_unloaded_or_replaced(
+    lora_server, lora_engine, tokenizer, client
+):
+    """The issue's swap: unload a2, then load a2 from a1's directory. `a` and `b` were loaded
+    before the app was built (as `lora_modules` are): unloading them is refused, so their
+    names cannot be taken over, and they still answer with their own weights."""
+    ids = tokenizer.encode(PROMPT)
+    want = tokenizer.decode(alone(lora_engine, ids, "b", 6))
+    r = post(lora_server, "/v1/unload_lora_adapter", {"lora_name": "b"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "adapter_pinned"
+    r = post(lora_server, "/v1/load_lora_adapter", {"lora_name": "b", "lora_path": "a"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name"
+    got = client.completions.create(model="b", prompt=PROMPT, max_tokens=6, temperature=0)
+    assert got.choices[0].text == want
+
+
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        ("../a", "not a path"),
+        ("a/b", "not a path"),
+        ("a\\b", "not a path"),
+        ("x" * 129, "at most 128"),
+        ("bell\x07", "unprintable"),
+        ("new\nline", "unprintable"),
+        ("policy", "live adapter"),
+    ],
+)
+def test_a_bad_lora_name_is_a_400_naming_it(lora_server, name, why):
+    body = {"lora_name": name, "lora_path": "c"}
+    r = post(lora_server, "/v1/load_lora_adapter", body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "lora_name" and why in err["message"], err
+    assert name not in [m["id"] for m in httpx.get(lora_server.url + "/v1/models").json()["data"]]

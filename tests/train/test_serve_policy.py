@@ -30,7 +30,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from train_helpers import SMALL, TINY_MODEL, checkpoint_differences
 
-from astrai.train.serve_policy import PolicyServer, PolicyServeSettings
+from astrai.train.serve_policy import PolicyServer, PolicyServeSettings, serve_policy_problems
 
 STEPS = 3
 # tiny_grpo at test size (as tests/train/test_grpo.py), with its eval callback: the rollout
@@ -460,3 +460,91 @@ def test_busy_port_fails_before_training_naming_the_key() -> None:
 
         with pytest.raises(ValueError, match=rf"serve_policy\.port={port}: cannot listen"):
             PolicyServer({"port": port}).setup(Trainer(), None, "fit")  # type: ignore[arg-type]
+
+
+def test_exposed_host_needs_a_key_or_an_explicit_yes() -> None:
+    with pytest.raises(ValueError, match=r"^serve_policy\.host=0\.0\.0\.0: reachable from other"):
+        PolicyServeSettings.parse({"port": 0, "host": "0.0.0.0"})
+    with pytest.raises(ValueError, match=r"^serve_policy\.port: must be an int .*'abc'"):
+        PolicyServeSettings.parse({"port": "abc"})
+    assert PolicyServeSettings.parse({"port": 0, "host": "0.0.0.0", "api_key": "k"}).api_key
+    yes = {"port": 0, "host": "0.0.0.0", "allow_unauthenticated": True}
+    assert PolicyServeSettings.parse(yes).allow_unauthenticated
+
+
+def test_problems_name_the_key_in_one_line_each() -> None:
+    assert serve_policy_problems(None) == []
+    assert serve_policy_problems({"port": None, "host": "0.0.0.0"}) == []
+    assert serve_policy_problems({"port": "abc"}) == [
+        "serve_policy.port: must be an int in [0, 65535], got 'abc'"
+    ]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        (problem,) = serve_policy_problems({"port": port})
+    assert problem.startswith(f"serve_policy.port={port}: cannot listen")
+    assert "another serve_policy.port=<n>" in problem
+
+
+def test_the_live_policy_server_mounts_no_adapter_routes(monkeypatch) -> None:
+    """Nothing on a training run's server loads or unloads adapters (POSTs to those paths
+    are 404s); llguidance's tokenizer is built with the app, not by a first request."""
+    import llguidance
+    from fastapi.testclient import TestClient
+
+    from astrai.inference import InferenceEngine
+    from astrai.model import ModelConfig, Transformer
+    from astrai.serve.adapters import RUNTIME_LORA_PATHS
+    from astrai.tokenizer import AutoTokenizer
+
+    make = llguidance.LLTokenizer
+    built = []
+    monkeypatch.setattr(llguidance, "LLTokenizer", lambda *a, **k: built.append(1) or make(*a, **k))
+    tokenizer = AutoTokenizer.train(["def f(x):\n    return x + 1\n" * 8], vocab_size=300)
+    config = ModelConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+    )
+    engine = InferenceEngine(Transformer(config), tokenizer, start=False, max_batch_size=2)
+    try:
+        app = PolicyServer({"port": 0}).build_app(engine)
+        assert built == [1]
+        paths = {getattr(route, "path", None) for route in app.routes}
+        assert "/v1/chat/completions" in paths
+        assert not paths & set(RUNTIME_LORA_PATHS)
+        with TestClient(app) as client:
+            models = client.get("/v1/models").json()
+            assert [m["id"] for m in models["data"]] == ["astrai-policy"]
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.slow  # a subprocess composing the training config (no data, no model)
+def test_training_command_names_a_busy_port_before_it_starts(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        for arg, line in (
+            (f"serve_policy.port={port}", f"serve_policy.port={port}: cannot listen"),
+            ("serve_policy.port=abc", "serve_policy.port: must be an int in [0, 65535]"),
+        ):
+            p = subprocess.run(
+                [sys.executable, "-m", "astrai.train", arg, f"hydra.run.dir={tmp_path / 'run'}"],
+                cwd=root,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            log = p.stdout + p.stderr
+            assert p.returncode != 0 and line in log, log[-3000:]
+            assert "Traceback" not in log and "nothing was run" in log
+    assert not (tmp_path / "run").exists()  # before the run folder, data or model
