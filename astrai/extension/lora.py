@@ -11,8 +11,10 @@ Two implementations behind this one entry point (S-LoRA / Punica's gathered prod
 - plain torch (the CPU, and any device without Triton): when every token uses one adapter,
   two products with its slot; otherwise the step's tokens grouped by slot (padded to the
   largest group, laid out once per step in `LoRABatch`), gathered, two batched products
-  against the slots' stacks, and scattered back with `index_add_`: five ops per projection
-  whatever the mix, and the multiply-adds of each token's own rank only. (Multiplying
+  against the slots' stacks, and the real rows' results scattered back with `index_add_`:
+  six ops per projection whatever the mix, and the multiply-adds of each token's own rank
+  only. A padding row's result is dropped, never added as `0 * delta`: a diverged
+  adapter's NaN or inf times 0 is NaN, which would reach another request's row. (Multiplying
   every token by every slot in use and masking costs a product per slot per token: on the
   benchmark machine twice the time at 4 adapters, experiments/bench/lora.md.)
 - Triton on CUDA (`astrai.extension.ops.lora`): a segmented gather kernel that reads each
@@ -41,9 +43,10 @@ class LoRABatch:
     `alpha / r`, or rsLoRA's) serve the Triton kernel. The torch path groups the tokens by
     slot: `single` = `(slot, scaling)` when every token uses one slot (two products, no
     gather); otherwise `rows` `[G * M]` the token indices of the `G` slots in use, each
-    group padded to `M` with row 0, `groups` `[G]` their slots (None: slots 0..G-1, a view
-    of the stacks), `scale` `[G, M, 1]` the slot's scaling (0 for padding, whose delta is
-    then exactly zero). `active`: some token uses an adapter."""
+    group padded to `M` with its own first token, `groups` `[G]` their slots (None: slots
+    0..G-1, a view of the stacks), `scale` `[G, 1, 1]` the slots' scalings, `kept` `[N]`
+    the positions in `rows` of the real tokens (None: no padding) and `targets` `[N]` their
+    token indices, where the results are added. `active`: some token uses an adapter."""
 
     token_slots: torch.Tensor
     scalings: torch.Tensor
@@ -52,6 +55,8 @@ class LoRABatch:
     rows: torch.Tensor | None = None
     groups: torch.Tensor | None = None
     scale: torch.Tensor | None = None
+    kept: torch.Tensor | None = None
+    targets: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -77,17 +82,27 @@ class LoRABatch:
             return cls(slots, scalings, active=True, single=(slot, host[slot]))
         used = sorted(by_slot)
         m = max(len(v) for v in by_slot.values())
-        rows = [t for s in used for t in by_slot[s] + [0] * (m - len(by_slot[s]))]
-        scale = [[host[s]] * len(by_slot[s]) + [0.0] * (m - len(by_slot[s])) for s in used]
+        rows, kept, targets = [], [], []
+        for g, s in enumerate(used):
+            tokens = by_slot[s]
+            rows += tokens + tokens[:1] * (m - len(tokens))
+            kept += range(g * m, g * m + len(tokens))
+            targets += tokens
+        padded = len(targets) < len(rows)
+        scale = torch.tensor([host[s] for s in used], dtype=scalings.dtype, device=device)
+
+        def tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=device)
+
         return cls(
             slots,
             scalings,
             active=True,
-            rows=torch.tensor(rows, dtype=torch.long, device=device),
-            groups=None
-            if used == list(range(len(used)))
-            else torch.tensor(used, dtype=torch.long, device=device),
-            scale=torch.tensor(scale, dtype=scalings.dtype, device=device)[..., None],
+            rows=tensor(rows),
+            groups=None if used == list(range(len(used))) else tensor(used),
+            scale=scale[:, None, None],
+            kept=tensor(kept) if padded else None,
+            targets=tensor(targets) if padded else None,
         )
 
 
@@ -194,8 +209,11 @@ def lora_delta(
         a3, bt3 = a3.index_select(0, batch.groups), bt3.index_select(0, batch.groups)
     xs = x.index_select(0, batch.rows).view(groups, -1, x.shape[-1])
     h = torch.bmm(xs, a3.transpose(1, 2)).mul_(batch.scale)
-    y = torch.bmm(h, bt3)
-    out.index_add_(0, batch.rows, y.view(-1, y.shape[-1]))
+    y = torch.bmm(h, bt3).view(-1, bt3.shape[-1])
+    if batch.kept is None:  # no padding: every row of `y` is a real token's
+        out.index_add_(0, batch.rows, y)
+    else:
+        out.index_add_(0, batch.targets, y.index_select(0, batch.kept))
 
 
 __all__ = ["LORA_BACKENDS", "LoRABatch", "LoRALayer", "LoRAStep", "lora_backend", "lora_delta"]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import reprlib
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -140,20 +141,32 @@ def adaptable_modules(model: nn.Module) -> dict[str, Linear]:
     return found
 
 
+# PEFT keys the engine cannot honour (rank_pattern / alpha_pattern: per-module ranks and
+# scalings; one scaling per adapter here): set to anything but null, false or {}, refused.
+_UNSUPPORTED = ("use_dora", "lora_bias", "rank_pattern", "alpha_pattern")
+
+
 def read_adapter(
-    path: str | os.PathLike, shapes: Mapping[str, tuple[int, int]], max_rank: int
+    path: str | os.PathLike,
+    shapes: Mapping[str, tuple[int, int]],
+    max_rank: int,
+    dtype: torch.dtype | None = None,
 ) -> tuple[LoRAConfig, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
     """The config and `(A, B)` per module name of a PEFT-layout adapter directory (ours or
-    PEFT's), checked against the base's `shapes` (`{name: (in, out)}`) and `max_rank`;
-    an `AdapterError` names the file and what is wrong."""
+    PEFT's), checked against the base's `shapes` (`{name: (in, out)}`) and `max_rank`, and
+    cast to `dtype` (the engine's; None: as stored); an `AdapterError` names the file and
+    what is wrong. A tensor with NaN or inf, or beyond `dtype`'s range, is refused: the
+    engine must not serve an adapter that can only produce NaN."""
     try:
         config, data, stored = read_lora_dir(path)
     except (OSError, ValueError) as err:  # missing files, bad config, corrupt weights
         raise AdapterError(str(err)) from None
     cfg_file, weights = Path(path) / ADAPTER_CONFIG, Path(path) / ADAPTER_WEIGHTS
-    for key in ("use_dora", "lora_bias"):
-        if data.get(key):
-            raise AdapterError(f"{cfg_file}: {key}=true is not supported by the engine")
+    for key in _UNSUPPORTED:
+        if data.get(key) not in (None, False, {}):
+            raise AdapterError(
+                f"{cfg_file}: {key}={reprlib.repr(data[key])} is not supported by the engine"
+            )
     if config.r > max_rank:
         raise AdapterError(
             f"{cfg_file}: rank r={config.r} is above the engine's max_lora_rank ({max_rank})"
@@ -169,7 +182,7 @@ def read_adapter(
                 f"{weights}: tensor {key} targets {module}, which the base model has no "
                 "adaptable projection for"
             )
-        pairs.setdefault(module, {})[part[0]] = tensor
+        pairs.setdefault(module, {})[part[0]] = _checked(tensor, dtype, f"{weights}: tensor {key}")
     out = {}
     for module, ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
@@ -188,6 +201,19 @@ def read_adapter(
     return config, out
 
 
+def _checked(tensor: torch.Tensor, dtype: torch.dtype | None, what: str) -> torch.Tensor:
+    """`tensor` in `dtype`, refused (naming `what`) unless floating-point and finite there."""
+    if not tensor.is_floating_point():
+        raise AdapterError(f"{what} has dtype {tensor.dtype}, not a floating-point type")
+    if not torch.isfinite(tensor).all():
+        raise AdapterError(f"{what} holds NaN or inf values")
+    if dtype is not None and tensor.dtype != dtype:
+        tensor = tensor.to(dtype)
+        if not torch.isfinite(tensor).all():
+            raise AdapterError(f"{what} holds values beyond the range of the engine's {dtype}")
+    return tensor
+
+
 class AdapterSlots:
     """The device stacks of every adaptable projection and which adapter holds each slot.
 
@@ -200,6 +226,7 @@ class AdapterSlots:
         n = settings.max_loras
         self.modules = adaptable_modules(model)
         ref = next(model.parameters())
+        self.dtype = ref.dtype
         self.step = LoRAStep()
         self.layers: dict[str, LoRALayer] = {}
         for name, module in self.modules.items():
@@ -265,7 +292,10 @@ class AdapterSlots:
 
     @torch.no_grad()
     def write(self, slot: int, adapter: Adapter) -> None:
-        """Copy `adapter`'s tensors into `slot` (zeros for the projections it leaves alone)."""
+        """Copy `adapter`'s tensors into `slot` (zeros for the projections it leaves alone).
+        The slot holds no adapter until the copy is complete: one that fails halfway leaves
+        an empty slot, never a former holder over partly overwritten tensors."""
+        self.holder[slot] = None
         r0, r1 = slot * self.rank, (slot + 1) * self.rank
         weights = adapter.weights()
         for name, layer in self.layers.items():
@@ -325,7 +355,8 @@ class EngineAdapters:
             raise AdapterError(f"adapter name must be a non-empty string, got {name!r}")
         with self.lock:
             self._check_room(name)
-        config, tensors = read_adapter(path, self.slots.shapes, self.settings.max_lora_rank)
+        slots = self.slots
+        config, tensors = read_adapter(path, slots.shapes, self.settings.max_lora_rank, slots.dtype)
         info = AdapterInfo(name=name, path=str(path), rank=config.r, uid=next(self._uids))
         adapter = Adapter(info, config.scaling, tensors)
         with self.lock:  # again: another load may have come in while the files were read
@@ -349,6 +380,9 @@ class EngineAdapters:
         """The training run's own adapter (`inject_lora`'s wrappers in `model`), which
         requests naming no adapter use."""
         config: LoRAConfig = model.lora_config
+        problem = config.problem()  # fields set after the config was built are checked too
+        if problem is not None:
+            raise AdapterError(f"the policy's LoRA config: {problem}")
         if config.r > self.settings.max_lora_rank:
             raise AdapterError(
                 f"the policy's LoRA rank {config.r} is above max_lora_rank "

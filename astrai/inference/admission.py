@@ -1,16 +1,32 @@
-"""The one prompt check every caller goes through: can a request ever run on this engine?
+"""Admission: can a request ever run on this engine, and which waiting requests start now.
 
-The HTTP server, batch generation, evaluation and offline use all reach it through
-`InferenceScheduler.problem`, so what is refused, and the words of the refusal, cannot
-differ between them.
+`prompt_problem` is the one prompt check every caller goes through: the HTTP server, batch
+generation, evaluation and offline use all reach it through `InferenceScheduler.problem`,
+so what is refused, and the words of the refusal, cannot differ between them.
+
+`Admission` is the scheduler's admission step: waiting requests take a request row, the KV
+of their prompt and their adapter's slot. A failure while admitting one request (its
+adapter's copy into a slot, a KV call) ends that request alone, `aborted` with the cause:
+the other requests and the engine's loop go on.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from astrai.inference.params import SamplingParams
-from astrai.inference.task import Rejection
+from astrai.inference.processors import describe
+from astrai.inference.task import Rejection, Task, TaskState
+
+if TYPE_CHECKING:
+    from astrai.inference.adapters import AdapterSlots
+    from astrai.inference.cache import PagePool
+
+logger = logging.getLogger(__name__)
 
 
 def prompt_problem(
@@ -82,3 +98,115 @@ def _too_long(n: int, max_tokens: int, max_seq_len: int, cap: int | None) -> str
         "token, unless max_tokens=0"
     )
     return f"prompt is too long: {n} tokens, the limit is {limit} ({why})"
+
+
+class Admission:
+    """`InferenceScheduler`'s admission of waiting tasks (a mixin over its queues)."""
+
+    pool: PagePool
+    adapter_slots: AdapterSlots | None
+    max_batch_size: int
+    total_prompt_tokens: int
+    total_cached_tokens: int
+    _waiting: deque[Task]
+    _running: list[Task]
+    _lock: threading.Lock
+    _finish: Callable[..., None]  # (task, reason, error): the scheduler's one way to end a task
+
+    def _refill(self) -> None:
+        """Admit waiting tasks while there are request rows and KV for their prompts."""
+        admitted: list[Task] = []
+        try:
+            self._admit(admitted)
+        finally:
+            if len(admitted) > 1:  # the allocator places the rows of one admission
+                rows = [t.row for t in admitted]
+                lens = [t.prefill_len for t in admitted]
+                for t, row in zip(admitted, self.pool.arrange_rows(rows, lens)):
+                    t.row = row
+
+    def _admit(self, admitted: list[Task]) -> None:
+        while self._waiting and len(self._running) < self.max_batch_size:
+            task = self._next_admissible()
+            if task is None:
+                return
+            try:
+                more = self._admit_one(task, admitted)
+            except Exception as err:  # this request's fault: end it, admit the others
+                logger.exception("admitting request %d failed", task.id)
+                with self._lock:
+                    if task in self._waiting:
+                        self._waiting.remove(task)
+                self._finish(task, "aborted", f"the request could not start: {describe(err)}")
+                continue
+            if not more:
+                return
+
+    def _admit_one(self, task: Task, admitted: list[Task]) -> bool:
+        """Admit `task` if there is room for it; False: nothing more is admitted this step.
+        What it took (a row, KV) is given back if taking its adapter slot raises."""
+        ids = task.prefill_ids
+        # A preempted task was running: if it can no longer fit, it is aborted.
+        failed = "aborted" if task.preemptions else "rejected"
+        need = len(ids) + min(task.params.max_tokens, 1)
+        if not self.pool.can_hold(need, reserve_pages=len(self._running)):
+            if self._running:
+                return False
+            # nothing will ever free memory for it
+            what = "prompt + generated tokens do" if task.recompute else "prompt does"
+            self._drop(task, failed, f"KV allocation failed: {what} not fit")
+            return True
+        # Prompt log-probs from position s need the logits of position s - 1: computed
+        # (a preempted task that has sampled has all of its prompt log-probs already).
+        p = task.params
+        scoring = p.prompt_logprobs is not None and not task.recompute
+        alloc = self.pool.alloc_task(
+            ids,
+            limit=p.prompt_logprobs_start - 1 if scoring else None,
+            namespace=task.prefix_namespace,
+        )
+        if alloc is None:
+            return False
+        row, cached = alloc
+        try:
+            if not self.pool.ensure(row, len(ids)):
+                self.pool.free_task(row)
+                if self._running:
+                    return False
+                self._drop(task, failed, "KV allocation failed")
+                return True
+            slot = -1 if task.adapter is None else self.adapter_slots.acquire(task.adapter)
+        except Exception:
+            self.pool.free_task(row)
+            raise
+        if slot is None:  # every slot busy after all: wait for one
+            self.pool.free_task(row)
+            return False
+        with self._lock:
+            self._waiting.remove(task)
+            self._running.append(task)
+        task.adapter_slot = slot
+        task.row = row
+        admitted.append(task)
+        task.computed = min(cached, len(ids) - 1)
+        task.state = TaskState.RUNNING
+        if not task.preemptions:  # prompt figures count each request once
+            task.cached_tokens = task.computed
+            self.total_prompt_tokens += len(task.prompt_ids)
+            self.total_cached_tokens += task.computed
+        return True
+
+    def _drop(self, task: Task, reason: str, error: str) -> None:
+        """End waiting `task`, which can never be admitted."""
+        with self._lock:
+            self._waiting.remove(task)
+        self._finish(task, reason, error)
+
+    def _next_admissible(self) -> Task | None:
+        """The first waiting task whose adapter can have a slot now (the base always can);
+        as vLLM, requests whose adapter must wait for a slot do not hold up the others."""
+        slots = self.adapter_slots
+        for task in self._waiting:
+            if task.adapter is None or slots.available(task.adapter):
+                return task
+        return None

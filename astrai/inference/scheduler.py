@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from astrai.inference.adapters import AdapterSlots
-from astrai.inference.admission import prompt_problem
+from astrai.inference.admission import Admission, prompt_problem
 from astrai.inference.cache import PagePool
 from astrai.inference.groups import HeldFollowers
 from astrai.inference.logprobs import PromptScores, TopLogprobs
@@ -76,8 +76,9 @@ class StepPlan:
         return len(self.samplers) == len(self.tasks) and max(self.q_lens) == 1
 
 
-class InferenceScheduler:
-    """Owns the waiting queue, the running set and the KV pool of one model."""
+class InferenceScheduler(Admission):
+    """Owns the waiting queue, the running set and the KV pool of one model (admission:
+    `astrai.inference.admission.Admission`)."""
 
     def __init__(
         self,
@@ -395,7 +396,7 @@ class InferenceScheduler:
         for t in plan.tasks:
             self._finish(t, "aborted", reason)
 
-    # ------------------------------------------------------------------ admission and release
+    # ------------------------------------------------------------------ release
     def cleanup(self) -> None:
         """End cancelled tasks and release KV of finished ones (caching complete pages)."""
         with self._lock:
@@ -483,78 +484,6 @@ class InferenceScheduler:
         task.preemptions += 1
         self.preemptions += 1
         logger.debug("preempted task %d after %d tokens", task.id, task.recompute)
-
-    def _refill(self) -> None:
-        """Admit waiting tasks while there are request rows and KV for their prompts."""
-        admitted: list[Task] = []
-        try:
-            self._admit(admitted)
-        finally:
-            if len(admitted) > 1:  # the allocator places the rows of one admission
-                rows = [t.row for t in admitted]
-                lens = [t.prefill_len for t in admitted]
-                for t, row in zip(admitted, self.pool.arrange_rows(rows, lens)):
-                    t.row = row
-
-    def _admit(self, admitted: list[Task]) -> None:
-        while self._waiting and len(self._running) < self.max_batch_size:
-            task = self._next_admissible()
-            if task is None:
-                return
-            ids = task.prefill_ids
-            # A preempted task was running: if it can no longer fit, it is aborted.
-            failed = "aborted" if task.preemptions else "rejected"
-            need = len(ids) + min(task.params.max_tokens, 1)
-            if not self.pool.can_hold(need, reserve_pages=len(self._running)):
-                if not self._running:  # nothing will ever free memory for it
-                    with self._lock:
-                        self._waiting.remove(task)
-                    what = "prompt + generated tokens do" if task.recompute else "prompt does"
-                    self._finish(task, failed, f"KV allocation failed: {what} not fit")
-                    continue
-                return
-            # Prompt log-probs from position s need the logits of position s - 1: computed
-            # (a preempted task that has sampled has all of its prompt log-probs already).
-            p = task.params
-            scoring = p.prompt_logprobs is not None and not task.recompute
-            alloc = self.pool.alloc_task(
-                ids,
-                limit=p.prompt_logprobs_start - 1 if scoring else None,
-                namespace=task.prefix_namespace,
-            )
-            if alloc is None:
-                return
-            row, cached = alloc
-            if not self.pool.ensure(row, len(ids)):
-                self.pool.free_task(row)
-                if not self._running:
-                    with self._lock:
-                        self._waiting.remove(task)
-                    self._finish(task, failed, "KV allocation failed")
-                    continue
-                return
-            with self._lock:
-                self._waiting.remove(task)
-                self._running.append(task)
-            if task.adapter is not None:
-                task.adapter_slot = self.adapter_slots.acquire(task.adapter)
-            task.row = row
-            admitted.append(task)
-            task.computed = min(cached, len(ids) - 1)
-            task.state = TaskState.RUNNING
-            if not task.preemptions:  # prompt figures count each request once
-                task.cached_tokens = task.computed
-                self.total_prompt_tokens += len(task.prompt_ids)
-                self.total_cached_tokens += task.computed
-
-    def _next_admissible(self) -> Task | None:
-        """The first waiting task whose adapter can have a slot now (the base always can);
-        as vLLM, requests whose adapter must wait for a slot do not hold up the others."""
-        slots = self.adapter_slots
-        for task in self._waiting:
-            if task.adapter is None or slots.available(task.adapter):
-                return task
-        return None
 
     def _finish(self, task: Task, reason: str, error: str | None = None) -> None:
         if task.finished:

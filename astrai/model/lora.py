@@ -11,6 +11,8 @@ import dataclasses
 import json
 import math
 import os
+import reprlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,11 +22,21 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from astrai.files import naming_full_disk, publish
 from astrai.model.hub import CheckpointError, to_hf_key
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 PEFT_PREFIX = "base_model.model."  # PEFT's key prefix: base_model.model.<hf name>.lora_A...
+
+
+# The engine keeps each adapter's scaling in float32 (`astrai.inference.adapters`), and
+# bf16 / fp16 models compute within float32's range: a larger scaling is inf.
+_MAX_SCALING = torch.finfo(torch.float32).max
+# A value quoted in an error is cut short: a hostile file's 10 MB string is not echoed back.
+_repr = reprlib.Repr()
+_repr.maxstring = _repr.maxother = 60
+_shown = _repr.repr
 
 
 @dataclass
@@ -40,13 +52,36 @@ class LoRAConfig:
     use_rslora: bool = False
 
     def __post_init__(self) -> None:
-        if self.r <= 0:
-            raise ValueError(f"LoRAConfig.r: must be positive, got {self.r}")
-        if not 0.0 <= self.lora_dropout < 1.0:
-            raise ValueError(f"LoRAConfig.lora_dropout: must be in [0, 1), got {self.lora_dropout}")
-        if not self.target_modules:
-            raise ValueError("LoRAConfig.target_modules: must name at least one module")
-        self.target_modules = list(self.target_modules)
+        if isinstance(self.target_modules, Sequence) and not isinstance(self.target_modules, str):
+            self.target_modules = list(self.target_modules)  # a Hydra ListConfig, a tuple
+        problem = self.problem()
+        if problem is not None:
+            raise ValueError(f"LoRAConfig.{problem}")
+
+    def problem(self) -> str | None:
+        """What makes this config unusable, as `field: why` (None: nothing). Every field
+        comes from a file or a command line: a wrong type or a scaling no float32 holds is
+        refused here, before any tensor is built from it."""
+        r, alpha, dropout = self.r, self.lora_alpha, self.lora_dropout
+        if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
+            return f"r: must be a positive int, got {_shown(r)}"
+        if not _is_finite_number(alpha):
+            return f"lora_alpha: must be a finite number, got {_shown(alpha)}"
+        if not _is_finite_number(dropout) or not 0.0 <= dropout < 1.0:
+            return f"lora_dropout: must be a number in [0, 1), got {_shown(dropout)}"
+        modules = self.target_modules
+        if not isinstance(modules, list) or not all(isinstance(m, str) and m for m in modules):
+            return f"target_modules: must be a list of module names, got {_shown(modules)}"
+        if not modules:
+            return "target_modules: must name at least one module"
+        if not isinstance(self.use_rslora, bool):
+            return f"use_rslora: must be true or false, got {_shown(self.use_rslora)}"
+        if abs(self.scaling) > _MAX_SCALING:
+            return (
+                f"lora_alpha: {alpha:.3g} gives a scaling of {self.scaling:.3g}, beyond float32's "
+                f"range ({_MAX_SCALING:.3g})"
+            )
+        return None
 
     @property
     def scaling(self) -> float:
@@ -66,13 +101,25 @@ class LoRAConfig:
 
     @classmethod
     def from_peft(cls, data: dict, *, source: str = ADAPTER_CONFIG) -> LoRAConfig:
+        """The config of a PEFT `adapter_config.json` object; a ValueError names `source`
+        and the field."""
         if data.get("peft_type", "LORA") != "LORA":
             raise ValueError(f"{source}: peft_type {data.get('peft_type')!r} is not LORA")
         names = {f.name for f in dataclasses.fields(cls)}
         try:
             return cls(**{k: v for k, v in data.items() if k in names})
-        except (TypeError, ValueError) as err:
-            raise ValueError(f"{source}: {err}") from None
+        except ValueError as err:
+            raise ValueError(f"{source}: {str(err).removeprefix('LoRAConfig.')}") from None
+
+
+def _is_finite_number(value: object) -> bool:
+    """An int or float (not a bool) that is finite as a float."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int beyond any float
+        return False
 
 
 class LoRALinear(nn.Module):
@@ -160,11 +207,13 @@ def save_lora(model: nn.Module, path: str | os.PathLike) -> Path:
         for n, t in lora_state_dict(model).items()
     }
     tmp = path / f".{ADAPTER_WEIGHTS}.tmp"
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, path / ADAPTER_WEIGHTS)
+    with naming_full_disk(path / ADAPTER_WEIGHTS):
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+    publish(tmp, path / ADAPTER_WEIGHTS)  # the umask's mode, not safetensors' 0600
     tmp = path / f".{ADAPTER_CONFIG}.tmp"
-    tmp.write_text(json.dumps(config.to_peft(), indent=2))
-    os.replace(tmp, path / ADAPTER_CONFIG)
+    with naming_full_disk(path / ADAPTER_CONFIG):
+        tmp.write_text(json.dumps(config.to_peft(), indent=2))
+    publish(tmp, path / ADAPTER_CONFIG)
     return path
 
 
@@ -173,24 +222,45 @@ def read_lora_dir(
 ) -> tuple[LoRAConfig, dict[str, Any], dict[str, torch.Tensor]]:
     """A PEFT-layout adapter directory (ours or PEFT's): its config, the raw
     `adapter_config.json` (for keys `LoRAConfig` does not hold) and the tensors by PEFT key.
-    A missing file is a FileNotFoundError, a bad config a ValueError, a corrupt weights file
-    a `CheckpointError`: each names the file."""
+    A missing file is a FileNotFoundError, a bad config (not a JSON object, a field of the
+    wrong type or range) a ValueError, a corrupt weights file a `CheckpointError`: each
+    names the file. PEFT's regex form of `target_modules` (a string) reads as the modules
+    the weights file adapts."""
     path = Path(path)
     cfg_file, weights = path / ADAPTER_CONFIG, path / ADAPTER_WEIGHTS
     for file in (cfg_file, weights):
         if not file.is_file():
             raise FileNotFoundError(f"LoRA adapter file not found: {file}")
-    try:
-        data = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{cfg_file}: not valid JSON ({err})") from None
-    config = LoRAConfig.from_peft(data, source=str(cfg_file))
+    data = _read_config(cfg_file)
     try:
         with safe_open(str(weights), framework="pt") as f:
             stored = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
     except (SafetensorError, OSError) as err:
         raise CheckpointError(f"{weights}: corrupt or truncated safetensors file ({err})") from None
+    fields = data
+    if isinstance(data.get("target_modules"), str):
+        fields = {**data, "target_modules": _adapted_suffixes(stored)}
+    config = LoRAConfig.from_peft(fields, source=str(cfg_file))
     return config, data, stored
+
+
+def _read_config(cfg_file: Path) -> dict[str, Any]:
+    """The JSON object of `adapter_config.json`; anything else is a ValueError naming it."""
+    try:
+        data = json.loads(cfg_file.read_text())
+    except RecursionError:
+        raise ValueError(f"{cfg_file}: not valid JSON (nested too deeply)") from None
+    except ValueError as err:  # bad JSON, bytes that are not UTF-8, an int of 5,000 digits
+        raise ValueError(f"{cfg_file}: not valid JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{cfg_file}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _adapted_suffixes(stored: dict[str, torch.Tensor]) -> list[str]:
+    """The module names (last part) that `stored`'s `...<module>.lora_A.weight` keys adapt."""
+    modules = {k.rpartition(".lora_")[0].rpartition(".")[2] for k in stored if ".lora_" in k}
+    return sorted(m for m in modules if m)
 
 
 def load_lora(model: nn.Module, path: str | os.PathLike) -> nn.Module:

@@ -213,3 +213,29 @@ def test_bf16_sgmv_on_gpu(sgmv):
     sgmv(x, a3, bt3, token_slots, scalings, out)
     torch.testing.assert_close(out.float().cpu(), ref_out, atol=3e-2, rtol=3e-2)
     assert torch.all(wide[:, :32] == GUARD) and torch.all(wide[:, 32 + d_out :] == GUARD)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("poison", ["nan_a", "inf_b"])
+@pytest.mark.parametrize("slots", [[1, 1, 1, -1, 0, 2, 2], [-1, 2, 2, 0, 1]])
+def test_a_non_finite_slot_changes_only_its_own_rows(sgmv, monkeypatch, backend, poison, slots):
+    """Slot 0 holds a diverged adapter (NaN in A, or inf in B): its tokens may be anything,
+    but every other row is the reference's, bit for bit for the base (row 0 is another
+    request's, and slot 0 has the fewest tokens: the torch path pads its group)."""
+    monkeypatch.setenv("ASTR_LORA_BACKEND", backend)
+    dtype, rank = torch.float32, 4
+    x, a, bt, a3, bt3, token_slots, scalings, out, batch = policy_case(
+        slots, 3, rank, 21, 30, dtype
+    )
+    expected = plain(x, a3, bt3, token_slots, scalings, out)  # before the poison
+    if poison == "nan_a":
+        a[:rank] = float("nan")  # `a3` is a view of the same storage
+    else:
+        bt[:rank] = float("inf")
+    base = out.clone()
+    lora_delta(x, out, a, bt, rank, batch)
+    others = token_slots.cpu() != 0
+    assert torch.isfinite(out[others]).all(), "a diverged slot reached other requests' rows"
+    close(out[others], expected[others], dtype)
+    base_rows = token_slots.cpu() < 0
+    assert torch.equal(out[base_rows], base[base_rows])

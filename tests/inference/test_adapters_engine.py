@@ -15,196 +15,41 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
-from transformers import LlamaConfig, LlamaForCausalLM
+from peft_adapters import (
+    ADAPTERS,
+    LONG,
+    N_TOKENS,
+    TEXTS,
+    TOL,
+    SlowTransformer,
+    assert_exact,
+    build_dirs,
+    build_reference,
+    engine_factory,
+    greedy,
+    slot_names,
+)
 
-from astrai.inference import InferenceEngine
 from astrai.inference.adapters import AdapterError, AdapterInUse, AdapterNotFound
 from astrai.inference.params import SamplingParams
-from astrai.model import AutoModel, LoRAConfig, Transformer, inject_lora, save_lora
-from astrai.model.lora import LoRALinear
-
-TOL = 1e-5  # chosen tokens' log-probs vs PEFT's log_softmax (fp32 both sides)
-N_TOKENS = 8
-ADAPTERS = ("qv", "all", "ours")  # PEFT r=4 on q/v; PEFT rsLoRA r=8 on all 7; ours r=6
-TEXTS = [
-    "def main(args):",
-    "import sys\nimport os\n\nclass Base(object):\n    pass",
-    "for i in range(10):\n    print(i)",
-    "x = 1",
-]
-LONG = "def read(path):\n    with open(path) as f:\n        return f.read()\n\nclass Codec(object):"
 
 
-class SlowTransformer(Transformer):
-    """A `Transformer` whose forward can be slowed, so a stream outlasts a load/unload."""
-
-    step_delay: float = 0.0
-
-    def forward_packed(self, *args, **kwargs):
-        if self.step_delay:
-            time.sleep(self.step_delay)
-        return super().forward_packed(*args, **kwargs)
-
-
-def _hf_config(vocab_size: int, hidden: int = 64) -> LlamaConfig:
-    return LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        initializer_range=0.15,  # spread-out logits: greedy has no near-ties
-        tie_word_embeddings=False,
-    )
-
-
-def _peft_adapter(base_dir: Path, out: Path, seed: int, **lora: object) -> Path:
-    """A PEFT-saved adapter with random A and B (`init_lora_weights=False`: B is not 0)."""
-    torch.manual_seed(seed)
-    base = LlamaForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    peft_model = get_peft_model(base, LoraConfig(init_lora_weights=False, **lora))
-    peft_model.save_pretrained(out)
-    return out
-
-
-# ---------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
-def dirs(tokenizer, tmp_path_factory) -> dict[str, Path]:
-    """The HF base directory and the adapters' directories, by name."""
-    root = tmp_path_factory.mktemp("lora_engine")
-    torch.manual_seed(0)
-    LlamaForCausalLM(_hf_config(len(tokenizer))).float().save_pretrained(root / "base")
-    out = {"base": root / "base"}
-    out["qv"] = _peft_adapter(
-        out["base"], root / "qv", 1, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]
-    )
-    out["all"] = _peft_adapter(
-        out["base"],
-        root / "all",
-        2,
-        r=8,
-        lora_alpha=12,
-        use_rslora=True,
-        target_modules=[
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        ],
-    )
-    ours = AutoModel.from_pretrained(out["base"])
-    torch.manual_seed(3)
-    inject_lora(
-        ours, LoRAConfig(r=6, lora_alpha=9.0, target_modules=["k_proj", "o_proj", "up_proj"])
-    )
-    with torch.no_grad():
-        for module in ours.modules():
-            if isinstance(module, LoRALinear):
-                torch.nn.init.normal_(module.lora_B.weight, std=0.2)
-    out["ours"] = save_lora(ours, root / "ours")
-    # another base shape (hidden 32): the adapter fits no projection of ours
-    torch.manual_seed(4)
-    LlamaForCausalLM(_hf_config(len(tokenizer), hidden=32)).save_pretrained(root / "small")
-    out["foreign"] = _peft_adapter(
-        root / "small", root / "foreign", 5, r=4, lora_alpha=8, target_modules=["q_proj"]
-    )
-    # rank 32: above every engine's max_lora_rank here
-    out["big"] = _peft_adapter(
-        out["base"], root / "big", 6, r=32, lora_alpha=32, target_modules=["q_proj"]
-    )
-    return out
+def dirs(tokenizer, tmp_path_factory):
+    return build_dirs(tokenizer, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def reference(dirs):
-    """`reference(adapter, prompt_ids, n)`: PEFT's greedy tokens and their log-probs (the
-    transformers model alone, with only that adapter loaded; None: the base)."""
-    models: dict[str | None, torch.nn.Module] = {}
-    memo: dict[tuple, tuple[list[int], list[float]]] = {}
-
-    def model_for(adapter: str | None) -> torch.nn.Module:
-        if adapter not in models:
-            base = LlamaForCausalLM.from_pretrained(dirs["base"], dtype=torch.float32)
-            models[adapter] = (
-                base if adapter is None else PeftModel.from_pretrained(base, dirs[adapter])
-            ).eval()
-        return models[adapter]
-
-    def run(adapter: str | None, prompt: list[int], n: int = N_TOKENS):
-        key = (adapter, tuple(prompt), n)
-        if key not in memo:
-            model, ids, lps = model_for(adapter), list(prompt), []
-            with torch.no_grad():
-                for _ in range(n):
-                    logits = model(torch.tensor([ids])).logits[0, -1].double()
-                    top2 = logits.topk(2).values
-                    assert top2[0] - top2[1] > 1e-3, "near-tie in the reference: other prompts"
-                    token = int(logits.argmax())
-                    lps.append(float(torch.log_softmax(logits, -1)[token]))
-                    ids.append(token)
-            memo[key] = (ids[len(prompt) :], lps)
-        return memo[key]
-
-    run.model_for = model_for
-    return run
+    return build_reference(dirs)
 
 
 @pytest.fixture
 def make_engine(dirs, tokenizer):
-    """`make_engine(**kwargs)`: an engine over a fresh copy of the base (adapter slots hook
-    the model's projections, so engines never share one), shut down after the test."""
-    engines = []
-
-    def make(*, model_cls: type[Transformer] = Transformer, load=(), **kwargs):
-        loaded = AutoModel.from_pretrained(dirs["base"])
-        model = loaded
-        if model_cls is not Transformer:
-            model = model_cls(loaded.config)
-            model.load_state_dict(loaded.state_dict())
-            model.eval()
-        kwargs.setdefault("lora", {"max_loras": 4, "max_lora_rank": 16})
-        kwargs.setdefault("max_batch_size", 16)
-        kwargs.setdefault("max_seq_len", 128)
-        if kwargs.get("cache_mode") == "paged":
-            kwargs.setdefault("page_size", 4)
-            kwargs.setdefault("kv_tokens", 4096)
-        engine = InferenceEngine(model, tokenizer, **kwargs)
-        engines.append(engine)
-        for name in load:
-            engine.load_adapter(name, dirs[name])
-        return engine
-
-    yield make
-    for engine in engines:
-        engine.shutdown()
-
-
-def _greedy(**extra) -> SamplingParams:
-    return SamplingParams(
-        **{"temperature": 0.0, "max_tokens": N_TOKENS, "ignore_eos": True, **extra}
-    )
-
-
-def _assert_exact(got_ids, got_lps, want, label) -> None:
-    want_ids, want_lps = want
-    assert got_ids == want_ids, f"{label}: tokens differ from PEFT's"
-    assert len(got_lps) == len(want_lps), label
-    worst = max(abs(a - b) for a, b in zip(got_lps, want_lps))
-    assert worst <= TOL, f"{label}: log-probs differ from PEFT's by {worst:.2e}"
-
-
-def _slot_names(engine: InferenceEngine) -> list[str | None]:
-    return [None if a is None else a.info.name for a in engine.adapters.slots.holder]
+    yield from engine_factory(dirs, tokenizer)
 
 
 # ---------------------------------------------------------------------- 1. equality vs PEFT
@@ -227,12 +72,12 @@ def test_mixed_batch_matches_peft(make_engine, tokenizer, reference, settings):
     engine = make_engine(start=False, load=ADAPTERS, **settings)
     prompts = [tokenizer.encode(t) for t in TEXTS]
     jobs = [(a, p) for p in prompts for a in (None, *ADAPTERS)]  # interleaved adapters
-    results = [engine.submit(p, _greedy(logprobs_mode="raw"), adapter=a) for a, p in jobs]
+    results = [engine.submit(p, greedy(logprobs_mode="raw"), adapter=a) for a, p in jobs]
     engine.start()
     for (adapter, prompt), result in zip(jobs, results):
         result.wait_completion(timeout=60)
         assert result.finish_reason == "length", result.task.error
-        _assert_exact(
+        assert_exact(
             result.token_ids, result.logprobs, reference(adapter, prompt), f"submit {adapter}"
         )
     slots = engine.adapters.slots
@@ -254,7 +99,7 @@ def test_mixed_batch_matches_peft(make_engine, tokenizer, reference, settings):
             adapter=adapter,
         )
         for prompt, (ids, lps) in zip(prompts, out):
-            _assert_exact(ids, lps, reference(adapter, prompt), f"run_batch {adapter}")
+            assert_exact(ids, lps, reference(adapter, prompt), f"run_batch {adapter}")
 
 
 def test_score_under_adapters_matches_peft(make_engine, tokenizer, reference):
@@ -282,8 +127,8 @@ def test_prefix_cache_never_crosses_adapters(make_engine, tokenizer, reference, 
     assert len(prompt) >= 16
 
     def run(adapter):
-        (out,) = engine.run_batch([prompt], _greedy(), return_details=True, adapter=adapter)
-        _assert_exact(out.token_ids, out.logprobs, reference(adapter, prompt), str(adapter))
+        (out,) = engine.run_batch([prompt], greedy(), return_details=True, adapter=adapter)
+        assert_exact(out.token_ids, out.logprobs, reference(adapter, prompt), str(adapter))
         return out.cached_prompt_tokens
 
     assert run("qv") == 0
@@ -292,10 +137,10 @@ def test_prefix_cache_never_crosses_adapters(make_engine, tokenizer, reference, 
     assert run(None) == 0, "the base was served KV computed under 'qv'"
     assert engine.get_stats()["cached_prompt_tokens"] == before
     # streamed requests count the same way (GenerateResult's task)
-    streamed = engine.submit(prompt, _greedy(), adapter="ours")
+    streamed = engine.submit(prompt, greedy(), adapter="ours")
     streamed.wait_completion(timeout=60)
     assert streamed.task.cached_tokens == 0
-    _assert_exact(streamed.token_ids, streamed.logprobs, reference("ours", prompt), "ours")
+    assert_exact(streamed.token_ids, streamed.logprobs, reference("ours", prompt), "ours")
 
     page = 4
     whole_pages = (len(prompt) - 1) // page * page
@@ -358,12 +203,12 @@ def test_unknown_adapter_is_refused_before_queueing(make_engine, tokenizer, dirs
     prompt = tokenizer.encode(TEXTS[0])
     before = engine.get_stats()["total_tasks"]
     with pytest.raises(AdapterNotFound, match="'nope'"):
-        engine.submit(prompt, _greedy(), adapter="nope")
+        engine.submit(prompt, greedy(), adapter="nope")
     with pytest.raises(AdapterNotFound, match="'nope'"):
-        engine.generate(TEXTS[0], _greedy(adapter="nope"))
+        engine.generate(TEXTS[0], greedy(adapter="nope"))
     with pytest.raises(AdapterNotFound, match="'nope'"):
         # one bad prompt's adapter: nothing of the batch runs
-        engine.run_batch([prompt, prompt], _greedy(), adapter="nope")
+        engine.run_batch([prompt, prompt], greedy(), adapter="nope")
     assert engine.get_stats()["total_tasks"] == before
     assert not engine.scheduler.has_work()
 
@@ -380,10 +225,10 @@ def test_engine_without_lora_names_how_to_enable(make_engine, tokenizer, dirs):
     engine = make_engine(lora=None)
     assert not engine.lora_enabled and engine.list_adapters() == []
     with pytest.raises(AdapterNotFound, match=r"lora=") as err:
-        engine.submit(tokenizer.encode(TEXTS[0]), _greedy(), adapter="qv")
+        engine.submit(tokenizer.encode(TEXTS[0]), greedy(), adapter="qv")
     assert "'qv'" in str(err.value)
     with pytest.raises(AdapterNotFound, match=r"lora="):
-        engine.run_batch([tokenizer.encode(TEXTS[0])], _greedy(), adapter="qv")
+        engine.run_batch([tokenizer.encode(TEXTS[0])], greedy(), adapter="qv")
     with pytest.raises(AdapterError, match=r"lora="):
         engine.load_adapter("qv", dirs["qv"])
     assert engine.get_stats()["total_tasks"] == 0
@@ -399,7 +244,7 @@ def test_load_and_unload_while_a_stream_runs(make_engine, tokenizer, reference, 
     prompt = tokenizer.encode(TEXTS[1])
     n = 40
     engine.model.step_delay = 0.02
-    stream = engine.submit(prompt, _greedy(max_tokens=n), adapter="qv")
+    stream = engine.submit(prompt, greedy(max_tokens=n), adapter="qv")
     deadline = time.monotonic() + 30
     while len(stream.token_ids) < 2:
         assert time.monotonic() < deadline and not stream.done
@@ -424,29 +269,29 @@ def test_load_and_unload_while_a_stream_runs(make_engine, tokenizer, reference, 
     assert sorted(a.name for a in engine.list_adapters()) == ["ours", "qv"]
     stream.wait_completion(timeout=60)
     engine.model.step_delay = 0.0
-    _assert_exact(stream.token_ids, stream.logprobs, reference("qv", prompt, n), "qv stream")
+    assert_exact(stream.token_ids, stream.logprobs, reference("qv", prompt, n), "qv stream")
 
     with pytest.raises(AdapterNotFound, match="'all'"):
-        engine.submit(prompt, _greedy(), adapter="all")
+        engine.submit(prompt, greedy(), adapter="all")
     with pytest.raises(AdapterNotFound):
         engine.unload_adapter("all")
-    late = engine.submit(prompt, _greedy(), adapter="ours")  # the adapter loaded mid-stream
+    late = engine.submit(prompt, greedy(), adapter="ours")  # the adapter loaded mid-stream
     late.wait_completion(timeout=60)
-    _assert_exact(late.token_ids, late.logprobs, reference("ours", prompt), "ours")
+    assert_exact(late.token_ids, late.logprobs, reference("ours", prompt), "ours")
 
     # a queued (not yet running) request holds its adapter too
     engine.stop()
-    queued = engine.submit(prompt, _greedy(), adapter="ours")
+    queued = engine.submit(prompt, greedy(), adapter="ours")
     with pytest.raises(AdapterInUse, match="'ours'"):
         engine.unload_adapter("ours")
     engine.start()
     queued.wait_completion(timeout=60)
-    _assert_exact(queued.token_ids, queued.logprobs, reference("ours", prompt), "queued")
+    assert_exact(queued.token_ids, queued.logprobs, reference("ours", prompt), "queued")
     engine.unload_adapter("ours")
     engine.unload_adapter("qv")
     assert engine.list_adapters() == []
     with pytest.raises(AdapterNotFound, match="'qv'"):
-        engine.submit(prompt, _greedy(), adapter="qv")
+        engine.submit(prompt, greedy(), adapter="qv")
 
 
 # ---------------------------------------------------------------------- 5. LRU of slots
@@ -462,8 +307,8 @@ def test_slots_evict_the_least_recently_used_idle_adapter(make_engine, tokenizer
         ("qv", ["qv", "all"]),  # ours (3rd call) is older than all (4th): qv replaces it
     ]
     for adapter, names in expected_slots:
-        out = engine.run_batch(prompts, _greedy(), return_logprobs=True, adapter=adapter)
+        out = engine.run_batch(prompts, greedy(), return_logprobs=True, adapter=adapter)
         for prompt, (ids, lps) in zip(prompts, out):
-            _assert_exact(ids, lps, reference(adapter, prompt), f"{adapter}")
-        assert _slot_names(engine) == names, f"after {adapter}"
+            assert_exact(ids, lps, reference(adapter, prompt), f"{adapter}")
+        assert slot_names(engine) == names, f"after {adapter}"
         assert engine.adapters.slots.users == [0, 0]
