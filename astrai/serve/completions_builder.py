@@ -124,6 +124,9 @@ class CompletionsResponseBuilder(OpenAIStyleBuilder):
         builders = ctx.extra.setdefault("logprobs", {})
         lp = builders.setdefault(choice.index, LegacyLogprobs(tt))
         task = choice.result.task
+        texts = ctx.prepared.options["echo"]
+        # The choice's text so far: its echoed prompt, then the output emitted until now.
+        text_len = (0 if texts is None else len(texts[choice.prompt_index])) + choice.chars
         parts = []
         if echo:
             ids = ctx.prepared.prompts[choice.prompt_index]
@@ -133,6 +136,7 @@ class CompletionsResponseBuilder(OpenAIStyleBuilder):
                     ids,
                     [None if e is None else e.logprob for e in scored],
                     [None if e is None else e.top for e in scored],
+                    text_len=text_len,
                 )
             )
         span = choice.take_tokens(upto)
@@ -142,6 +146,8 @@ class CompletionsResponseBuilder(OpenAIStyleBuilder):
                 task.output_ids[span.start : span.stop],
                 task.logprobs[span.start : span.stop],
                 [tops[i] if i < len(tops) else () for i in span],
+                text_len=text_len,
+                skipped=tt.special,  # the output's text is decoded without special tokens
             )
         )
         return LegacyLogprobs.merge(parts)
@@ -169,7 +175,7 @@ class CompletionsResponseBuilder(OpenAIStyleBuilder):
 
     def format_choice_end(self, ctx: RequestContext, choice: Choice) -> list[str]:
         end = self._choice(ctx, choice, "", None, _FINISH[choice.finish_reason or "stop"])
-        return [self._chunk(ctx, [end], usage(ctx) if ctx.all_finished else None)]
+        return [self._chunk(ctx, [end])]  # the usage comes once, in its own final chunk
 
     # ------------------------------------------------------------------ plain
     def format_response(self, ctx: RequestContext) -> dict[str, Any]:

@@ -118,7 +118,11 @@ class ProtocolHandler:
             self._release(ctx)  # also cancels the engine tasks still running
         if ctx.error is not None:
             raise failed(ctx)
-        return SafeJSONResponse(self.builder.format_response(ctx))
+        try:
+            return SafeJSONResponse(self.builder.format_response(ctx))
+        except APIError:  # an output the protocol cannot carry (a NaN log-prob, logprobs.py)
+            self.state.requests_failed += 1
+            raise
 
     # ------------------------------------------------------------------ submission
     def _submit(self, ctx: RequestContext) -> None:
@@ -303,6 +307,10 @@ class ProtocolHandler:
                 yield "".join(b.format_stream_error(ctx, APIError(500, ctx.error, kind="server")))
             else:
                 yield "".join(b.format_stream_end(ctx))
+        except APIError as err:  # an output the protocol cannot carry (a NaN log-prob)
+            logger.warning("request %s: %s", ctx.id, err.message)
+            self._cancel_all(ctx)
+            yield "".join(b.format_stream_error(ctx, err))
         finally:  # also on client disconnect (the response task is cancelled)
             self._release(ctx)
 

@@ -3,20 +3,32 @@
 The engine reports token ids with their raw log-probs and top alternatives; this module
 turns them into what clients parse. Token strings are the token's own bytes as UTF-8, or
 OpenAI's ``bytes:\\xNN`` spelling when a token holds part of a multi-byte character.
+
+JSON has no infinities or NaN. A log-prob of -inf (a token the model rules out) is sent
+as vLLM's ``-9999.0``; NaN or +inf means the model's numbers broke down (NaN or infinite
+logits), which no log-prob can stand for: the request gets a protocol error, a 422 in its
+protocol's shape with code ``non_finite_logprob`` (a stream ends with that error event). Not a
+500: the answer is the same on every retry (SDKs retry 5xx), and the same request without
+log-probs is answered.
 """
 
 from __future__ import annotations
 
 import codecs
-from collections.abc import Sequence
+import math
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
 from tokenizers import decoders
 
+from astrai.serve.errors import APIError
 from astrai.tokenizer import AutoTokenizer
 
 Top = Sequence[tuple[int, float]]
+
+# vLLM's (and OpenAI's) stand-in for a log-prob of -inf.
+MIN_LOGPROB = -9999.0
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -41,6 +53,8 @@ class TokenText:
     def __init__(self, tokenizer: AutoTokenizer) -> None:
         self.tokenizer = tokenizer
         self.byte_level = isinstance(tokenizer.backend.decoder, decoders.ByteLevel)
+        # What the output's text leaves out (it is decoded with skip_special_tokens).
+        self.special: frozenset[int] = frozenset(tokenizer.special_ids)
         self.bytes = lru_cache(maxsize=65536)(self._bytes)
         self.text = lru_cache(maxsize=65536)(self._text)
 
@@ -64,6 +78,23 @@ def token_text(tokenizer: AutoTokenizer) -> TokenText:
     return TokenText(tokenizer)
 
 
+def json_logprob(value: float, token: str) -> float:
+    """`value` as JSON can carry it (-inf: `MIN_LOGPROB`); NaN or +inf: a 422 naming the
+    token, since no number would tell the truth about it."""
+    if math.isfinite(value):
+        return value
+    if value == -math.inf:
+        return MIN_LOGPROB
+    raise APIError(
+        422,
+        f"logprobs: the model gave token {token!r} a log-prob of {value}: its logits are not "
+        "finite (NaN or infinite), so the output cannot be trusted or sent as JSON; the same "
+        "request without logprobs is answered",
+        param="logprobs",
+        code="non_finite_logprob",
+    )
+
+
 def _sorted(top: Top | None) -> list[tuple[int, float]]:
     return sorted(top or (), key=lambda t: -t[1])
 
@@ -74,13 +105,18 @@ def chat_entries(
     """Chat `logprobs.content` entries: token, logprob, bytes, top_logprobs (descending)."""
     out = []
     for tok, lp, top in zip(ids, logprobs, tops, strict=True):
+        text = tt.text(tok)
         out.append(
             {
-                "token": tt.text(tok),
-                "logprob": lp,
+                "token": text,
+                "logprob": json_logprob(lp, text),
                 "bytes": list(tt.bytes(tok)),
                 "top_logprobs": [
-                    {"token": tt.text(t), "logprob": v, "bytes": list(tt.bytes(t))}
+                    {
+                        "token": tt.text(t),
+                        "logprob": json_logprob(v, tt.text(t)),
+                        "bytes": list(tt.bytes(t)),
+                    }
                     for t, v in _sorted(top)
                 ],
             }
@@ -104,9 +140,20 @@ class LegacyLogprobs:
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def build(
-        self, ids: Sequence[int], logprobs: Sequence[float | None], tops: Sequence[Top | None]
+        self,
+        ids: Sequence[int],
+        logprobs: Sequence[float | None],
+        tops: Sequence[Top | None],
+        *,
+        text_len: int,
+        skipped: Collection[int] = frozenset(),
     ) -> dict:
-        """Entries for `ids`; a None log-prob (the first prompt token) has no top dict."""
+        """Entries for `ids`; a None log-prob (the first prompt token) has no top dict.
+
+        `text_offset` is where each token starts in the choice's text, of which `text_len`
+        characters exist so far: tokens in `skipped` (the special tokens the output's text
+        leaves out) take no room, and no offset ever points past the text (a stop string
+        cuts the text inside a step's tokens)."""
         out: dict[str, list] = {
             "tokens": [],
             "token_logprobs": [],
@@ -115,16 +162,19 @@ class LegacyLogprobs:
         }
         for tok, lp, top in zip(ids, logprobs, tops, strict=True):
             text = self.tt.text(tok)
+            lp = None if lp is None else json_logprob(lp, text)
             out["tokens"].append(text)
             out["token_logprobs"].append(lp)
-            out["text_offset"].append(self.offset)
-            self.offset += len(self._utf8.decode(self.tt.bytes(tok)))
+            out["text_offset"].append(min(self.offset, text_len))
+            if tok not in skipped:
+                self.offset += len(self._utf8.decode(self.tt.bytes(tok)))
             if lp is None:
                 out["top_logprobs"].append(None)
                 continue
             alternatives: dict[str, float] = {}
             for t, v in _sorted(top):
-                alternatives.setdefault(self.tt.text(t), lp if t == tok else v)
+                alt = self.tt.text(t)
+                alternatives.setdefault(alt, lp if t == tok else json_logprob(v, alt))
             alternatives.setdefault(text, lp)
             out["top_logprobs"].append(alternatives)
         return out

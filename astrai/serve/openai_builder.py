@@ -103,8 +103,12 @@ class OpenAIStyleBuilder(ResponseBuilder):
     def _chunk(
         self, ctx: RequestContext, choices: list[dict[str, Any]], usage: dict | None = None
     ) -> str:
+        """One chunk. With `stream_options.include_usage` every chunk has a `usage` field,
+        null except on the final one (OpenAI's documented shape); without it none has one.
+        Usage is sent once, so clients that add up the chunks' usage (LangChain) count it
+        once."""
         data: dict[str, Any] = {**self.head(ctx, self.chunk_object), "choices": choices}
-        if usage is not None:
+        if ctx.prepared.include_usage:
             data["usage"] = usage
         return sse(data)
 
@@ -241,8 +245,7 @@ class OpenAIResponseBuilder(OpenAIStyleBuilder):
         logprobs = self._logprobs(ctx, choice, None)  # whatever is left, e.g. the end token
         if logprobs is not None:
             end["logprobs"] = logprobs
-        # The last finish chunk carries the usage (standard form, see the spec's Amendment 2).
-        return [self._chunk(ctx, [end], usage(ctx) if ctx.all_finished else None)]
+        return [self._chunk(ctx, [end])]  # the usage comes once, in its own final chunk
 
     # ------------------------------------------------------------------ plain
     def format_response(self, ctx: RequestContext) -> dict[str, Any]:

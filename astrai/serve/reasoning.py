@@ -8,8 +8,11 @@ chat template) or ``none``. Both parsers read ``<think> ... </think>``:
 - ``qwen3``: the reasoning is the text between ``<think>`` and ``</think>``; the opening
   tag is either written by the model (Qwen3 up to 2507) or left open at the end of the
   prompt (Qwen3-Thinking, Qwen3.5 templates: then it behaves as ``deepseek_r1``). An answer
-  that does not start with ``<think>`` is all content. With ``enable_thinking=False`` (the
-  template writes an empty think block into the prompt) nothing is parsed.
+  that does not start with ``<think>`` is split at its ``</think>`` as Qwen3's model card
+  splits an output (a thinking model may leave the opening tag out), and is all content
+  when it has none; since only its ``</think>`` or its end tells, such an answer is held
+  back (not streamed) until one of them comes. With ``enable_thinking=False`` (the template
+  writes an empty think block into the prompt) nothing is parsed.
 
 A reasoning that never closes (``max_tokens`` reached, or a hostile output) is all
 reasoning and the content is empty, as in vLLM's parsers; the finish reason is the
@@ -148,8 +151,11 @@ class ReasoningSplitter:
 
     def __init__(self, opened: bool) -> None:
         self._opened = opened
-        self._state = "head"  # head -> reasoning -> gap -> content, or head -> content
+        # head -> reasoning -> gap -> content; not opened and no <think> first:
+        # head -> undecided -> gap -> content (a </think> came) or the end (all content)
+        self._state = "head"
         self._buf = ""
+        self._scanned = 0  # undecided: characters of the buffer searched for </think>
         self._raw = 0
         self.end_at: int | None = None
         self.reasoned = False
@@ -167,8 +173,18 @@ class ReasoningSplitter:
                     continue
                 if THINK_START.startswith(s):  # empty or a prefix of the tag: wait
                     return out
-                self._state = "reasoning" if self._opened else "content"
+                self._state = "reasoning" if self._opened else "undecided"
                 self.reasoned = self._opened
+                continue
+            if self._state == "undecided":  # held until a </think> or the end decides
+                i = buf.find(THINK_END, max(0, self._scanned - len(THINK_END) + 1))
+                if i < 0:
+                    self._scanned = len(buf)
+                    return out
+                self.reasoned = True
+                self._put(out, True, buf[:i])
+                self._buf, self._state = buf[i + len(THINK_END) :], "gap"
+                self.end_at = self._raw - len(self._buf)
                 continue
             if self._state == "reasoning":
                 i = buf.find(THINK_END)
@@ -199,6 +215,8 @@ class ReasoningSplitter:
         if self._state == "head":
             self.reasoned = self._opened
             self._put(out, self._opened, buf)
+        elif self._state == "undecided":  # no </think> came: it was all answer
+            self._put(out, False, buf)
         elif self._state != "gap":
             self._put(out, self._state == "reasoning", buf)
         return out

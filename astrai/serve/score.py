@@ -11,14 +11,21 @@ reward model (``strategy=reward``'s export, or a transformers one-label
 {"prompt_tokens", "total_tokens"}}``.
 
 Rendering runs on the server's tokenizer pool and the forward on the scorer's own thread
-(one at a time, packed padding-free), never on the event loop. This module imports no
-torch until a reward model is loaded: ``python -m astrai.serve`` checks its options first.
+(one at a time, packed padding-free), never on the event loop. A request holds at most
+``max_client_batch_size`` pairs (TEI's name; more is a 400 naming the field, before any
+work). Its pairs are scored in chunks, one forward of at most the scorer's
+``max_batch_tokens`` each, submitted one at a time: between two chunks the request stops
+when its client has gone or ``request_timeout_s`` has passed (a 504), and the chunks of
+concurrent requests take turns on the scorer's thread, so an abandoned or a long job delays
+another by at most one chunk. This module imports no torch until a reward model is
+loaded: ``python -m astrai.serve`` checks its options first.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -59,10 +66,13 @@ class RewardScorer:
     def __init__(
         self, model: Any, tokenizer: Any, name: str, max_batch_tokens: int | None = None
     ) -> None:
+        from astrai.model.reward import DEFAULT_MAX_BATCH_TOKENS
+
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
-        self.max_batch_tokens = max_batch_tokens
+        # Tokens per forward (None: `score_sequences`' default): the size of one chunk.
+        self.max_batch_tokens = max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS
         self.max_tokens = int(model.config.max_position_embeddings)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="astrai-score")
 
@@ -103,12 +113,16 @@ class RewardScorer:
             out.append(ids)
         return out
 
+    def chunks(self, sequences: list[list[int]]) -> list[list[int]]:
+        """Indices of `sequences` in the order they are scored, one forward's worth each."""
+        from astrai.model.reward import pack_sequences
+
+        return pack_sequences([len(s) for s in sequences], self.max_batch_tokens)
+
     def score(self, sequences: list[list[int]]) -> list[float]:
-        """Rewards in packs of ``max_batch_tokens`` (None: ``score_sequences``' default)."""
+        """Rewards in packs of ``max_batch_tokens`` (a `chunks` entry is one pack)."""
         from astrai.model.reward import score_sequences
 
-        if self.max_batch_tokens is None:
-            return score_sequences(self.model, sequences)
         return score_sequences(self.model, sequences, self.max_batch_tokens)
 
     def close(self) -> None:
@@ -143,9 +157,18 @@ def _texts(value: Any, field: str, limit: int | None) -> list[str]:
     return items
 
 
-def pairs_of(body: ScoreRequest, max_chars: int | None) -> list[tuple[str, str]]:
+def pairs_of(body: ScoreRequest, max_chars: int | None, max_pairs: int) -> list[tuple[str, str]]:
     """``(prompt, completion)`` pairs of a request: one ``text_1`` goes with every
-    ``text_2``, otherwise the lists pair up one to one."""
+    ``text_2``, otherwise the lists pair up one to one; at most `max_pairs` of them."""
+    for field, value in (("text_1", body.text_1), ("text_2", body.text_2)):
+        if isinstance(value, list) and len(value) > max_pairs:
+            raise APIError(
+                400,
+                f"{field}: {len(value)} items, but one request may score at most {max_pairs} "
+                "pairs (the server's max_client_batch_size); split it into several requests",
+                param=field,
+                code="too_many_pairs",
+            )
     check_unicode(body)
     prompts = _texts(body.text_1, "text_1", max_chars)
     completions = _texts(body.text_2, "text_2", max_chars)
@@ -168,9 +191,11 @@ async def score_request(
     draining: bool,
     settings: ServeSettings,
     run_blocking: Callable[..., Awaitable[Any]],
+    disconnected: Callable[[], Awaitable[bool]],
 ) -> dict[str, Any]:
     """The response body of one ``/v1/score`` request against ``scorer`` (an `APIError` on a
-    bad one); ``run_blocking`` renders on the server's tokenizer pool."""
+    bad one); ``run_blocking`` renders on the server's tokenizer pool; ``disconnected``
+    tells whether the client has gone (asked between chunks)."""
     if scorer is None:
         raise APIError(
             400,
@@ -188,10 +213,25 @@ async def score_request(
     if draining:
         retry = {"retry-after": str(settings.retry_after_s)}
         raise APIError(503, "server is shutting down", kind="overloaded", headers=retry)
-    pairs = pairs_of(body, settings.max_prompt_chars)
+    timeout = settings.request_timeout_s
+    deadline = time.monotonic() + (math.inf if timeout is None else timeout)
+    pairs = pairs_of(body, settings.max_prompt_chars, settings.max_client_batch_size)
     sequences = await run_blocking(scorer.render, pairs)
+    scores = [0.0] * len(sequences)
     loop = asyncio.get_running_loop()
-    scores = await loop.run_in_executor(scorer.executor, scorer.score, sequences)
+    for done, chunk in enumerate(scorer.chunks(sequences)):
+        if await disconnected():
+            logger.info("score request: client gone, stopped after %d chunk(s)", done)
+            raise APIError(499, "client disconnected", code="client_closed_request")
+        if time.monotonic() >= deadline:
+            logger.warning("score request: timed out after %ss, %d chunk(s) done", timeout, done)
+            raise APIError(
+                504, f"request timed out after {timeout} s", kind="timeout", code="timeout"
+            )
+        part = [sequences[i] for i in chunk]
+        values = await loop.run_in_executor(scorer.executor, scorer.score, part)
+        for i, value in zip(chunk, values):
+            scores[i] = value
     tokens = sum(len(s) for s in sequences)
     return {
         "id": "score-" + secrets.token_hex(12),

@@ -6,7 +6,10 @@ OpenAI `response_format` (`json_object`, `json_schema`) constrains the answer's 
 the allowed tools with arguments valid under that tool's parameters schema. A forced tool
 call takes precedence over `response_format`. Constraints are compiled here, in the
 prepare step (a worker thread), so a bad schema is a 400 naming its field before anything
-is queued, and the engine finds the grammar compiled.
+is queued, and the engine finds the grammar compiled. A forced call chooses among at most
+`MAX_FORCED_TOOLS` tools (OpenAI's limit on `tools`): thousands of them make a grammar past
+what llguidance can compile (~1,900 small tools), and a larger one is refused in our words
+before it is built.
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ from astrai.serve.schemas import ResponseFormat
 from astrai.serve.settings import ServeSettings
 from astrai.serve.tool_parsers import resolve as resolve_tool_parser
 from astrai.tokenizer import AutoTokenizer
+
+# The most tools a forced `tool_choice` may choose among (OpenAI's documented maximum).
+MAX_FORCED_TOOLS = 128
 
 
 def response_format_constraint(
@@ -46,7 +52,16 @@ def tool_call_constraint(
     tools: Sequence[dict[str, Any]], settings: ServeSettings, tokenizer: AutoTokenizer
 ) -> StructuredOutput:
     """One call of one of `tools` (`{"name", "parameters"}`) in the server's tool-call
-    format; a 400 naming `tools` if a parameters schema does not compile."""
+    format; a 400 naming `tools` if there are more than `MAX_FORCED_TOOLS` or a parameters
+    schema does not compile."""
+    if len(tools) > MAX_FORCED_TOOLS:
+        raise APIError(
+            400,
+            f"tools: {len(tools)} tools, but a forced tool call (tool_choice required / any) "
+            f"chooses among at most {MAX_FORCED_TOOLS}: send fewer tools, or let the model "
+            "choose (tool_choice auto)",
+            param="tools",
+        )
     parser = resolve_tool_parser(settings.tool_parser_spec, tokenizer.chat_template)
     if parser is None:
         raise APIError(
@@ -69,4 +84,6 @@ def _compiled(make: Any, tokenizer: AutoTokenizer, field: str) -> StructuredOutp
         grammar_compiler(tokenizer).compile(spec)
     except ValueError as err:
         raise APIError(400, str(err), param=field) from err
+    except RecursionError:  # a schema nested past what its serializer can walk
+        raise APIError(400, f"{field}: the schema is nested too deeply", param=field) from None
     return spec

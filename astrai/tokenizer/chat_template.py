@@ -259,7 +259,7 @@ class ChatTemplate:
             line = _template_lineno(e)
             where = f" at line {line}" if line is not None else ""
             raise TemplateError(f"chat template failed to render{where}: {e}") from e
-        except (TypeError, KeyError, IndexError, AttributeError) as e:
+        except (TypeError, KeyError, IndexError, AttributeError, RecursionError) as e:
             line = _template_lineno(e)
             where = f" at line {line}" if line is not None else ""
             raise TemplateError(

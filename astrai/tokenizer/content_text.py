@@ -57,19 +57,31 @@ class ContentShield:
 
     def shield(self, value: Any) -> tuple[Any, bool]:
         """``value`` with every control-token text in its strings (and dict keys) shifted
-        out of reach, and whether anything changed (unchanged values are returned as is)."""
+        out of reach, and whether anything changed (unchanged values are returned as is).
+        A value nested too deeply to walk is a `TemplateError` (a ValueError), never a
+        RecursionError: the server answers it with a 400."""
         if self._pattern is None:
             return value, False
+        try:
+            return self._shield(value)
+        except RecursionError:
+            raise TemplateError(
+                "the conversation is nested too deeply to render (JSON values inside "
+                "messages, tools or template variables)"
+            ) from None
+
+    def _shield(self, value: Any) -> tuple[Any, bool]:
+        assert self._pattern is not None
         if isinstance(value, str):
             new = self._pattern.sub(lambda m: _shift(m.group(0)), value)
             return new, new != value
         if isinstance(value, Mapping):
-            items = [(self.shield(k), self.shield(v)) for k, v in value.items()]
+            items = [(self._shield(k), self._shield(v)) for k, v in value.items()]
             if not any(kc or vc for (_, kc), (_, vc) in items):
                 return value, False
             return {k: v for (k, _), (v, _) in items}, True
         if isinstance(value, (list, tuple)):
-            parts = [self.shield(v) for v in value]
+            parts = [self._shield(v) for v in value]
             if not any(c for _, c in parts):
                 return value, False
             return type(value)(v for v, _ in parts), True

@@ -119,6 +119,48 @@ def test_stream_matches_plain(oai, tokenizer):
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == plain.usage.total_tokens
 
 
+def _offsets_point_into_the_text(text: str, lp, special: set[str]) -> None:
+    """Every token starts at its `text_offset` in `text`; a special token the text leaves
+    out sits where it would be; no offset points past the text."""
+    assert len(lp.text_offset) == len(lp.tokens)
+    assert lp.text_offset == sorted(lp.text_offset)
+    assert all(0 <= off <= len(text) for off in lp.text_offset), (lp.text_offset, len(text))
+    for token, off in zip(lp.tokens, lp.text_offset):
+        if token in special and not text[off:].startswith(token):
+            continue
+        assert text[off:].startswith(token), (token, off, text)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_text_offset_never_points_past_the_text_with_special_tokens(oai, engine, tokenizer, stream):
+    """Special tokens the model writes are left out of the text, so they take no room in
+    `text_offset`; an echoed prompt keeps the special tokens it was written with."""
+    special = {tokenizer.id_to_token(i) for i in tokenizer.special_ids}
+    bos = tokenizer.token_to_id("<|begin_of_text|>")
+    engine.model.script = [*tokenizer.encode("Hello"), bos, bos, *tokenizer.encode(" world")]
+    prompt = "Say<|begin_of_text|> it"
+    try:  # the scripted model cannot force an echo's output (it scores the prompt): max 0
+        for echo in (False, True):
+            kwargs = dict(prompt=prompt, max_tokens=0 if echo else 10, logprobs=1, echo=echo)
+            if stream:
+                text, tokens, offsets = "", [], []
+                for c in _create(oai, stream=True, **kwargs):
+                    for ch in c.choices:
+                        text += ch.text
+                        if ch.logprobs is not None:
+                            tokens += ch.logprobs.tokens
+                            offsets += ch.logprobs.text_offset
+                lp = type("LP", (), {"tokens": tokens, "text_offset": offsets})
+            else:
+                choice = _create(oai, **kwargs).choices[0]
+                text, lp = choice.text, choice.logprobs
+            assert text == (prompt if echo else "Hello world")
+            assert lp.tokens.count("<|begin_of_text|>") == (1 if echo else 2)
+            _offsets_point_into_the_text(text, lp, special)
+    finally:
+        engine.model.script = None
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_stop(oai, script, stream):
     script("alpha beta gamma delta")

@@ -253,3 +253,122 @@ def test_prompts_are_tokenized_off_the_event_loop(base_url, monkeypatch, oai, an
     ant.messages.count_tokens(model="astrai", messages=[{"role": "user", "content": "hi"}])
     assert len(threads) >= 4
     assert all(t.startswith("astrai-tokenize") for t in threads), threads
+
+
+# --------------------------------------------------------------------------- JSON depth
+USER = [{"role": "user", "content": "hi"}]
+
+
+def _nest(levels: int) -> object:
+    value: object = 1
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
+def _depth(value: object) -> int:
+    """Levels of arrays and objects in `value` (a scalar: 0), counted independently."""
+    best, todo = 0, [(value, 1)]
+    while todo:
+        item, level = todo.pop()
+        if isinstance(item, dict | list):
+            best = max(best, level)
+            todo += [(v, level + 1) for v in (item.values() if isinstance(item, dict) else item)]
+    return best
+
+
+# (route, field, body with the nested value at the slot). Every route that takes a body.
+DEEP = [
+    (
+        CHAT,
+        "tools",
+        lambda v: {
+            "messages": USER,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"x": v}}}],
+        },
+    ),
+    (CHAT, "chat_template_kwargs", lambda v: {"messages": USER, "chat_template_kwargs": {"x": v}}),
+    (COMPL, "user_data", lambda v: {"prompt": "hi", "user_data": {"x": v}}),
+    (
+        MSG,
+        "messages",
+        lambda v: {
+            "messages": [
+                *USER,
+                {
+                    "role": "assistant",
+                    "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {"x": v}}],
+                },
+                {
+                    "role": "user",
+                    "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "ok"}],
+                },
+            ]
+        },
+    ),
+    (
+        MSG,
+        "tools",
+        lambda v: {"messages": USER, "tools": [{"name": "f", "input_schema": {"x": v}}]},
+    ),
+    (
+        "/v1/messages/count_tokens",
+        "tools",
+        lambda v: {"messages": USER, "tools": [{"name": "f", "input_schema": {"x": v}}]},
+    ),
+    ("/v1/score", "text_2", lambda v: {"text_1": "hi", "text_2": [v]}),
+]
+
+
+@pytest.mark.parametrize(("path", "field", "make"), DEEP, ids=[f"{p}-{f}" for p, f, _ in DEEP])
+def test_json_nested_past_the_limit_is_a_400_on_every_route(
+    base_url, tokenize_calls, path, field, make
+):
+    """Nesting of 600-990 levels was a RecursionError 500; now anything past
+    `MAX_JSON_DEPTH` is refused naming the field, before any work, and the limit itself
+    is served (or refused for another reason), never a 500."""
+    from astrai.serve.limits import MAX_JSON_DEPTH
+
+    around = _depth(make([[]])) - 2  # containers around the slot: [[]] adds two levels
+
+    def body(total: int) -> bytes:  # as text: the client's json.dumps recurses too
+        levels = total - around
+        text = json.dumps({"model": "astrai", "max_tokens": 2, **make("SLOT")})
+        return text.replace('"SLOT"', "[" * levels + "1" + "]" * levels).encode()
+
+    assert _depth(json.loads(body(MAX_JSON_DEPTH + 1))) == MAX_JSON_DEPTH + 1
+    for total in (MAX_JSON_DEPTH + 1, 600, 990):
+        r = httpx.post(base_url + path, content=body(total), timeout=60)
+        err = _assert_shape(path, r, 400)
+        assert err["message"].startswith(f"{field}: nested deeper than the limit of 100"), err
+        if not path.startswith(MSG):
+            assert err["param"] == field and err["code"] == "json_too_deep"
+    assert tokenize_calls == []
+    assert _depth(json.loads(body(MAX_JSON_DEPTH))) == MAX_JSON_DEPTH
+    r = httpx.post(base_url + path, content=body(MAX_JSON_DEPTH), timeout=60)
+    assert r.status_code in (200, 400), r.text[:300]
+    assert "nested deeper" not in r.text
+    assert httpx.get(base_url + "/health").status_code == 200
+
+
+def test_string_content_and_escapes_do_not_count_as_nesting(base_url):
+    """Brackets inside strings (escaped quotes too) are text, not nesting."""
+    text = '[[{{"\\"' * 40 + "]}"  # 160 brackets, and quotes a naive scan would end on
+    r = httpx.post(base_url + COMPL, json={"prompt": text, "max_tokens": 1}, timeout=60)
+    assert r.status_code == 200, r.text[:300]
+
+
+def test_string_checks_walk_any_depth_without_recursion():
+    """The surrogate and character checks walk a value iteratively: no RecursionError at
+    any depth (bodies are held to MAX_JSON_DEPTH; Python callers are not)."""
+    from astrai.serve.errors import APIError
+    from astrai.serve.limits import check_prompt_chars, check_unicode
+
+    deep: object = "a\ud800b"
+    for _ in range(5000):
+        deep = [deep]
+    with pytest.raises(APIError) as err:
+        check_unicode({"messages": deep})
+    assert err.value.param == "messages" + ".0" * 5000
+    with pytest.raises(APIError, match="messages: the prompt is too long: 3 characters"):
+        check_prompt_chars({"messages": deep}, ("messages",), 2)

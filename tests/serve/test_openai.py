@@ -38,9 +38,60 @@ def test_stream_sync_with_usage(oai, script, tokenizer):
     assert text == TEXT
     finish = [c for c in chunks if c.choices and c.choices[0].finish_reason]
     assert [c.choices[0].finish_reason for c in finish] == ["stop"]
-    assert finish[0].usage is not None  # the finish chunk carries usage
+    # Usage once, on the final chunk (empty choices); every other chunk's usage is null.
+    assert all(c.usage is None for c in chunks[:-1])
     last = chunks[-1]
     assert last.choices == [] and last.usage.completion_tokens == len(tokenizer.encode(TEXT)) + 1
+
+
+def _usage_fields(base_url: str, path: str, body: dict) -> list[tuple[bool, object]]:
+    """(has a `usage` key, its value) of every chunk of a raw SSE stream."""
+    import json
+
+    import httpx
+
+    out = []
+    with httpx.stream("POST", f"{base_url}{path}", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                out.append(("usage" in chunk, chunk.get("usage")))
+    return out
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_streamed_usage_is_sent_once_as_openai_documents(base_url, script, path):
+    """OpenAI: with `include_usage` every chunk has `usage`, null except the final one;
+    without it no chunk has the field. Chat and legacy completions alike."""
+    script(TEXT)
+    body = {"model": "astrai", "max_tokens": 64, "stream": True, "n": 2}
+    body |= {"messages": MSGS} if path.endswith("chat/completions") else {"prompt": "Hello"}
+    with_usage = _usage_fields(base_url, path, {**body, "stream_options": {"include_usage": True}})
+    assert len(with_usage) > 3 and all(has for has, _ in with_usage)
+    assert [u for _, u in with_usage[:-1]] == [None] * (len(with_usage) - 1)
+    final = with_usage[-1][1]
+    assert final["total_tokens"] == final["prompt_tokens"] + final["completion_tokens"] > 0
+    without = _usage_fields(base_url, path, body)
+    assert len(without) > 3 and not any(has for has, _ in without)
+
+
+def test_langchain_streamed_usage_equals_the_plain_usage(base_url, script, tokenizer):
+    """LangChain's `ChatOpenAI` adds up the usage of every chunk it streams: a usage sent
+    on the finish chunk too was counted twice (44/12 for 22/6)."""
+    from langchain_openai import ChatOpenAI
+
+    script(TEXT)
+    llm = ChatOpenAI(
+        base_url=f"{base_url}/v1", api_key="x", model="astrai", max_tokens=64, stream_usage=True
+    )
+    plain = llm.invoke("Say hello").usage_metadata
+    total = None
+    for chunk in llm.stream("Say hello"):
+        total = chunk if total is None else total + chunk
+    assert total.content == TEXT
+    assert plain["input_tokens"] > 0
+    assert plain["output_tokens"] == len(tokenizer.encode(TEXT)) + 1  # the text and the end
+    assert total.usage_metadata == plain
 
 
 def test_stream_helper_final_completion(oai, script):

@@ -27,7 +27,15 @@ CASES = [
     # (text, opened) -> (reasoning, content)
     ("<think>a < b</think>\n\nAnswer", False, "a < b", "Answer"),
     ("  <think>x</think>y", False, "x", "y"),
-    ("Answer <think>later</think>", False, "", "Answer <think>later</think>"),
+    # qwen3, no <think> first: split at </think> as Qwen3's model card does, else content
+    ("Answer <think>later</think>", False, "Answer <think>later", ""),
+    (
+        "Reasoning without the tag.</think>\n\nThe answer.",
+        False,
+        "Reasoning without the tag.",
+        "The answer.",
+    ),
+    ("No tag, no end: all answer </thin", False, "", "No tag, no end: all answer </thin"),
     ("<think>never closed </thi", False, "never closed </thi", ""),
     ("<thi", False, "", "<thi"),
     ("r1 style</think>ok", True, "r1 style", "ok"),

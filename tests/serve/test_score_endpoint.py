@@ -6,6 +6,7 @@ reward model the route says how to load one."""
 from __future__ import annotations
 
 import threading
+import time
 
 import httpx
 import pytest
@@ -151,6 +152,16 @@ def test_the_serve_command_loads_the_reward_model_or_names_the_key(reward_dir, m
         build_reward({"reward_model": str(model_dir), "device": "cpu"})  # a causal LM
 
 
+def test_max_client_batch_size_is_a_serve_option_checked_at_start_up():
+    from astrai.serve.__main__ import settings_of
+
+    assert settings_of({"model_path": "/m"}).max_client_batch_size == 1024
+    assert settings_of({"model_path": "/m", "max_client_batch_size": 8}).max_client_batch_size == 8
+    for bad in (0, -1, 2.5, "many"):
+        with pytest.raises(SystemExit, match="max_client_batch_size: must be a positive int"):
+            settings_of({"model_path": "/m", "max_client_batch_size": bad})
+
+
 @pytest.mark.slow  # a subprocess that imports torch and loads two models: ~20 s
 def test_serve_command_with_reward_model(model_dir, reward_dir):
     import os
@@ -164,6 +175,7 @@ def test_serve_command_with_reward_model(model_dir, reward_dir):
     port = free_port()
     command = [sys.executable, "-m", "astrai.serve", f"model_path={model_dir}", f"port={port}"]
     command += [f"reward_model={reward_dir}", "engine.kv_tokens=4096", "engine.max_batch_size=4"]
+    command += ["max_client_batch_size=3"]
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.Popen(
         command,
@@ -184,7 +196,135 @@ def test_serve_command_with_reward_model(model_dir, reward_dir):
         tok = AutoTokenizer.from_pretrained(reward_dir)
         expected = _hf(reward_dir, [render_for_reward(tok, PROMPT, a) for a in ANSWERS])
         assert [d["score"] for d in r.json()["data"]] == pytest.approx(expected, abs=1e-5)
+        body["text_2"] = [*ANSWERS, "4"]  # one pair over max_client_batch_size=3
+        r = httpx.post(url + "/v1/score", json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_pairs", r.text
     finally:
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out
+
+
+# --------------------------------------------------------------------------- chunks
+class _Gated:
+    """`scorer.score`, recording each call's request (by its prompt, "A" or "B") once per
+    pair it scores; request A's calls wait for the test to let each one through."""
+
+    def __init__(self, scorer: RewardScorer) -> None:
+        self.scorer, self.score = scorer, scorer.score
+        self.log: list[str] = []
+        self.a_started = threading.Semaphore(0)
+        self.a_go = threading.Semaphore(0)
+
+    def __call__(self, sequences):
+        tag = "A" if "ALPHA" in self.scorer.tokenizer.decode(sequences[0]) else "B"
+        self.log += [tag] * len(sequences)
+        if tag == "A":
+            self.a_started.release()
+            assert self.a_go.acquire(timeout=60), "the test never let chunk A through"
+        return self.score(sequences)
+
+
+@pytest.fixture
+def gated(reward_dir, engine):
+    """A server whose scorer takes one pair per chunk (max_batch_tokens=1), gated."""
+    scorer = RewardScorer.from_pretrained(reward_dir, name="rm", max_batch_tokens=1)
+    scorer.score = gate = _Gated(scorer)
+    app = create_app(engine, ServeSettings(max_client_batch_size=40), reward=scorer)
+    with ServerThread(app) as srv:
+        yield srv, gate
+    for _ in range(100):  # never leave the scorer's thread waiting
+        gate.a_go.release()
+
+
+def _raw_post(port: int, body: dict):
+    import json
+    import socket
+
+    data = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", port))
+    head = (
+        f"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n"
+    )
+    sock.sendall(head.encode() + data)
+    return sock
+
+
+A_JOB = {"text_1": "ALPHA", "text_2": [f"answer {i}" for i in range(40)]}
+B_JOB = {"text_1": "BETA", "text_2": ["4"]}
+
+
+def test_an_abandoned_job_stops_between_chunks(gated):
+    """The client of a 40-pair job (a chunk per pair) leaves while its first chunk runs: the
+    job stops at a chunk boundary (counted: at most one more of its pairs is scored once
+    the client has gone), and the next request is answered after at most that chunk."""
+    srv, gate = gated
+    sock = _raw_post(srv.port, A_JOB)
+    assert gate.a_started.acquire(timeout=60)  # chunk 1 of A is running
+    sock.close()  # the client gives up
+    time.sleep(0.3)  # the server reads the hang-up on its event loop, which is idle
+    for _ in range(40):
+        gate.a_go.release()  # nothing holds A back any more
+    r = httpx.post(srv.url + "/v1/score", json=B_JOB, timeout=60)
+    assert r.status_code == 200, r.text
+    assert gate.log.count("B") == 1
+    after = gate.log[1:]  # what ran once the client had gone, B included
+    assert after.count("A") <= 1, gate.log
+    assert gate.log.index("B") <= 2
+
+
+def test_a_long_job_lets_another_request_through_between_its_chunks(gated):
+    """Chunks of concurrent requests take turns on the scorer's thread: a one-pair request
+    sent while a 40-pair job runs is scored long before that job ends."""
+    srv, gate = gated
+    results: dict[str, httpx.Response] = {}
+
+    def send(name: str, body: dict) -> None:
+        results[name] = httpx.post(srv.url + "/v1/score", json=body, timeout=120)
+
+    a = threading.Thread(target=send, args=("A", A_JOB))
+    a.start()
+    assert gate.a_started.acquire(timeout=60)  # A's first chunk runs
+    b = threading.Thread(target=send, args=("B", B_JOB))
+    b.start()
+    time.sleep(0.3)  # B arrives and queues its chunk while A's first one is held
+    for _ in range(40):
+        gate.a_go.release()
+    a.join(120)
+    b.join(120)
+    assert results["A"].status_code == results["B"].status_code == 200
+    assert len(results["A"].json()["data"]) == 40
+    assert gate.log.count("A") == 40
+    assert gate.log.index("B") <= 2, gate.log  # B waited for at most one more chunk of A
+
+
+def test_more_pairs_than_max_client_batch_size_is_a_400(gated):
+    srv, gate = gated
+    too_many = {"text_1": "ALPHA", "text_2": ["x"] * 41}
+    r = httpx.post(srv.url + "/v1/score", json=too_many, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "text_2" and err["code"] == "too_many_pairs"
+    assert "max_client_batch_size" in err["message"] and "40" in err["message"]
+    assert gate.log == []  # refused before any scoring
+
+
+def test_request_timeout_stops_a_job_between_chunks(reward_dir, engine):
+    """Past `request_timeout_s` the job stops at the next chunk boundary with a 504."""
+    scorer = RewardScorer.from_pretrained(reward_dir, name="rm", max_batch_tokens=1)
+    chunks: list[int] = []
+    score = scorer.score
+
+    def slow(sequences):
+        chunks.append(len(sequences))
+        time.sleep(0.05)
+        return score(sequences)
+
+    scorer.score = slow
+    app = create_app(engine, ServeSettings(request_timeout_s=0.2), reward=scorer)
+    with ServerThread(app) as srv:
+        r = httpx.post(srv.url + "/v1/score", json=A_JOB, timeout=60)
+    assert r.status_code == 504, r.text
+    assert r.json()["error"]["code"] == "timeout"
+    assert 1 <= len(chunks) < 40

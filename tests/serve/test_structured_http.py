@@ -226,6 +226,47 @@ def test_bad_tool_schema_with_forced_call_is_a_400(oai, ant):
     assert "tools" in aerr.value.body["error"]["message"]
 
 
+def _tools(n: int) -> list[dict]:
+    return [
+        {"type": "function", "function": {"name": f"tool_{i}", "parameters": WEATHER}}
+        for i in range(n)
+    ]
+
+
+def test_forcing_a_call_among_thousands_of_tools_is_a_400_in_our_words(oai, ant):
+    """3,000 tools made a grammar llguidance panics on (its backtrace was the message);
+    a forced call chooses among at most 128 (OpenAI's limit on `tools`)."""
+    from astrai.serve.structured import MAX_FORCED_TOOLS
+
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.chat.completions.create(
+            model="astrai", messages=MSGS, max_tokens=5, tools=_tools(3000), tool_choice="required"
+        )
+    body = err.value.body
+    assert body["param"] == "tools" and "at most 128" in body["message"], body
+    assert "panic" not in body["message"] and "backtrace" not in body["message"]
+    ant_tools = [{"name": t["function"]["name"], "input_schema": WEATHER} for t in _tools(3000)]
+    with pytest.raises(anthropic.BadRequestError, match="at most 128"):
+        ant.messages.create(
+            model="astrai",
+            max_tokens=5,
+            messages=MSGS,
+            tools=ant_tools,
+            tool_choice={"type": "any"},
+        )
+    # 128 pass the cap and compile; their rendering is longer than the tiny model's
+    # context, so the engine's prompt check is what answers.
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.chat.completions.create(
+            model="astrai",
+            messages=MSGS,
+            max_tokens=5,
+            tools=_tools(MAX_FORCED_TOOLS),
+            tool_choice="required",
+        )
+    assert err.value.body["code"] == "context_length_exceeded", err.value.body
+
+
 def test_logprobs_of_a_constrained_answer_list_only_allowed_tokens(oai):
     """Forbidden tokens have probability 0: they are no top alternatives (no -inf, which
     JSON cannot carry), and the answer still validates."""

@@ -23,6 +23,7 @@ from tool_parser_cases import (
     MSGS,
     OAI_TOOLS,
     PARSERS,
+    REFERENCE_CASES,
     SCHEMAS,
     hostile,
     spell,
@@ -185,3 +186,28 @@ def test_hostile_output_is_content_never_an_error(clients, script):
         assert _oai_stream(oai, tools=OAI_TOOLS) == (text, [], "stop"), text
         assert _ant_plain(ant, tools=ANT_TOOLS) == (text, [], "end_turn"), text
         assert _ant_stream(ant, tools=ANT_TOOLS) == (text, [], "end_turn"), text
+
+
+@pytest.mark.parametrize(("parser", "tools", "out", "want"), REFERENCE_CASES)
+def test_reference_readings_over_http_plain_and_streamed(engine, script, parser, tools, out, want):
+    """The four outputs the family reference parsers read otherwise than astrai did
+    (#44.12), through both SDKs: the same reading, plain and streamed."""
+    content, calls = want
+    oai_tools = [{"type": "function", "function": t} for t in tools]
+    ant_tools = [{"name": t["name"], "input_schema": t["parameters"]} for t in tools]
+    script(out)
+    with (
+        ServerThread(create_app(engine, ServeSettings(tool_parser=parser))) as srv,
+        openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0, timeout=60) as oai,
+        anthropic.Anthropic(base_url=srv.url, api_key="x", max_retries=0, timeout=60) as ant,
+    ):
+        for run in (_oai_plain, _oai_stream):
+            text, got, finish = run(oai, tools=oai_tools, max_tokens=240)
+            assert (text, [(n, json.loads(a)) for n, a in got]) == want
+            assert finish == ("tool_calls" if calls else "stop")
+        for run in (_ant_plain, _ant_stream):
+            assert run(ant, tools=ant_tools) == (
+                content,
+                calls,
+                "tool_use" if calls else "end_turn",
+            )

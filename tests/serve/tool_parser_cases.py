@@ -35,6 +35,7 @@ OAI_TOOLS = [
     {"type": "function", "function": {"name": n, "description": n, "parameters": s}}
     for n, s in SCHEMAS.items()
 ]
+TOOL_DEFS = [{"name": n, "parameters": s} for n, s in SCHEMAS.items()]  # `function`s
 ANT_TOOLS = [{"name": n, "description": n, "input_schema": s} for n, s in SCHEMAS.items()]
 MSGS = [{"role": "user", "content": "Weather in Paris?"}]
 
@@ -100,3 +101,42 @@ def hostile(parser: str) -> list[str]:
     }.get(parser)
     cases = [unknown, broken, good[: len(good) * 2 // 3]]
     return cases + ([not_literal] if not_literal else [])
+
+
+# The family formats' own reading of four outputs where astrai read otherwise (#44.12),
+# transcribed from the reference parsers: Qwen3-Coder's (`qwen3coder_tool_parser.py`, in
+# Qwen's model repo and vLLM: `<tool_call>(.*?)</tool_call>|<tool_call>(.*?)$`, and an
+# undeclared parameter's value returned as its string) and vLLM's hermes (a call is
+# `json.loads(body)` with `["name"]` and `["arguments"]`; anything else is content).
+QWEN3_CODER_TOOLS = [{"name": "f", "parameters": {"properties": {"n": {"type": "integer"}}}}]
+REFERENCE_CASES = [
+    (  # a complete call the output ends without </tool_call> is a call
+        "qwen3_coder",
+        TOOL_DEFS,
+        "Let me check.\n<tool_call>\n<function=get_time>\n<parameter=tz>\nUTC\n</parameter>"
+        "\n</function>",
+        ("Let me check.", [("get_time", {"tz": "UTC"})]),
+    ),
+    (  # the second of two calls is unclosed
+        "qwen3_coder",
+        TOOL_DEFS,
+        "<tool_call>\n<function=get_time>\n<parameter=tz>\nUTC\n</parameter>\n</function>\n"
+        "</tool_call>\n<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n"
+        "</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n",
+        ("", [("get_time", {"tz": "UTC"}), ("get_weather", {"city": "Rome", "days": 2})]),
+    ),
+    (  # a parameter the tool does not declare stays a string (null is None)
+        "qwen3_coder",
+        QWEN3_CODER_TOOLS,
+        "<tool_call>\n<function=f>\n<parameter=n>\n42\n</parameter>\n<parameter=extra>\n42\n"
+        "</parameter>\n<parameter=flag>\ntrue\n</parameter>\n<parameter=none>\nnull\n"
+        "</parameter>\n</function>\n</tool_call>",
+        ("", [("f", {"n": 42, "extra": "42", "flag": "true", "none": None})]),
+    ),
+    (  # hermes: only `arguments` holds the arguments; `parameters` is no call
+        "hermes",
+        TOOL_DEFS,
+        '<tool_call>\n{"name": "get_time", "parameters": {"tz": "UTC"}}\n</tool_call>',
+        ('<tool_call>\n{"name": "get_time", "parameters": {"tz": "UTC"}}\n</tool_call>', []),
+    ),
+]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import secrets
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 from astrai.serve.parsing import Event, TextDelta, ToolCall, emit_text, held_suffix
@@ -59,6 +59,11 @@ class ToolParser(ABC):
     def parse(self, body: str) -> Parsed | None:
         """A span's body (between its start and end) -> calls, or None if it is no call."""
 
+    def parse_unclosed(self, body: str) -> Parsed | None:
+        """The body of a span the output ended inside (its `end` never came): its calls,
+        or None (the default: the span is text)."""
+        return None
+
     def parameters(self, name: str) -> Mapping[str, Any]:
         """The JSON schema of tool `name`'s parameters (`{}` if unknown)."""
         tool = (self.tools or {}).get(name) or {}
@@ -101,9 +106,9 @@ class ToolParser(ABC):
     def flush(self) -> list[Event]:
         """End of the output: an open span is parsed now if it needs no end, else text."""
         out: list[Event] = []
-        if self._start and self.end is None:
+        if self._start:
             body, self._buf = self._buf, ""
-            self._close(body, "", out)
+            self._close(body, "", out, self.parse if self.end is None else self.parse_unclosed)
         rest = ("" if self.keep_start else self._start) + self._buf
         self._buf, self._start = "", ""
         self._text(rest, out)
@@ -134,9 +139,15 @@ class ToolParser(ABC):
         self._start = start
         self._buf = self._buf[i:] if self.keep_start else self._buf[i + len(start) :]
 
-    def _close(self, body: str, end: str, out: list[Event]) -> None:
+    def _close(
+        self,
+        body: str,
+        end: str,
+        out: list[Event],
+        parse: Callable[[str], Parsed | None] | None = None,
+    ) -> None:
         start, self._start = self._start, ""
-        calls = self._calls(body)
+        calls = self._calls(body, parse or self.parse)
         if calls is None:
             self._text(("" if self.keep_start else start) + body + end, out)
             return
@@ -144,10 +155,10 @@ class ToolParser(ABC):
         self.calls += calls
         out += calls
 
-    def _calls(self, body: str) -> list[ToolCall] | None:
+    def _calls(self, body: str, parse: Callable[[str], Parsed | None]) -> list[ToolCall] | None:
         """The span's calls if all of them are valid (a known name, object arguments)."""
         try:
-            parsed = self.parse(body)
+            parsed = parse(body)
         except (ValueError, TypeError, RecursionError, MemoryError, SyntaxError):
             parsed = None
         if not parsed:

@@ -9,8 +9,12 @@
     </tool_call>
 
 A parameter's value is text; it is converted by the type its tool's schema declares
-(integer, number, boolean, object/array as JSON, null), strings stay as written. A body
-that is a JSON call (a forced `tool_choice` grammar writes that) is read as hermes.
+(integer, number, boolean, object/array as JSON, null), strings stay as written, and so
+does the value of a parameter the tool does not declare (``null`` is None), as the
+Qwen3-Coder reference parser reads them. A complete call (through ``</function>``) that
+the output ends without ``</tool_call>`` is a call too, as there; a call cut off before
+``</function>`` stays text. A body that is a JSON call (a forced `tool_choice` grammar
+writes that) is read as hermes.
 """
 
 from __future__ import annotations
@@ -45,9 +49,16 @@ class Qwen3CoderToolParser(ToolParser):
         props = self.parameters(name.strip()).get("properties") or {}
         args = {}
         for key, raw in _PARAM.findall(inner):
-            key = key.strip()
-            args[key] = _convert(_trim(raw), props.get(key) or {})
+            key, value = key.strip(), _trim(raw)
+            if key in props:
+                args[key] = _convert(value, props[key] or {})
+            else:  # undeclared: the text as written (the reference parser's reading)
+                args[key] = None if value.lower() == "null" else value
         return [(name.strip(), args)]
+
+    def parse_unclosed(self, body: str) -> Parsed | None:
+        """A complete call the output ended without ``</tool_call>`` is a call."""
+        return self.parse(body) if "</function>" in body else None
 
 
 def _trim(raw: str) -> str:
