@@ -14,6 +14,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import logging
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -22,6 +23,9 @@ from typing import Any
 
 from astrai.data.inputs import BUILTIN_PREFIX, is_record_source
 from astrai.data.prepare import PrepareResult, output_path, prepare
+from astrai.data.shards import DamagedOutputError
+
+log = logging.getLogger(__name__)
 
 
 def digest(obj: Any, n: int = 12) -> str:
@@ -60,9 +64,15 @@ class PreparedSource:
 
     def run(self, tokenizer: Any) -> PrepareResult:
         """Prepare under the folder's lock; a finished folder is reused (``prepare`` checks
-        its signature), so the ranks and runs that come second do no work."""
+        its signature), so the ranks and runs that come second do no work. A damaged one
+        (cut short, unreadable) is prepared again: the cache is ours to rewrite."""
         with file_lock(self.folder.with_suffix(".lock")):
-            return prepare(self.kind, self.source, self.folder, tokenizer, **self.options)
+            try:
+                return prepare(self.kind, self.source, self.folder, tokenizer, **self.options)
+            except DamagedOutputError as err:
+                log.warning("prepared-data cache: %s; preparing it again", err)
+                options = {**self.options, "overwrite": True}
+                return prepare(self.kind, self.source, self.folder, tokenizer, **options)
 
 
 def prepared_source(

@@ -9,6 +9,9 @@ checkpoint and compares it on resume (:func:`data_changes`).
 The digest covers content, not metadata: for HDF5 every dataset's name, dtype, shape and values
 but not the attributes, which record where and from what the data was prepared (the same tokens
 prepared on another machine are the same data); for any other file (JSON, JSONL) its bytes.
+The HDF5 digest is the checksum ``prepare`` stores in each shard
+(:func:`astrai.data.storage.h5.checked_digest`), so computing it also verifies the shard: one
+whose bytes changed on disk since it was prepared is named as damaged before training starts.
 Hashing reads a file once: the result is kept for the process and, with a ``cache_dir``, on
 disk, keyed by the file's path, size, mtime, ctime (which no user-level tool can set back) and
 inode, so a run hashes each file at most once and later runs not at all until it changes.
@@ -25,10 +28,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import h5py
-import numpy as np
-
 from astrai.data.storage import H5_SUFFIXES
+from astrai.data.storage.h5 import checked_digest
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,6 @@ __all__ = [
 ]
 
 _VERSION = 1  # of the digest: a new one never matches an old one
-_CHUNK = 1 << 22  # elements per read while hashing an HDF5 dataset
 _MEMO: dict[tuple[str, int, int, int, int], str] = {}
 
 
@@ -51,31 +51,6 @@ class DataChangedError(ValueError):
 
 def _hasher() -> Any:
     return hashlib.blake2b(digest_size=16)
-
-
-def _h5_digest(path: str) -> str:
-    h = _hasher()
-    h.update(f"astrai-h5-v{_VERSION}".encode())
-    with h5py.File(path, "r") as f:
-        names: list[str] = []
-        f.visititems(
-            lambda name, obj: names.append(name) if isinstance(obj, h5py.Dataset) else None
-        )
-        for name in sorted(names):
-            ds = f[name]
-            h.update(f"\0{name}|{ds.dtype.str}|{ds.shape}\0".encode())
-            if ds.ndim == 0:
-                h.update(repr(ds[()]).encode())
-                continue
-            for start in range(0, ds.shape[0], _CHUNK):
-                block = ds[start : start + _CHUNK]
-                if block.dtype.kind == "O":  # variable-length strings (records)
-                    for item in block.ravel():
-                        h.update(item if isinstance(item, bytes) else str(item).encode())
-                        h.update(b"\0")
-                else:
-                    h.update(np.ascontiguousarray(block).tobytes())
-    return h.hexdigest()
 
 
 def _bytes_digest(path: str) -> str:
@@ -111,7 +86,7 @@ def file_digest(path: str | os.PathLike, cache_dir: str | os.PathLike | None = N
         except (OSError, ValueError):
             pass
     started = time.perf_counter()
-    digest = _h5_digest(real) if Path(real).suffix in H5_SUFFIXES else _bytes_digest(real)
+    digest = checked_digest(real) if Path(real).suffix in H5_SUFFIXES else _bytes_digest(real)
     log.info(
         "data fingerprint of %s (%.1f MB) computed in %.2f s",
         real,

@@ -28,7 +28,10 @@ Output is ``<output>/<name>.h5``, or with ``shard_size`` (input records per shar
 ``<output>/<name>/`` of shards. Everything is written under a ``.tmp`` name and renamed on
 success, so readers never see partial output. A rerun of the same command after an interruption
 reuses the finished shards and restarts the rest; a finished output is left alone unless the
-options differ, which is an error without ``overwrite=true``.
+options differ, which is an error without ``overwrite=true``. An output that is cut short or
+unreadable is named as damaged, shard by shard (``overwrite=true`` prepares it again; a
+training run's prepared-data cache does that by itself). Every shard stores a checksum of its
+data (``content_digest``), which a training run verifies when it opens the shard.
 
 The work is split by job: :mod:`astrai.data.encode` (options, record -> document),
 :mod:`astrai.data.inputs` (files, ``builtin:`` records, tokenizer) and

@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from astrai.data.encode import TOKEN_KEYS, PrepareOptions, Skip, encode_record, pretrain_text
 from astrai.data.storage import FORMAT_VERSION, DataError, H5Storage, H5Writer, token_dtype
+from astrai.data.storage.h5 import DamagedDataError
 
 log = logging.getLogger(__name__)
 
@@ -57,14 +58,38 @@ def output_state(
         stale.unlink()
     if not final.exists():
         return "new"
-    if finished_signature(final) == signature and not overwrite:
-        return "finished"
-    if not overwrite:
-        raise DataError(
-            f"{final} exists and was prepared from other input or options; pass "
-            f"overwrite=true to replace it, or choose another output or name"
+    if overwrite:
+        return "replace"
+    damaged = damaged_shards(final)
+    if damaged:
+        raise DamagedOutputError(
+            f"{final} is damaged: "
+            + "; ".join(f"{p}: {why}" for p, why in damaged)
+            + "; pass overwrite=true to prepare it again"
         )
-    return "replace"
+    if finished_signature(final) == signature:
+        return "finished"
+    raise DataError(
+        f"{final} exists and was prepared from other input or options; pass "
+        f"overwrite=true to replace it, or choose another output or name"
+    )
+
+
+class DamagedOutputError(DamagedDataError):
+    """``prepare``'s output is there but cut short or unreadable (not another run's output)."""
+
+
+def damaged_shards(final: Path) -> list[tuple[Path, str]]:
+    """The files of an output HDF5 cannot open or whose layout is broken, with the reason
+    (metadata only: a checksum mismatch is found when training opens the data)."""
+    paths = sorted(final.glob("*.h5")) if final.is_dir() else [final]
+    found = []
+    for path in paths:
+        try:
+            H5Storage(path).close()
+        except (DataError, OSError) as exc:
+            found.append((path, str(exc).removeprefix(f"{path}: ")))
+    return found
 
 
 def _dtypes(kind: str, vocab_size: int, window_size: int | None, pack: bool) -> dict[str, Any]:
@@ -124,7 +149,7 @@ def _shard_stats(path: Path) -> dict[str, Any] | None:
         with H5Storage(path) as storage:
             attrs = storage.attrs
     except (DataError, OSError) as exc:
-        log.warning("ignoring unreadable shard %s: %s", path, exc)
+        log.warning("unreadable shard %s: %s", path, exc)
         return None
     return {"signature": attrs.get("signature"), "stats": attrs.get("stats") or {}}
 
@@ -277,7 +302,10 @@ def _clean_partial_dir(tmp_dir: Path, signature: str) -> None:
             p.unlink()
         elif p.suffix == ".h5":
             info = _shard_stats(p)
-            if info is None or info.get("signature") != signature:
+            if info is None:
+                log.warning("removing %s: damaged (see above); it is written again", p)
+                p.unlink()
+            elif info.get("signature") != signature:
                 log.warning("removing %s: left by an interrupted run with other options", p)
                 p.unlink()
 

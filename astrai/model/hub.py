@@ -21,6 +21,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from astrai.files import naming_full_disk, publish
 from astrai.model import hf_deepseek, hf_moe
 from astrai.model.config import ConfigError, ModelConfig
 from astrai.model.directory import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME
@@ -323,16 +324,23 @@ def _parse_size(size: int | str) -> int:
 
 def _atomic_write_text(file: Path, text: str) -> None:
     tmp = file.with_name(f".{file.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, file)
+    try:
+        with naming_full_disk(file, f"the previous {file.name} is intact"):
+            tmp.write_text(text)
+        publish(tmp, file)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def write_weights(
     state: dict[str, torch.Tensor], path: Path, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE
 ) -> list[str]:
     """Write ``state`` as safetensors files in ``path`` (sharded above ``max_shard_size``, with
-    an index), each under a temporary name renamed into place; weight files of an earlier
-    save are removed only after the new ones are complete. Returns the file names."""
+    an index). Every shard is written under a temporary name first and all are renamed into
+    place only once the last is complete, so a full disk (`astrai.files.DiskFullError`,
+    naming the file) or a kill leaves an earlier save's weights whole; weight files of an
+    earlier save are removed only after the new ones are in place. The files get the umask's
+    mode (safetensors writes 0600). Returns the file names."""
     limit = _parse_size(max_shard_size)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -348,10 +356,21 @@ def write_weights(
         if len(shards) == 1
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
-    for name, shard in zip(names, shards):
-        tmp = path / f".{name}.tmp"
-        save_file(shard, str(tmp), metadata={"format": "pt"})
-        os.replace(tmp, path / name)
+    kept = (
+        f"the weights already in {path} are intact"
+        if any(path.glob("model*.safetensors"))
+        else "no weights were written"
+    )
+    temps = [path / f".{name}.tmp" for name in names]
+    try:
+        for name, shard, tmp in zip(names, shards, temps):
+            with naming_full_disk(path / name, kept):
+                save_file(shard, str(tmp), metadata={"format": "pt"})
+        for name, tmp in zip(names, temps):
+            publish(tmp, path / name)
+    finally:
+        for tmp in temps:
+            tmp.unlink(missing_ok=True)
     if len(shards) > 1:
         index = {
             "metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
@@ -377,9 +396,11 @@ def save_pretrained(
 ) -> Path:
     """Write `config.json`, safetensors weights (sharded above `max_shard_size`) and tokenizer.
 
-    Each file is written under a temporary name and renamed into place, and weight files
+    Each file is written under a temporary name and renamed into place with the mode a
+    plain `open()` gives (other users can read what the umask lets them), and weight files
     of an earlier save are removed only after the new ones are complete, so an interrupted
-    save never leaves a directory whose weights and config disagree.
+    save or a full disk (`astrai.files.DiskFullError`, naming the file) never leaves a
+    directory whose weights and config disagree.
     """
     if any("lora_" in name for name, _ in model.named_parameters()):
         raise ValueError(

@@ -22,6 +22,8 @@ from typing import Any
 
 from tokenizers import AddedToken, Tokenizer
 
+from astrai.files import naming_full_disk, publish
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -296,14 +298,19 @@ def write_tokenizer_dir(root: Path, files: TokenizerFiles) -> list[Path]:
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
-    """Write via a temp file in the same folder + ``os.replace``: never leave a torn file."""
+    """Write via a temp file in the same folder + rename: never leave a torn file. The file
+    gets the mode a plain `open()` would (mkstemp's is 0600: other users could not read an
+    exported tokenizer); a full disk is a `DiskFullError` naming the file."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with (
+            naming_full_disk(path, f"the previous {path.name} is intact"),
+            os.fdopen(fd, "w", encoding="utf-8") as f,
+        ):
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        publish(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)

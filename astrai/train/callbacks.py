@@ -9,6 +9,7 @@ Checkpointing, learning-rate monitoring and progress bars are Lightning's own ca
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib
 import json
 import logging
@@ -32,11 +33,19 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.fsdp import FullStateDictConfig, StateDictType
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-from astrai.model import Transformer, inject_lora, merge_lora, save_pretrained
+from astrai.files import naming_full_disk, publish
+from astrai.model import Transformer, inject_lora, merge_lora, save_lora, save_pretrained
+from astrai.model.reward import RewardModel
+from astrai.train.module import LMModule
 from astrai.train.sharding import full_state_dict, is_fully_sharded
 from astrai.train.wandb_run import STATE_FILE
 
 log = logging.getLogger(__name__)
+
+#: where an export of a LoRA run keeps the unmerged adapter (PEFT layout), inside the export
+ADAPTER_DIR = "adapter"
+#: the step and epoch an export was written at
+STATE_NAME = "training_state.json"
 
 __all__ = [  # and EvalCallback, imported on first use
     "ExportCallback",
@@ -78,11 +87,21 @@ def refresh_link(link: str | os.PathLike, target: str | os.PathLike) -> None:
 
 class ExportCallback(Callback):
     """Write the trained model as a `save_pretrained` directory (the inference engine and the
-    server load it), with the tokenizer; LoRA adapters are merged first.
+    server load it), with the tokenizer; LoRA adapters are merged first, and also written
+    unmerged, PEFT's layout, to `<export>/adapter` (what the server's `lora_modules` and
+    PEFT's `PeftModel.from_pretrained` load on the base the run started from).
 
-    At the end of training the export goes to `dirpath` and every path in `latest_links`
-    (e.g. `outputs/latest`) is re-pointed at the run folder, so `<link>/export` is always
-    the newest export. `every_n_train_steps` adds intermediate exports `dirpath/step<N>`.
+    At the end of training the export goes to `dirpath`, every path in `latest_links` (e.g.
+    `outputs/<name>/latest`) is re-pointed at the run folder, so `<link>/export` is always
+    the newest export, and so is every path in `generative_links` (`outputs/latest`, what
+    `make serve` serves) when the export is a generative model: a reward model's export
+    (`strategy=reward`, which the engine cannot serve) leaves them where they are.
+    `every_n_train_steps` adds intermediate exports `dirpath/step<N>`.
+
+    Files get the mode a plain `open()` gives (the umask's). A full disk stops the run with
+    one line naming the file (`astrai.files.DiskFullError`); every file of an earlier export
+    in the same place stays whole (each is written under a temporary name and renamed,
+    the weights, nearly all the bytes, first).
     """
 
     def __init__(
@@ -92,9 +111,11 @@ class ExportCallback(Callback):
         every_n_train_steps: int | None = None,
         enabled: bool = True,
         hf_format: bool = False,
+        generative_links: Sequence[str | os.PathLike] = (),
     ) -> None:
         self.dirpath = Path(dirpath)
         self.latest_links = [Path(p) for p in latest_links]
+        self.generative_links = [Path(p) for p in generative_links]
         self.every_n_train_steps = every_n_train_steps
         self.enabled = enabled
         self.hf_format = hf_format
@@ -104,17 +125,34 @@ class ExportCallback(Callback):
         if trainer.is_global_zero and model is not None:
             start = time.perf_counter()  # a 1B export takes a while: say where it goes first
             log.info("exporting the model to %s (step %d)", path, trainer.global_step)
-            if model is True:
-                pl_module.save_pretrained(path, hf_format=self.hf_format)
-            else:
-                save_pretrained(
-                    model, path, tokenizer=pl_module.tokenizer, hf_format=self.hf_format
-                )
-            (path / "training_state.json").write_text(
-                json.dumps({"global_step": trainer.global_step, "epoch": trainer.current_epoch})
-            )
+            kept = f"files of an earlier export in {path} are whole"
+            with naming_full_disk(path, kept):
+                self._write(trainer, pl_module, model, path)
             log.info("exported in %.1f s", time.perf_counter() - start)
         trainer.strategy.barrier("astrai-export")
+
+    def _write(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, model: Any, path: Path
+    ) -> None:
+        lora = pl_module.lora_config if isinstance(pl_module, LMModule) else None
+        if model is True:
+            pl_module.save_pretrained(path, hf_format=self.hf_format)
+            policy = pl_module.model
+        else:
+            save_pretrained(
+                merge_lora(copy.deepcopy(model)) if lora is not None else model,
+                path,
+                tokenizer=pl_module.tokenizer,
+                hf_format=self.hf_format,
+            )
+            policy = model
+        if lora is not None and _generative(pl_module):
+            adapter = save_lora(policy, path / ADAPTER_DIR)
+            log.info("LoRA adapter (PEFT layout) written to %s", adapter)
+        state = {"global_step": trainer.global_step, "epoch": trainer.current_epoch}
+        tmp = path / f".{STATE_NAME}.tmp"
+        tmp.write_text(json.dumps(state))
+        publish(tmp, path / STATE_NAME)
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any
@@ -127,14 +165,30 @@ class ExportCallback(Callback):
         if not self.enabled:
             return
         self.export(trainer, pl_module, self.dirpath)
-        if trainer.is_global_zero:
-            for link in self.latest_links:
-                refresh_link(link, self.dirpath.parent)
+        if not trainer.is_global_zero:
+            return
+        links = list(self.latest_links)
+        if _generative(pl_module):
+            links += self.generative_links
+        elif self.generative_links:
+            log.info(
+                "%s is not a generative model (the engine cannot serve it): %s left as it is",
+                self.dirpath,
+                ", ".join(map(str, self.generative_links)),
+            )
+        for link in links:
+            refresh_link(link, self.dirpath.parent)
+
+
+def _generative(pl_module: L.LightningModule) -> bool:
+    """Whether the module's export is a model the engine generates with (not a reward model)."""
+    return not isinstance(pl_module, LMModule) or not isinstance(pl_module.model, RewardModel)
 
 
 def _full_model(trainer: L.Trainer, pl_module: L.LightningModule) -> Any:
     """True to save `pl_module` as is; under FSDP (Lightning's `FSDPStrategy`, or torch's
-    `fully_shard` through `FullyShardStrategy`) a full CPU copy gathered to rank 0."""
+    `fully_shard` through `FullyShardStrategy`) a full CPU copy gathered to rank 0, its LoRA
+    adapters (if any) unmerged."""
     if isinstance(trainer.strategy, FSDPStrategy):
         cfg = FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
         with FSDP.state_dict_type(trainer.strategy.model, StateDictType.FULL_STATE_DICT, cfg):
@@ -150,11 +204,9 @@ def _full_model(trainer: L.Trainer, pl_module: L.LightningModule) -> Any:
     prefix = "_forward_module.model."
     state = {k.split(prefix, 1)[-1].removeprefix("model."): v for k, v in state.items()}
     model = Transformer(pl_module.model.config)
-    if getattr(pl_module, "lora_config", None) is not None:
+    if isinstance(pl_module, LMModule) and pl_module.lora_config is not None:
         inject_lora(model, pl_module.lora_config)
     model.load_state_dict(state, strict=False)
-    if getattr(pl_module, "lora_config", None) is not None:
-        merge_lora(model)
     return model.to(torch.float32)
 
 

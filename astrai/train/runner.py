@@ -8,8 +8,9 @@
    (`AstraiDataModule.connect`); Lightning's `prepare_data` hook then tokenizes every dataset
    spec with a `prepare:` block once into `${paths.data_dir}/prepared/<hash>`.
 4. Instantiate strategy (LightningModule), callbacks, loggers and Trainer from
-   their `_target_`s, resolve `ckpt_path` (`last` = this run's or the newest of this
-   experiment, an error when there is none; `auto` = the same, or a fresh start), and
+   their `_target_`s, resolve `ckpt_path` (`last` = this run's or the newest run's of this
+   experiment, verified whole; an error when there is none or all of that run's are broken;
+   `auto` = the same, or a fresh start; temporary files of killed writes go), and
    `trainer.fit`; a fit without a single training batch is an error. W&B's mode, logger and
    resumed run are `astrai.train.wandb_run`'s. The export callback
    writes the `save_pretrained` directory. A run stopped by SIGTERM or SIGINT
@@ -37,7 +38,7 @@ from omegaconf.errors import MissingMandatoryValue
 from astrai.data.builtin import is_builtin
 from astrai.tokenizer import AutoTokenizer
 from astrai.train import wandb_run
-from astrai.train.checkpoint import is_complete, newest_complete
+from astrai.train.checkpoint import checkpoint_problem, newest_complete, remove_stale_temps
 from astrai.train.tokenizer_setup import prepare_tokenizer
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,10 @@ class ConfigPathError(FileNotFoundError):
 
 class IncompleteCheckpointError(ValueError):
     """`ckpt_path` names a file that is cut short or not a checkpoint at all."""
+
+
+class BrokenCheckpointsError(IncompleteCheckpointError):
+    """`ckpt_path=last`/`auto`: every checkpoint of the run to resume is cut short or damaged."""
 
 
 class CheckpointExistsError(ValueError):
@@ -104,10 +109,11 @@ def compose(overrides: list[str] | None = None) -> DictConfig:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from astrai.cli_keys import normalise_experiment
+    from astrai.cli_keys import named_groups_win, normalise_experiment
 
     register_resolvers()
     overrides = normalise_experiment(overrides or [])
+    named_groups_win(overrides)  # a group named here wins over the presets, as on the CLI
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return hydra_compose("train", overrides=overrides, return_hydra_config=True)
 
@@ -223,12 +229,15 @@ def _instantiate_dict(cfg: Any, what: str) -> list[Any]:
 def resolve_ckpt_path(ckpt_path: Any, output_dir: Path, log_dir: Path, name: str) -> Path | None:
     """The checkpoint to resume from, or None for a fresh start.
 
-    `last`: this run folder's newest checkpoint (`last.ckpt`, or `interrupted.ckpt` when a
-    signal stopped the run after it), else the newest checkpoint of experiment `name` under
-    `log_dir`; incomplete files (cut short while written) are skipped with a warning naming
-    them. With none, None: `train` refuses that for `last` (`NothingToResumeError`) and
+    `last`: this run folder's newest whole checkpoint (`last.ckpt`, or `interrupted.ckpt`
+    when a signal stopped the run after it); when this folder holds none, the newest whole
+    checkpoint of the newest run of experiment `name` under `log_dir`. Each checkpoint is
+    verified before it is chosen (`astrai.train.checkpoint`); broken ones are skipped with a
+    warning naming them, and when every checkpoint of that run is broken the resume stops
+    (`BrokenCheckpointsError`, naming them) rather than take another run's. With no
+    checkpoint at all, None: `train` refuses that for `last` (`NothingToResumeError`) and
     starts fresh for `auto`. Any other value is a checkpoint path, which must exist and be
-    complete.
+    whole.
     """
     if ckpt_path in (None, "", False):
         return None
@@ -236,18 +245,37 @@ def resolve_ckpt_path(ckpt_path: Any, output_dir: Path, log_dir: Path, name: str
         path = Path(str(ckpt_path))
         if not path.exists():
             raise ConfigPathError(f"ckpt_path: {path} does not exist")
-        if not is_complete(path):
+        problem = checkpoint_problem(path)
+        if problem is not None:
             raise IncompleteCheckpointError(
-                f"ckpt_path: {path} is not a complete checkpoint (cut short while it was "
-                "written?); pass an earlier one, or ckpt_path=last for the newest whole one"
+                f"ckpt_path: {path} is {problem}; pass an earlier one, or ckpt_path=last "
+                "for the newest whole one"
             )
         return path
     # newest by modification time: periodic checkpoints are never newer than last.ckpt (written
     # with them), an interruption's checkpoint is newer than both until the run goes on
-    found = newest_complete(list((output_dir / "checkpoints").glob("*.ckpt")))
-    if found is None:
-        found = newest_complete(list((log_dir / name).glob("**/checkpoints/*.ckpt")))
-    return found
+    own = list((output_dir / "checkpoints").glob("*.ckpt"))
+    if own:
+        return _newest_whole(own, output_dir, ckpt_path)
+    runs: dict[Path, list[Path]] = {}
+    for path in (log_dir / name).glob("**/checkpoints/*.ckpt"):
+        runs.setdefault(path.parent.parent, []).append(path)
+    if not runs:
+        return None
+    newest = max(runs, key=lambda run: max(p.stat().st_mtime for p in runs[run]))
+    return _newest_whole(runs[newest], newest, ckpt_path)
+
+
+def _newest_whole(candidates: list[Path], run_dir: Path, ckpt_path: Any) -> Path:
+    found = newest_complete(candidates)
+    if found is not None:
+        return found
+    broken = ", ".join(f"{p.name} ({checkpoint_problem(p)})" for p in sorted(candidates))
+    raise BrokenCheckpointsError(
+        f"ckpt_path={ckpt_path}: every checkpoint of run {run_dir} is broken: {broken}; "
+        "nothing was resumed (another run's checkpoint would train under this run's config). "
+        "Pass ckpt_path=<a checkpoint you choose>, or start fresh in a new run folder"
+    )
 
 
 def unasked_resume(ckpt_path: Any, run_dir: Path) -> str | None:
@@ -335,6 +363,8 @@ def train(cfg: DictConfig) -> float | None:
     if unasked:
         raise CheckpointExistsError(unasked)
     ckpt = resolve_ckpt_path(cfg.get("ckpt_path"), output_dir, log_dir, str(cfg.name))
+    for folder in {output_dir / "checkpoints", *([ckpt.parent] if ckpt is not None else [])}:
+        remove_stale_temps(folder)  # of writes killed in this run's folder or the resumed one
     if ckpt is None and str(cfg.get("ckpt_path")) == "last":
         raise NothingToResumeError(nothing_to_resume(output_dir, log_dir, str(cfg.name)))
     if ckpt is not None:
@@ -358,7 +388,7 @@ def train(cfg: DictConfig) -> float | None:
     if in_sweep(cfg):  # outputs/latest is a single run's; the sweep's end lists the exports
         for cb in callbacks:
             if isinstance(cb, ExportCallback):
-                cb.latest_links = []
+                cb.latest_links, cb.generative_links = [], []
     log.info("output folder: %s", output_dir)
     failed = True
     try:
@@ -374,10 +404,15 @@ def train(cfg: DictConfig) -> float | None:
         wandb_run.finish(loggers, failed=failed)
 
     if trainer.num_training_batches == 0:
+        window = OmegaConf.select(cfg, "data.train.prepare.window_size", default=None)
+        packed = OmegaConf.select(cfg, "data.train.prepare.pack", default=False)
         raise NoTrainingBatchesError(
             f"data.train: no training batches (fewer samples than data.batch_size="
-            f"{cfg.data.batch_size} per device, with data.drop_last); lower data.batch_size "
-            "or give more data (nothing was trained or exported)"
+            f"{cfg.data.batch_size} per device, with data.drop_last"
+            + (f"; records are packed into {window}-token windows" if packed else "")
+            + "); lower data.batch_size or give more data"
+            + (", or a smaller data.train.prepare.window_size" if packed else "")
+            + " (nothing was trained or exported)"
         )
     metric = cfg.get("optimized_metric")
     value = trainer.callback_metrics.get(metric) if metric else None

@@ -37,12 +37,11 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
+from astrai.train.checkpoint import LIGHTNING_META
+
 log = logging.getLogger(__name__)
 
 __all__ = ["FullyShardStrategy", "full_state_dict", "is_fully_sharded"]
-
-#: what Lightning's sharded checkpoint keeps besides the tensors (loops, schedules, data)
-LIGHTNING_META = "meta.pt"
 
 
 def _resolve_class(spec: type | str) -> type:

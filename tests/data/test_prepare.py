@@ -13,6 +13,7 @@ from data_helpers import write_lines
 
 import astrai.data.prepare as prep
 from astrai.data.prepare import prepare
+from astrai.data.shards import DamagedOutputError
 from astrai.data.storage import DataError, H5Storage
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -269,3 +270,48 @@ def test_cli_runs_with_hydra(tmp_path: Path, tok_dir: Path) -> None:
     cmd[5] = f"input={tmp_path / 'missing.jsonl'}"
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 1 and "input not found" in proc.stdout + proc.stderr
+
+
+def test_a_cut_short_output_is_named_as_damaged(tmp_path: Path, tok) -> None:
+    """Before: a truncated output was reported as "prepared from other input or options"."""
+    path = write_lines(tmp_path / "c.jsonl", [{"messages": CHAT}] * 3)
+    prepare("sft", path, tmp_path / "out", tok, progress=False)
+    out = tmp_path / "out" / "c.h5"
+    out.write_bytes(out.read_bytes()[: out.stat().st_size // 2])
+    with pytest.raises(DamagedOutputError) as err:
+        prepare("sft", path, tmp_path / "out", tok, progress=False)
+    message = str(err.value)
+    assert message.startswith(f"{out} is damaged: {out}: damaged: cannot open as HDF5")
+    assert message.endswith("pass overwrite=true to prepare it again")
+    assert "other input or options" not in message
+    again = prepare("sft", path, tmp_path / "out", tok, progress=False, overwrite=True)
+    assert again.documents == 3 == len(H5Storage(out))
+
+
+def test_a_damaged_shard_is_named_among_whole_ones(tmp_path: Path, tok) -> None:
+    kwargs = {"progress": False, "shard_size": 10, "builtin": {"n": 30}}
+    prepare("sft", "builtin:arithmetic/sft", tmp_path, tok, **kwargs)
+    final = tmp_path / "arithmetic-sft"
+    shard = final / "arithmetic-sft-00001.h5"
+    shard.write_bytes(shard.read_bytes()[:2000])
+    with pytest.raises(DamagedOutputError, match=rf"{final} is damaged: {shard}: damaged") as err:
+        prepare("sft", "builtin:arithmetic/sft", tmp_path, tok, **kwargs)
+    assert "00000" not in str(err.value) and "00002" not in str(err.value)
+
+
+def test_every_shard_stores_the_checksum_of_its_data(tmp_path: Path, tok) -> None:
+    """What `prepare` stores is the content digest the training run's fingerprint computes
+    (and checks it against)."""
+    import h5py
+
+    from astrai.data.fingerprint import file_digest
+    from astrai.data.storage.h5 import CHECKSUM_ATTR
+
+    kwargs = {"progress": False, "shard_size": 10, "builtin": {"n": 25}}
+    prepare("prompt", "builtin:arithmetic/prompt", tmp_path, tok, **kwargs)
+    shards = sorted((tmp_path / "arithmetic-prompt").glob("*.h5"))
+    assert len(shards) == 3
+    for shard in shards:
+        with h5py.File(shard, "r") as f:
+            stored = f.attrs[CHECKSUM_ATTR]
+        assert stored == file_digest(shard)

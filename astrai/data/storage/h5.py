@@ -1,10 +1,22 @@
 """HDF5 shards: :class:`H5Writer` writes one shard atomically, :class:`H5Storage` reads one or
-more shards as one storage (layout in ``astrai.data.storage``)."""
+more shards as one storage (layout in ``astrai.data.storage``).
+
+Every shard carries a checksum of its data, :func:`content_digest` (one BLAKE2b over every
+dataset's name, dtype, shape and values; attributes are left out, so storing it changes
+nothing it covers), written when the shard is complete. :func:`checked_digest` recomputes
+it and names a shard whose bytes changed on disk since (:class:`DamagedDataError`); a
+training run does that once per file version, for the data fingerprint it computes anyway
+(``astrai.data.fingerprint``). One digest per file rather than per dataset or chunk: a run
+reads every dataset to fingerprint it, so per-part sums would add work without catching
+more, and HDF5's per-chunk fletcher32 does not cover variable-length strings (``records``).
+"""
 
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
+import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,6 +32,79 @@ from astrai.data.storage.base import (
     DataError,
     Storage,
     read_range,
+)
+from astrai.files import publish
+
+log = logging.getLogger(__name__)
+
+#: the attribute holding a shard's :func:`content_digest` (absent in shards written before it)
+CHECKSUM_ATTR = "content_digest"
+_DIGEST_TAG = b"astrai-h5-v1"  # a new digest never matches an old one
+_CHUNK = 1 << 22  # elements per read while hashing a dataset
+_UNCHECKED: set[str] = set()  # shards without a checksum, said once per process
+
+
+class DamagedDataError(DataError):
+    """A stored file is cut short or its bytes changed since it was written: prepare it again."""
+
+
+def content_digest(f: h5py.File) -> str:
+    """BLAKE2b-128 of every dataset of an open HDF5 file (name, dtype, shape and values, in
+    name order), read in chunks; attributes are not covered."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(_DIGEST_TAG)
+    names: list[str] = []
+    f.visititems(lambda name, obj: names.append(name) if isinstance(obj, h5py.Dataset) else None)
+    for name in sorted(names):
+        ds = f[name]
+        h.update(f"\0{name}|{ds.dtype.str}|{ds.shape}\0".encode())
+        if ds.ndim == 0:
+            h.update(repr(ds[()]).encode())
+            continue
+        for start in range(0, ds.shape[0], _CHUNK):
+            block = ds[start : start + _CHUNK]
+            if block.dtype.kind == "O":  # variable-length strings (records)
+                for item in block.ravel():
+                    h.update(item if isinstance(item, bytes) else str(item).encode())
+                    h.update(b"\0")
+            else:
+                h.update(np.ascontiguousarray(block).tobytes())
+    return h.hexdigest()
+
+
+def checked_digest(path: str | os.PathLike) -> str:
+    """The :func:`content_digest` of the file at ``path``, checked against the checksum stored
+    when it was written: a mismatch or a file HDF5 cannot read is a :class:`DamagedDataError`
+    naming it. A file without a stored checksum (written by an older astrai) is not checked,
+    which is said once per process."""
+    path = str(path)
+    try:
+        with _open_h5(path) as f:
+            digest = content_digest(f)
+            stored = f.attrs.get(CHECKSUM_ATTR)
+    except DamagedDataError:
+        raise
+    except (OSError, KeyError, ValueError, RuntimeError) as exc:  # HDF5 cannot read a part
+        raise DamagedDataError(f"{path}: damaged: cannot read its data ({exc}); {_REDO}") from exc
+    if stored is None:
+        if path not in _UNCHECKED:
+            _UNCHECKED.add(path)
+            log.info(
+                "%s has no stored checksum (prepared before astrai stored one): its data is "
+                "not verified; prepare it again to add one",
+                path,
+            )
+    elif (stored.decode() if isinstance(stored, bytes) else str(stored)) != digest:
+        raise DamagedDataError(
+            f"{path}: damaged: its data does not match the checksum stored when it was "
+            f"written (bytes changed on disk since); {_REDO}"
+        )
+    return digest
+
+
+_REDO = (
+    "prepare it again (`python -m astrai.data.prepare ... overwrite=true`; for a training "
+    "run's prepare: block, remove its folder under <data_dir>/prepared and rerun)"
 )
 
 
@@ -249,9 +334,9 @@ def _open_h5(path: str) -> h5py.File:
     try:
         return h5py.File(path, "r")
     except OSError as exc:
-        raise DataError(
-            f"{path}: cannot open as HDF5 (truncated, still being written, or not an "
-            f"astrai storage): {exc}"
+        raise DamagedDataError(
+            f"{path}: damaged: cannot open as HDF5 (truncated, still being written, or not "
+            f"an astrai storage): {exc}"
         ) from exc
 
 
@@ -396,9 +481,10 @@ class H5Writer:
             if value is None:
                 value = ""
             f.attrs[name] = value
+        f.attrs[CHECKSUM_ATTR] = content_digest(f)  # the data is complete: what it reads back
         f.close()
         self._f = None
-        os.replace(self.tmp_path, self.path)
+        publish(self.tmp_path, self.path)
         return self.path
 
     def abort(self) -> None:
