@@ -18,6 +18,23 @@ key works everywhere. A key that names a model directory the way another tool or
 command does (`model=<dir>` on serve, `model_dir=`) is refused before Hydra composes,
 with the key to use, instead of Hydra's "Key 'model' is not in struct"; any other key the
 config lacks gets the keys it may mean (`check_overrides`: `lr` -> `optim.lr`).
+
+Optional engine blocks: conf/engine/ keeps `lora` and `speculative` null (off). A dotted key
+under one (`engine.speculative.method=ngram engine.speculative.num_speculative_tokens=4`,
+`strategy.engine.lora.max_loras=4` in training) would be refused by Hydra, whose parent is
+null; `engine_blocks` spells it as Hydra takes it: the block made a mapping (`={}`, which
+leaves a block set elsewhere as it is) and its keys added or replaced (`++`). vLLM's names for
+them (`speculative_config=`, `max_loras=`) get the key meant.
+
+Groups named on the command line (train): `+experiment=grpo_1b hardware=cpu_smoke
+trainer=fsdp2` builds the fsdp2 trainer. Hydra lets the command line choose the option, but
+the presets' values come later in the defaults list and would replace what the option sets
+(cpu_smoke's `trainer.strategy: auto` turned fsdp2 back into one process). So every option of
+a group the command line names is registered as `chosen/<group>/<option>` (`named_groups_win`),
+its own settings (its file without its defaults list), and conf/train.yaml applies the chosen
+option's after every preset: what the option's file sets wins; the presets' other values
+(steps, sizes) and what they fill in for a required `???` (cpu_smoke's built-in data) still
+apply; `key=value` overrides win over both.
 """
 
 from __future__ import annotations
@@ -30,9 +47,12 @@ from typing import Any
 __all__ = [
     "CONF_DIR",
     "MODEL_DIR_KEY",
+    "NAMED_GROUPS",
     "check_overrides",
     "command_line",
+    "engine_blocks",
     "model_args",
+    "named_groups_win",
     "normalise_experiment",
 ]
 
@@ -40,6 +60,32 @@ CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 MODEL_DIR_KEY = "model_path"
 #: config groups that conf/train.yaml keeps as slots of its defaults list (`+NAME=` = `NAME=`)
 SLOTS = ("experiment", "hparams_search", "debug", "hardware")
+#: groups of conf/train.yaml whose option, named on the command line, wins over the presets
+#: (each has a `chosen/<group>` slot at the end of its defaults list: `named_groups_win`)
+NAMED_GROUPS = (
+    "model",
+    "tokenizer",
+    "data",
+    "strategy",
+    "optim",
+    "optim/schedule",
+    "trainer",
+    "logger",
+    "callbacks",
+)
+#: where `named_groups_win` registers the named options (Hydra's ConfigStore)
+CHOSEN = "chosen"
+#: blocks of conf/engine/ that are null (off) until a key under them is set
+ENGINE_BLOCKS = ("lora", "speculative")
+#: vLLM's names of engine settings -> the key under an `engine` block that holds them
+_VLLM_NAMES = {
+    "speculative_config": "speculative",
+    "enable_lora": "lora",
+    "num_speculative_tokens": "speculative.num_speculative_tokens",
+    "max_loras": "lora.max_loras",
+    "max_lora_rank": "lora.max_lora_rank",
+    "max_cpu_loras": "lora.max_cpu_loras",
+}
 #: commands composing conf/train.yaml (the ones with the slots above)
 _HAS_SLOTS = ("train",)
 #: commands that check their options themselves (bench: per benchmark, `bench=<name>`)
@@ -75,6 +121,59 @@ def normalise_experiment(args: Sequence[str]) -> list[str]:
     return out
 
 
+def engine_blocks(args: Sequence[str]) -> list[str]:
+    """`args` with each key under an optional engine block (`<...>engine.speculative.<key>=v`,
+    `<...>engine.lora.<key>=v`) spelt so that Hydra takes it while the block is null: the
+    block set to `{}` once, before its first key (a mapping already there is kept: Hydra
+    merges), and the key given as `++key=v` (added or replaced). Null still means off when
+    no key under the block is set."""
+    out: list[str] = []
+    opened: set[str] = set()
+    for arg in args:
+        key = _key(arg)
+        parts = key.split(".") if key and not arg.startswith("~") else []
+        at = next(
+            (
+                i
+                for i in range(1, len(parts) - 1)
+                if parts[i] in ENGINE_BLOCKS and parts[i - 1] == "engine"
+            ),
+            None,
+        )
+        if at is None:
+            if len(parts) > 1 and parts[-1] in ENGINE_BLOCKS and arg.endswith("={}"):
+                opened.add(key)  # (a command line spelt here already: a DDP rank's)
+            out.append(arg)
+            continue
+        block = ".".join(parts[: at + 1])
+        if block not in opened:
+            opened.add(block)
+            out.append(f"{block}={{}}")
+        out.append("++" + arg.lstrip("+"))
+    return out
+
+
+def named_groups_win(args: Sequence[str], config_dir: Path = CONF_DIR) -> None:
+    """Register in Hydra's ConfigStore, as `chosen/<group>/<option>`, the own settings of
+    every option of each `NAMED_GROUPS` group that `args` name (`trainer=fsdp2`, and sweeps
+    `trainer=ddp,fsdp2`): its file without its defaults list. conf/train.yaml applies the
+    chosen option's after every preset, so that no experiment, debug or hardware preset
+    replaces what the option the user named sets. The other groups' entries are emptied
+    (a process that composes several configs, a test, starts each from the same state)."""
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    named = {_key(a) for a in args}
+    store = ConfigStore.instance()
+    for group in NAMED_GROUPS:
+        for path in sorted((Path(config_dir) / group).glob("*.yaml")):
+            own: dict[str, Any] = {}
+            if group in named:
+                own = OmegaConf.to_container(OmegaConf.load(path), resolve=False) or {}
+                own.pop("defaults", None)
+            store.store(group=f"{CHOSEN}/{group}", name=path.stem, node=own)
+
+
 def renamed_keys(command: str, args: Sequence[str]) -> None:
     """A key that `command` spells otherwise (`tokenizer=` on prepare) is a `SystemExit`
     naming the right one, before Hydra's "Could not override 'tokenizer'"."""
@@ -95,7 +194,9 @@ def command_line(command: str, args: Sequence[str], config_name: str | None = No
     args = list(args)
     if command in _HAS_SLOTS:
         args = normalise_experiment(args)
+        named_groups_win(args)
     renamed_keys(command, args)
+    args = engine_blocks(args)
     if command in _HAS_MODEL_PATH + _HAS_MODEL_GROUP:
         args = model_args(command, args)
     if command not in _CHECKS_ITS_OPTIONS:
@@ -148,6 +249,10 @@ def _flat_keys(node: Any, prefix: str = "") -> list[str]:
 
 def _closest(key: str, known: list[str]) -> list[str]:
     leaf = key.rsplit(".", 1)[-1]
+    if leaf in _VLLM_NAMES:  # vLLM's spelling: the same setting under each `engine` block
+        block, _, rest = _VLLM_NAMES[leaf].partition(".")
+        found = [k for k in known if k.endswith(f"engine.{block}") or k == block]
+        return [f"{k}.{rest}" if rest else k for k in found][:3]
     same_leaf = [k for k in known if k.rsplit(".", 1)[-1] == leaf and k != key]
     level = [k for k in known if k.count(".") == key.count(".")]  # optim.lrr: not `optim`
     return list(dict.fromkeys(same_leaf + difflib.get_close_matches(key, level, n=3)))[:3]

@@ -14,8 +14,9 @@ A line's own `max_tokens` is held to the context as the server holds a request's
 what fits after its prompt, the line fails naming both numbers (`max_tokens_policy=error`,
 the default) or generates until the context is full (`clamp`, finish_reason length). The
 config's `max_tokens`, the default of lines without one, is capped to what fits.
-`model_path`, `input` and the settings are checked before torch and the model are
-imported, so a wrong one fails in a second with one line.
+`model_path`, `input`, `output` and the settings are checked before torch and the model are
+imported, so a wrong or missing one fails in a second with one line; the engine's `lora` and
+`speculative` blocks before the model loads.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import hydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from astrai.cli_keys import command_line
@@ -134,7 +135,34 @@ def generate_file(
     return counts
 
 
+def _required(cfg: DictConfig) -> None:
+    """`input=` and `output=` are given: one line naming each missing one (Hydra would raise
+    MissingMandatoryValue when the value is first read, after the model loaded)."""
+    missing = [key for key in ("input", "output") if OmegaConf.is_missing(cfg, key)]
+    if missing:
+        keys = " ".join(f"{key}=<file.jsonl>" for key in missing)
+        raise SystemExit(
+            f"generate: {keys} required (input: one request a line; output: one result a line)"
+        )
+
+
+def _check_engine_settings(engine: Mapping[str, Any]) -> None:
+    """`engine.lora` and `engine.speculative` (and a draft model's directory), checked before
+    the model loads by the classes the engine reads them with: a SystemExit naming the key."""
+    from astrai.inference.adapters import LoRASettings
+    from astrai.inference.speculative import SpeculativeConfig
+
+    try:
+        LoRASettings.of(engine.get("lora"))
+        spec = SpeculativeConfig.of(engine.get("speculative"))
+    except (TypeError, ValueError) as err:  # the messages name engine.lora / engine.speculative
+        raise SystemExit(str(err)) from None
+    if spec is not None and spec.model:
+        check_model_dir(spec.model, key="engine.speculative.model")
+
+
 def _run(cfg: DictConfig) -> None:
+    _required(cfg)
     model_dir = check_model_dir(str(cfg.model_path))  # the cheap checks, before torch
     if not Path(cfg.input).is_file():
         raise SystemExit(f"input={cfg.input}: file not found (a JSONL file, one request a line)")
@@ -157,6 +185,7 @@ def _run(cfg: DictConfig) -> None:
     from astrai.tokenizer import AutoTokenizer
 
     configure(cfg)  # log level, quiet third parties, torch threads
+    _check_engine_settings(OmegaConf.to_container(cfg.engine, resolve=True))  # type: ignore[arg-type]
     model = AutoModel.from_pretrained(model_dir, device=cfg.device)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     with instantiate(cfg.engine)(model, tokenizer) as engine:

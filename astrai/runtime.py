@@ -12,7 +12,12 @@ One home for three process-wide choices that a library must not make at import:
   then fight for the same cores and a run collapses instead of slowing down in proportion
   (on 2 cores under load 7-11, a matmul loop ran 20x slower with 2 threads than with 1;
   docs/training.md). The default takes the cores this process may use and leaves out
-  those that other work keeps busy right now (`busy_cores`).
+  those that other work keeps busy (`busy_cores`): the busier of two readings
+  (`LoadReadings`), a quarter-second sample of /proc/stat (sees a competitor that started a
+  moment ago) and the 1-minute load average (sees bursty load that the sample caught in a
+  lull). Too many threads cost far more than too few (a collapse against at most the
+  cores left unused), so the higher reading counts, even though the load average still
+  remembers a run that ended less than a minute ago.
 """
 
 from __future__ import annotations
@@ -25,14 +30,19 @@ import sys
 import time
 import warnings
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
     "QUIET_WARNINGS",
+    "LoadReadings",
     "available_cores",
     "busy_cores",
     "choose_threads",
     "configure",
+    "load_average",
+    "read_load",
+    "sampled_busy_cores",
     "set_threads",
     "setup_logging",
 ]
@@ -47,8 +57,15 @@ QUIET_WARNINGS: tuple[tuple[str, str], ...] = (
     (r".*ckpt_path=\"last\"\) is set, but there is no last checkpoint", r"lightning\."),
     # Lightning's own code against a newer torch
     (r".*isinstance\(treespec, LeafSpec\)` is deprecated", r"lightning\."),
+    # the DataLoader worker count: our data is tokenized once into H5 and read by slicing, so
+    # more workers do not help (data.num_workers sets them)
+    (r".*does not have many workers which may be a bottleneck", r"lightning\."),
+    # a run without validation data (GRPO's prompts, limit_val_batches=0)
+    (r".*Total length of `\w+` across ranks is zero", r"lightning\."),
     # pydantic / protobuf deprecations inside W&B
     (r".*", r"wandb\."),
+    # tqdm's own (clamping a bar's fraction, notebook widgets): progress bars only
+    (r".*", r"tqdm\."),
 )
 
 #: Lightning INFO lines that advertise a product rather than report on the run.
@@ -126,29 +143,64 @@ def _cpu_times(cores: set[int]) -> tuple[float, float]:
     return busy, total
 
 
-def busy_cores(window: float = 0.25) -> float | None:
-    """How many of this process's cores other work keeps busy now: sampled over `window`
-    seconds from /proc/stat while this process sleeps. The load average would answer for the
-    last minute instead: right after a run ends it still reports that run and starves the
-    next one of cores it could use. Falls back to the 1-minute load average off Linux."""
+def sampled_busy_cores(window: float = 0.25) -> float | None:
+    """How many of this process's cores other work kept busy over the last `window` seconds,
+    from /proc/stat while this process sleeps; None off Linux."""
     try:
         cores = os.sched_getaffinity(0)
         busy0, total0 = _cpu_times(cores)
         time.sleep(window)
         busy1, total1 = _cpu_times(cores)
-        if total1 > total0:
-            return len(cores) * (busy1 - busy0) / (total1 - total0)
     except (AttributeError, OSError, ValueError):
-        pass
+        return None
+    return len(cores) * (busy1 - busy0) / (total1 - total0) if total1 > total0 else None
+
+
+def load_average() -> float | None:
+    """The 1-minute load average, scaled to the share of the machine's cores this process may
+    use (a container pinned to 2 of 64 cores does not see the other 62 cores' load as its
+    own); None where the system has none."""
     try:
-        return os.getloadavg()[0]
+        load = os.getloadavg()[0]
     except (AttributeError, OSError):
         return None
+    return load * available_cores() / max(1, os.cpu_count() or 1)
+
+
+@dataclass(frozen=True)
+class LoadReadings:
+    """What other work keeps busy, read two ways (`read_load`); None: not available here."""
+
+    sampled: float | None  # busy cores over a quarter of a second (/proc/stat)
+    load_average: float | None  # the 1-minute load average, on this process's cores
+
+    @property
+    def busy(self) -> float | None:
+        """The busier reading (None when neither is known): the sample alone takes a lull of
+        bursty load for an idle machine (2 threads next to 4 busy processes: 2.5x slower),
+        the load average alone misses a competitor that started a moment ago."""
+        known = [x for x in (self.sampled, self.load_average) if x is not None and x == x]
+        return max(known) if known else None
+
+    def describe(self) -> str:
+        """The readings as the log line shows them: `0.0 now, 3.8 over 1 min`."""
+        show = ["?" if x is None else f"{x:.1f}" for x in (self.sampled, self.load_average)]
+        return f"{show[0]} now, {show[1]} over 1 min"
+
+
+def read_load(window: float = 0.25) -> LoadReadings:
+    """Both readings of the machine's load, now (`window` seconds of /proc/stat)."""
+    return LoadReadings(sampled_busy_cores(window), load_average())
+
+
+def busy_cores(window: float = 0.25) -> float | None:
+    """How many of this process's cores other work keeps busy: `read_load(window).busy`."""
+    return read_load(window).busy
 
 
 def choose_threads(cores: int, load: float | None, requested: int | None = None) -> int:
     """Torch intra-op threads: `requested` when given (> 0), else the cores that `load` (the
-    cores other work keeps busy, `busy_cores`) leaves free, at least 1.
+    cores other work keeps busy, `LoadReadings.busy`) leaves free, at least 1.
 
     A quiet 2-core machine gets 2; with one busy process (load 1.2) 1; under load 8 still
     1, so that our process takes its share of the cores instead of fighting for all of them.
@@ -170,10 +222,12 @@ def set_threads(requested: int | None = None) -> int:
     policy = requested is None or int(requested) <= 0
     if policy and os.environ.get("OMP_NUM_THREADS"):
         n, why = torch.get_num_threads(), "OMP_NUM_THREADS"
+    elif policy:
+        cores, load = available_cores(), read_load()
+        n, why = choose_threads(cores, load.busy), f"{cores} cores; busy: {load.describe()}"
+        torch.set_num_threads(n)
     else:
-        cores, busy = available_cores(), busy_cores() if policy else None
-        n = choose_threads(cores, busy, requested)
-        why = f"{cores} cores, {busy or 0.0:.1f} busy" if policy else "threads="
+        n, why = int(requested), "threads="
         torch.set_num_threads(n)
     # raises once parallel work has started (a second call in one process): keep what is set
     with contextlib.suppress(RuntimeError):

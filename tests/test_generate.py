@@ -197,3 +197,45 @@ def test_cli_with_speculative_decoding_writes_the_same_lines(model_dir, tmp_path
         assert run.returncode == 0, run.stderr[-2000:]
         outputs[name] = [json.loads(line)["completion"] for line in dst.read_text().splitlines()]
     assert outputs["on"] == outputs["off"]
+
+
+def _generate(*args, env=None):
+    import os
+
+    return subprocess.run(
+        [sys.executable, "-m", "astrai.generate", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+    )
+
+
+@pytest.mark.slow  # a subprocess
+def test_a_missing_output_is_named_before_torch_loads(model_dir, tmp_path):
+    """#54.9: `generate` without `output=` fails in one line before torch is imported (it
+    used to fail after loading the model, with Hydra's MissingMandatoryValue traceback)."""
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"prompt": "def add"}) + "\n")
+    run = _generate(f"model_path={model_dir}", f"input={src}", env={"PYTHONPROFILEIMPORTTIME": "1"})
+    assert run.returncode != 0 and "generate: output=<file.jsonl> required" in run.stderr
+    assert "Traceback" not in run.stderr, run.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in run.stderr.splitlines()}
+    assert "hydra" in imported and "torch" not in imported
+
+
+@pytest.mark.slow  # a subprocess loading a model
+def test_dotted_keys_of_the_engines_optional_blocks(model_dir, tmp_path):
+    """#44.14: `engine.speculative.*` and `engine.lora.*` as users type them; a bad value
+    under them is one line before the model loads."""
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(json.dumps({"prompt": "def add"}) + "\n")
+    common = [f"model_path={model_dir}", f"input={src}", f"output={dst}", "progress=false"]
+    spec = ["engine.speculative.method=ngram", "engine.speculative.num_speculative_tokens=4"]
+    run = _generate(*common, *spec, "engine.lora.max_loras=2", "max_tokens=6")
+    assert run.returncode == 0, run.stderr[-2000:]
+    (row,) = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert row["completion_tokens"] == 6
+    bad = _generate(*common, "engine.speculative.method=ngrm")
+    assert bad.returncode != 0 and "engine.speculative.method" in bad.stderr
+    assert "Traceback" not in bad.stderr and "KV cache" not in bad.stderr + bad.stdout

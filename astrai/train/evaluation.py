@@ -181,6 +181,20 @@ class EvalCallback(Callback):
             self.engine = None
 
 
+class ValidationStep(Callback):
+    """Log the validation metrics (`val/*`) at `trainer.global_step`, the optimizer steps
+    whose updates the weights hold: the index `EvalCallback`, the checkpoints (`step000050`)
+    and the export use. Lightning would log them one lower (the last step's index, as it
+    does train metrics), so `val/loss` and `eval/*` of the same weights would sit one step
+    apart. Lightning reads a logged `step` as the x value of the epoch's other metrics."""
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            # (the same on every rank: the mean over ranks keeps it, without the warning
+            # Lightning gives epoch-level values logged unsynced under DDP)
+            pl_module.log("step", float(trainer.global_step), sync_dist=True)
+
+
 def suite_metrics(name: str, result: SuiteResult) -> dict[str, float]:
     """A suite's result as logger scalars: ``eval/<name>/<metric>``, its item count and time."""
     out = {f"eval/{name}/{k}": float(v) for k, v in result.metrics.items()}

@@ -18,24 +18,31 @@ Checks (one line per problem, naming the key and the fix):
   run folder that already holds checkpoints needs `ckpt_path` (never a silent resume or
   restart);
 - logging: W&B online needs an API key (`wandb login`; offline otherwise);
+- serving: a `serve_policy` block's settings and a port already in use;
 - vocabulary: the tokenizer's size must fit the model's vocab_size;
 - data: enough training samples for one batch per device, where the config or the files tell
-  it cheaply (built-in arithmetic `n`, JSONL line counts, corpus byte sizes as a token bound).
+  it cheaply (built-in arithmetic `n`, JSONL line counts, corpus byte sizes as a token bound,
+  packed SFT windows), and every line of a JSONL file is JSON (`astrai.train.data_checks`).
   What only preparation can tell is checked by `runner.train` after `fit`
-  (`NoTrainingBatchesError`).
+  (`NoTrainingBatchesError`);
+- settings, once every check above passed (they import Lightning and torch, which the run
+  imports next anyway; a config error elsewhere is reported without them): each `trainer`
+  value against the type `lightning.Trainer` declares (`trainer.max_steps=abc`), and the
+  optimizer and schedule built on a two-parameter module (`optim.lr: Invalid learning rate`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+import re
 from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from astrai.data.builtin import is_builtin
 from astrai.train import runner, wandb_run
+from astrai.train.data_checks import data_problems
 from astrai.train.sweep import job_configs, swept_overrides
 
 __all__ = ["PreflightCallback", "format_problems", "problems"]
@@ -52,7 +59,6 @@ START_STAGES = {
     "GRPOModule": "sft_1b",
 }
 LOCAL_LAUNCHERS = ("BasicLauncher", "JoblibLauncher")  # sweeps that run on this machine
-TEXT_SUFFIXES = (".jsonl", ".txt", ".md", ".py")  # raw corpora whose bytes bound the tokens
 CPU_SMOKE_HINT = (
     "on a machine without GPUs, add hardware=cpu_smoke to run this recipe at test size "
     "(python -m astrai.train +experiment={experiment} hardware=cpu_smoke), or trainer=cpu for "
@@ -129,11 +135,25 @@ def problems(cfg: DictConfig, *, run_dir: Path | None = None, hardware: bool = T
     found += _compile_problems(cfg) if hardware else []
     found += _resume_problems(cfg, run_dir)
     found += _logger_problems(cfg)
+    found += _serve_policy_problems(cfg)
     if not any(p.startswith(("model", "tokenizer")) for p in inputs):
         found += _vocab_problems(cfg)
     if not any(p.startswith("data.train") for p in inputs):
-        found += _data_problems(cfg)
+        found += data_problems(cfg, _world_size(cfg.get("trainer") or {}))
+    if not found:  # these import Lightning and torch, which the run imports next anyway
+        found += _trainer_problems(cfg) + _optim_problems(cfg)
     return found
+
+
+def _serve_policy_problems(cfg: DictConfig) -> list[str]:
+    """`serve_policy`, when on (a port): its settings, and a busy port. Off, nothing is
+    imported (`astrai.train.serve_policy` brings torch and Lightning)."""
+    block = OmegaConf.select(cfg, "serve_policy")
+    if block is None or OmegaConf.select(block, "port") is None:
+        return []
+    from astrai.train.serve_policy import serve_policy_problems
+
+    return serve_policy_problems(OmegaConf.to_container(block, resolve=True))  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------- hardware
@@ -312,71 +332,86 @@ def _vocab_problems(cfg: DictConfig) -> list[str]:
     ]
 
 
-# ---------------------------------------------------------------------- data
-def _lines_at_least(files: Iterable[Path], need: int) -> int:
-    """Non-empty lines in `files`, counted up to `need` (a big file is not read to its end)."""
-    n = 0
-    for f in files:
-        with open(f, "rb") as fh:
-            for line in fh:
-                n += bool(line.strip())
-                if n >= need:
-                    return n
-    return n
-
-
-def _files(source: Path) -> list[Path]:
-    return sorted(p for p in source.rglob("*") if p.is_file()) if source.is_dir() else [source]
-
-
-def _sample_bound(spec: DictConfig, need: int) -> int | None:
-    """An upper bound on the training samples of `spec` (`need` or more: enough), or None
-    when only preparing the data would tell."""
-    source = spec.get("source")
-    prepare = spec.get("prepare")
-    if not isinstance(source, str) or prepare is None:
-        return None  # record sources, already prepared storage
-    pretrain = "Pretrain" in str(spec.get("_target_", ""))
-    window = spec.get("window_size") if pretrain else None
-    if is_builtin(source):
-        n = OmegaConf.select(prepare, "builtin.n", default=None)
-        if pretrain or not source.startswith("builtin:arithmetic") or n is None:
-            return None
-        return int(n)  # one record per problem; packing and truncation only merge or drop
-    files = _files(Path(source))
-    if not pretrain:  # one record per JSONL line at most
-        return _lines_at_least(files, need) if all(f.suffix == ".jsonl" for f in files) else None
-    stride = spec.get("stride") or window
-    text = all(f.suffix in TEXT_SUFFIXES for f in files)
-    if not text or not isinstance(window, int) or not isinstance(stride, int) or stride < 1:
-        return None
-    # byte-level BPE: a token covers one byte or more, + 2 special tokens per document (a line
-    # or a file); lines are counted for a small corpus only (a big one has enough anyway)
-    size = sum(f.stat().st_size for f in files)
-    docs = (_lines_at_least(files, size) if size < 2**24 else size) + len(files)
-    tokens = size + 2 * docs
-    return (tokens - window - 1) // stride + 1 if tokens > window else 0
-
-
-def _data_problems(cfg: DictConfig) -> list[str]:
-    data = cfg.get("data") or {}
-    spec = data.get("train")
-    if spec is None:
+# ---------------------------------------------------------------------- settings
+def _trainer_problems(cfg: DictConfig) -> list[str]:
+    """Each `trainer` value against the type `lightning.Trainer` declares for it (pydantic,
+    strict): `trainer.max_steps=abc` is named here, not by a TypeError from inside Lightning
+    once the model is built. Objects (`strategy`, `plugins`) are left to Lightning."""
+    node = cfg.get("trainer") or {}
+    plain = {}
+    for key in node:
+        try:  # (an interpolation of Hydra's run folder resolves in a run only)
+            value = node[key]
+        except Exception:
+            continue
+        if not str(key).startswith("_") and not OmegaConf.is_dict(value):
+            plain[str(key)] = OmegaConf.to_container(value) if OmegaConf.is_list(value) else value
+    if not plain:
         return []
-    batch = int(data.get("batch_size", 1))
-    world = _world_size(cfg.get("trainer") or {})
-    need = batch * world if data.get("drop_last", False) else world
+    import typing
+
+    from lightning.pytorch import Trainer
+    from pydantic import TypeAdapter, ValidationError
+    from pydantic.errors import PydanticSchemaGenerationError
+
+    hints = typing.get_type_hints(Trainer.__init__)
+    found = []
+    for key, value in plain.items():
+        if key not in hints:
+            continue
+        try:
+            TypeAdapter(hints[key]).validate_python(value, strict=True)
+        except PydanticSchemaGenerationError:  # a Lightning class: Lightning checks it
+            continue
+        except ValidationError:
+            hint = hints[key]
+            wanted = hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
+            found.append(f"trainer.{key}={value!r}: lightning.Trainer takes {wanted}")
+    return found
+
+
+def _optim_problems(cfg: DictConfig) -> list[str]:
+    """The optimizer and its schedule, built on a two-parameter module: torch's own checks
+    (`Invalid learning rate: -0.001`) and a stray key, named before the model is built."""
+    spec = OmegaConf.select(cfg, "optim")
+    if spec is None or "_target_" not in spec:
+        return []
+    import torch
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    optim: dict[str, Any] = OmegaConf.to_container(spec, resolve=True)  # type: ignore[assignment]
+    schedule = optim.pop("schedule", None)
+    optim.pop("fused", None)  # a CUDA kernel choice, not a value to check on this machine
+    steps = OmegaConf.select(cfg, "trainer.max_steps", default=None)
     try:
-        have = _sample_bound(spec, need)
-    except OSError:
+        optimizer = instantiate(optim)(torch.nn.Linear(2, 2))
+        if schedule and isinstance(steps, int):  # (a bad max_steps is the trainer check's)
+            fixed = schedule.get("total_steps")
+            fn = instantiate({k: v for k, v in schedule.items() if k != "total_steps"})
+            torch.optim.lr_scheduler.LambdaLR(optimizer, fn(total_steps=fixed or steps))
+    except (ValueError, TypeError, RuntimeError, InstantiationException) as err:
+        # torch's messages, a schedule's, a stray key's, a `_target_` that is not there
+        message = str(err.__cause__ or err)
+        if message.startswith("optim."):
+            return [message]
+        return [f"{_keys_with_values(optim, message) or 'optim'}: {message}"]
+    except Exception:  # e.g. an AttributeError of an optimizer reading the model's config
         return []
-    if have is None or have >= need:
-        return []
-    per = (
-        f"data.batch_size={batch} x {world} device(s)" if world > 1 else f"data.batch_size={batch}"
-    )
-    return [
-        f"data.train: at most {have} training samples, fewer than one batch ({per}, "
-        f"data.drop_last={data.get('drop_last')}): no training step would run; lower "
-        "data.batch_size or give more data"
-    ]
+    return []
+
+
+def _keys_with_values(optim: dict[str, Any], message: str) -> str:
+    """The `optim` keys whose number (or a number of whose list) ends `message`, as torch
+    quotes the bad value last (`Invalid learning rate: -0.001`)."""
+    quoted = set()
+    for text in re.findall(r"-?\d+(?:\.\d+)?(?:e-?\d+)?", message)[-1:]:
+        with contextlib.suppress(ValueError):
+            quoted.add(float(text))
+
+    def numbers(value: Any) -> list[float]:
+        items = value if isinstance(value, list) else [value]
+        return [float(x) for x in items if isinstance(x, int | float) and not isinstance(x, bool)]
+
+    keys = [k for k, v in optim.items() if k[0] != "_" and quoted & set(numbers(v))]
+    return " / ".join(f"optim.{k}" for k in keys)

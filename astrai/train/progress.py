@@ -4,15 +4,19 @@ is bounded by steps.
 Lightning's bars count batches per epoch, which says nothing useful about a `max_steps` run
 (most LLM runs): `Epoch 0: 70/?` on an iterable dataset, `Epoch 0/-2` on the rich bar, and
 a count restarted at 0 after a resume. This bar shows `step 120/1500` from the resumed step
-on, with the rate and the time left over the steps this process ran.
+on, with the rate and the time left over the steps this process ran. It is built in
+`on_train_start` (`init_train_tqdm`): Lightning (2.6) skips `on_train_epoch_start` when a
+run resumes mid-epoch.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import lightning as L
 from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 
 __all__ = ["StepProgressBar"]
 
@@ -27,16 +31,30 @@ def bounded_by_steps(trainer: L.Trainer) -> bool:
 class StepProgressBar(TQDMProgressBar):
     """`step N/max_steps` when `trainer.max_steps` is set (epochs as Lightning's bar else)."""
 
+    def init_train_tqdm(self) -> Tqdm:
+        """The bar counts steps from its first frame (no `Training: 0/?` before it). Lightning
+        builds it in `on_train_start`, which also runs when a run resumes mid-epoch, unlike
+        `on_train_epoch_start` (skipped then by Lightning 2.6)."""
+        trainer = self.trainer
+        if not bounded_by_steps(trainer):
+            return super().init_train_tqdm()
+        return Tqdm(
+            total=trainer.max_steps,
+            initial=trainer.global_step,  # a resumed run: the rate counts this run's steps
+            unit="step",
+            bar_format=STEP_FORMAT,
+            position=2 * self.process_position,
+            disable=self.is_disabled,
+            leave=True,
+            dynamic_ncols=True,
+            file=sys.stdout,
+            smoothing=0,
+        )
+
     def on_train_epoch_start(self, trainer: L.Trainer, *args: Any) -> None:
         if not bounded_by_steps(trainer):
             super().on_train_epoch_start(trainer, *args)
             return
-        bar = self.train_progress_bar
-        if bar.total != trainer.max_steps:  # once per fit: one bar over every epoch
-            bar.reset(total=trainer.max_steps)
-            bar.bar_format = STEP_FORMAT
-            bar.unit = "step"
-            bar.initial = trainer.global_step  # a resumed run: the rate counts this run's steps
         self._show(trainer, trainer.global_step)
 
     def on_train_batch_end(

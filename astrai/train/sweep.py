@@ -15,17 +15,20 @@ checked, its jobs as each starts.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["SweepReport", "job_configs", "job_overrides", "swept_overrides"]
+__all__ = ["SweepReport", "job_configs", "job_overrides", "swept_keys", "swept_overrides"]
 
 log = logging.getLogger(__name__)
 
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
+#: a command-line value that sweeps (Hydra's sweep functions; a comma list is the other form)
+SWEEP_FUNCTIONS = ("choice(", "range(", "interval(", "tag(", "glob(")
 
 
 def job_overrides(config: DictConfig) -> list[list[str]] | None:
@@ -63,10 +66,30 @@ def job_configs(config: DictConfig) -> list[tuple[list[str], DictConfig | Except
     return out
 
 
-def swept_overrides(jobs: list[list[str]]) -> set[str]:
-    """The overrides that differ between jobs: what names a job (a lone job: all of its)."""
+def swept_overrides(jobs: list[list[str]], keys: Iterable[str] = ()) -> set[str]:
+    """What names a job: the overrides that differ between jobs (a lone job: all of its), and
+    every override of a swept key (`keys`), also when the jobs happen to share its value (two
+    Optuna trials that drew the same `optim.weight_decay`)."""
+    swept = set(keys)
     common = set.intersection(*(set(o) for o in jobs)) if len(jobs) > 1 else set()
-    return {o for job in jobs for o in job if o not in common}
+    return {o for job in jobs for o in job if o not in common or _key(o) in swept}
+
+
+def swept_keys(config: DictConfig) -> set[str]:
+    """The keys a sweep varies: its sweeper's `params` (Optuna's search space, a grid such as
+    hparams_search=lr_grid) and the command line's sweeps (`optim.lr=1e-3,3e-3`)."""
+    params = OmegaConf.select(config, "hydra.sweeper.params", default=None) or {}
+    keys = {str(k) for k in params}
+    task = OmegaConf.select(config, "hydra.overrides.task", default=None) or []
+    for override in task:
+        key, _, value = str(override).partition("=")
+        if "," in value or value.startswith(SWEEP_FUNCTIONS):
+            keys.add(key.lstrip("+~"))
+    return keys
+
+
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
 
 
 class SweepReport(Callback):
@@ -81,7 +104,7 @@ class SweepReport(Callback):
         if not jobs:
             return
         overrides = {job: _overrides(job) for job in jobs}
-        swept = swept_overrides(list(overrides.values()))
+        swept = swept_overrides(list(overrides.values()), swept_keys(config))
         lines = []
         for job in jobs:
             export = job / "export"

@@ -90,7 +90,7 @@ def wandb_logger(
     Online, the run is rewound to the checkpoint's step (`resume_from`), so steps logged
     after the checkpoint and before the interruption are not duplicated.
     """
-    from lightning.pytorch.loggers import WandbLogger
+    from astrai.train.wandb_logger import WandbLogger  # (no `anonymous` warning)
 
     mode = resolve_mode(mode)
     if resume_state and resume_state.get("id"):

@@ -242,3 +242,55 @@ def test_a_lora_policy_is_evaluated_through_its_live_adapter(tok, tmp_path):
     assert completions(1) != completions(0)
     assert model.training  # the module's mode is Lightning's, untouched
     cb.teardown(trainer, module, "fit")
+
+
+def test_validation_metrics_share_the_evaluation_step_index(tmp_path):
+    """#54.11: `val/*` at `trainer.global_step`, the index `EvalCallback` logs `eval/*` at
+    (Lightning's own would be one lower: `val/loss` of the weights after step 2 at step 1)."""
+    import csv
+
+    import lightning as L
+    from lightning.pytorch.loggers import CSVLogger
+    from torch.utils.data import DataLoader
+
+    from astrai.train.evaluation import ValidationStep
+
+    class Tiny(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, idx):
+            return self.layer(batch).pow(2).mean()
+
+        def validation_step(self, batch, idx):
+            self.log("val/loss", self.layer(batch).pow(2).mean())
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    seen = []
+
+    class GlobalStep(L.Callback):  # what EvalCallback reads for its step
+        def on_validation_end(self, trainer, pl_module):
+            seen.append(trainer.global_step)
+
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=4,
+        val_check_interval=2,
+        limit_val_batches=1,
+        num_sanity_val_steps=0,
+        log_every_n_steps=1,
+        callbacks=[ValidationStep(), GlobalStep()],
+        logger=CSVLogger(tmp_path),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    data = DataLoader(torch.randn(40, 4), batch_size=2)
+    trainer.fit(Tiny(), data, DataLoader(torch.randn(4, 4), batch_size=2))
+    (metrics,) = tmp_path.rglob("metrics.csv")
+    with open(metrics) as fh:
+        steps = [int(r["step"]) for r in csv.DictReader(fh) if r["val/loss"]]
+    assert steps == seen == [2, 4]

@@ -194,6 +194,74 @@ def test_too_little_data_for_one_batch(tmp_path: Path) -> None:
     assert _problems(*pre) == []
 
 
+def _chats(path: Path, n: int, broken: int | None = None) -> Path:
+    import json
+
+    lines = [
+        json.dumps(
+            {
+                "messages": [
+                    {"role": "user", "content": f"{i}+1?"},
+                    {"role": "assistant", "content": str(i + 1)},
+                ]
+            }
+        )
+        for i in range(n)
+    ]
+    if broken is not None:
+        lines[broken - 1] = '{"messages": [broken'
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _sft(path: Path, *more: str) -> list[str]:
+    return [
+        "experiment=tiny_sft",
+        "data=sft_files",
+        f"data.train.source={path}",
+        f"data.val.source={path}",
+        *more,
+    ]
+
+
+def test_a_broken_jsonl_line_is_named_before_the_run(tmp_path: Path) -> None:
+    """#54.9: found here, naming file and line, not while preparing once the run folder and
+    the model exist; `skip_bad_lines` (the fix it names) turns the check off."""
+    chats = _chats(tmp_path / "chats.jsonl", 64, broken=31)
+    found = _problems(*_sft(chats, "data.train.prepare.pack=false"))
+    assert found == [
+        f"data.train.source: {chats}:31: not valid JSON (Expecting value at column 15); fix the "
+        "line, or skip such lines with +data.train.prepare.skip_bad_lines=true",
+        f"data.val.source: {chats}:31: not valid JSON (Expecting value at column 15); fix the "
+        "line, or skip such lines with +data.val.prepare.skip_bad_lines=true",
+    ]
+    skip = [f"+data.{s}.prepare.skip_bad_lines=true" for s in ("train", "val")]
+    assert _problems(*_sft(chats, "data.train.prepare.pack=false", *skip)) == []
+
+
+def test_sft_records_packed_into_too_few_windows(tmp_path: Path) -> None:
+    """#54.9: 64 short chats are 64 records but, packed into 4096-token windows (sft_files),
+    at most three samples: fewer than one batch of 8; the message says so."""
+    chats = _chats(tmp_path / "chats.jsonl", 64)
+    (found,) = _problems(*_sft(chats))
+    assert found.startswith("data.train: at most 3 training samples (packed windows"), found
+    assert "window_size=4096" in found and "data.train.prepare.pack=false" in found
+    assert _problems(*_sft(chats, "data.train.prepare.pack=false")) == []  # 64 records
+
+
+def test_settings_lightning_and_torch_refuse_are_named() -> None:
+    """#54.9: a value Lightning's Trainer or torch's optimizer refuses, before the model."""
+    assert _problems("trainer.max_steps=abc") == [
+        "trainer.max_steps='abc': lightning.Trainer takes int"
+    ]
+    assert _problems("optim.lr=-1e-3") == ["optim.lr: Invalid learning rate: -0.001"]
+    assert _problems("optim.betas=[0.9,1.5]") == [
+        "optim.betas: Invalid beta parameter at index 1: 1.5"
+    ]
+    (found,) = _problems("+optim.lrr=3")
+    assert found.startswith("optim: ") and "'lrr'" in found
+
+
 def test_tokenizer_larger_than_the_model_vocabulary() -> None:
     assert _problems("model=tiny", "tokenizer.train.vocab_size=1024") == [
         "tokenizer.train.vocab_size: the tokenizer has 1024 tokens but model preset 'tiny' "
@@ -220,6 +288,8 @@ def test_tokenizer_larger_than_the_model_vocabulary() -> None:
             ["model=tiny", "tokenizer.train.vocab_size=1024"],
             ["tokenizer.train.vocab_size: the tokenizer has 1024", "+model.vocab_size=1024"],
         ),
+        (["trainer.max_steps=abc"], ["trainer.max_steps='abc': lightning.Trainer takes int"]),
+        (["optim.lr=-1e-3"], ["optim.lr: Invalid learning rate: -0.001"]),
         pytest.param(
             ["experiment=sft_1b"],
             ["trainer.accelerator=gpu: needs CUDA", "experiment=sft_1b hardware=cpu_smoke"],

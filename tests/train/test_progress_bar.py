@@ -7,6 +7,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, IterableDataset
 
 from astrai.train.progress import StepProgressBar
@@ -79,6 +80,29 @@ def test_a_resumed_run_goes_on_from_its_step(tmp_path: Path) -> None:
     _fit(tmp_path, 4)
     bar = _fit(tmp_path, 8, ckpt=str(tmp_path / "step4.ckpt"))
     assert bar.shown[0].startswith("step 5/8") and bar.shown[-1].startswith("step 8/8")
+
+
+def test_a_mid_epoch_resume_counts_steps(tmp_path: Path) -> None:
+    """Resumed from a checkpoint written inside an epoch (Lightning then skips
+    `on_train_epoch_start`), the bar still counts steps, not `Training: 4/?`."""
+
+    def fit(steps: int, ckpt: str | None = None) -> Recorder:
+        bar = Recorder()
+        every3 = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, filename="{step}")
+        trainer = L.Trainer(
+            accelerator="cpu",
+            max_steps=steps,
+            callbacks=[bar, every3],
+            logger=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+        )
+        trainer.fit(Tiny(), DataLoader(torch.randn(20, 4), batch_size=2), ckpt_path=ckpt)
+        return bar
+
+    fit(4)  # 10 batches per epoch: the step-3 checkpoint is mid-epoch
+    bar = fit(8, ckpt=str(tmp_path / "step=3.ckpt"))
+    assert [s.split(" ", 2)[:2] for s in bar.shown] == [["step", f"{n}/8"] for n in range(4, 9)]
 
 
 def test_an_epoch_run_keeps_lightnings_bar(tmp_path: Path) -> None:

@@ -232,3 +232,59 @@ def test_compare_plot_draws_runs_on_shared_axes(tmp_path: Path, capsys) -> None:
     ]
     with pytest.raises(KeyError, match="not logged"):
         plot.main(["compare", str(dense), "--metrics", "train/loss", "--out", str(out)])
+
+
+def test_sweep_report_names_every_swept_key(tmp_path: Path, caplog) -> None:
+    """#54.11: two Optuna trials that drew the same `optim.weight_decay` still show it: the
+    sweeper's search space names the swept keys, not only the values that differ."""
+    import logging
+
+    from astrai.train.sweep import SweepReport
+
+    root = tmp_path / "multirun"
+    for job, lr in (("0", "0.001"), ("1", "0.003")):
+        _job(root, job, [f"optim.lr={lr}", "optim.weight_decay=0.1", "debug=fast"], [])
+    config = OmegaConf.create(
+        {
+            "hydra": {
+                "sweep": {"dir": str(root)},
+                "sweeper": {
+                    "params": {
+                        "optim.lr": "tag(log, interval(1e-4, 1e-2))",
+                        "optim.weight_decay": "choice(0.0, 0.05, 0.1)",
+                    }
+                },
+                "overrides": {"task": ["hparams_search=optuna", "debug=fast"]},
+            }
+        }
+    )
+    with caplog.at_level(logging.INFO, logger="astrai.train.sweep"):
+        SweepReport().on_multirun_end(config)
+    assert "job 0 (optim.lr=0.001 optim.weight_decay=0.1)" in caplog.text, caplog.text
+    assert "job 1 (optim.lr=0.003 optim.weight_decay=0.1)" in caplog.text
+    assert "debug=fast" not in caplog.text.split("\n", 1)[1]  # not swept: not a job's name
+
+
+def test_the_optuna_sweep_does_not_print_alembics_plugin_lines() -> None:
+    """#54.11: Optuna imports alembic, which logs each migration plugin it loads at INFO
+    through Hydra's logging; conf/hydra/default.yaml sets alembic to WARNING there."""
+    import subprocess
+    import sys
+
+    from train_helpers import REPO
+
+    code = (
+        "from hydra.core.utils import configure_log\n"
+        "from astrai.train.runner import compose\n"
+        "cfg = compose(['hparams_search=optuna'])\n"
+        "configure_log(cfg.hydra.hydra_logging, False)\n"
+        "import optuna.storages._rdb.storage\n"
+        "import logging; logging.getLogger('alembic.x').info('still shown: %s', 'alembic info')\n"
+        "logging.getLogger('alembic.x').warning('still shown: %s', 'alembic warning')\n"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "setup plugin" not in p.stdout and "alembic info" not in p.stdout, p.stdout
+    assert "still shown: alembic warning" in p.stdout

@@ -275,3 +275,37 @@ def test_both_experiment_spellings_let_later_slots_win() -> None:
         cfg = OmegaConf.create(proc.stdout)
         assert cfg.name == "sft_1b" and cfg.trainer.max_steps == 2, spelling
         assert cfg.trainer.accelerator == "cpu" and cfg.model.hidden_size == 64, spelling
+
+
+def test_problems_found_while_preparing_are_one_line(tmp_path: Path, data_dir: Path) -> None:
+    """#54.9: what only preparing the data shows is one line naming the fix, no traceback:
+    a record without `messages`, and SFT records packed into fewer windows than one batch
+    (64 short chats in 512-token windows: more than the pre-run bound allows for, fewer
+    than 8 once tokenized)."""
+    chat = {
+        "messages": [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"}]
+    }
+    good = tmp_path / "chats.jsonl"
+    good.write_text((json.dumps(chat) + "\n") * 64)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text((json.dumps(chat) + "\n") * 40 + json.dumps({"text": "no messages"}) + "\n")
+    sft = [
+        "+experiment=tiny_sft",
+        "data=sft_files",
+        "callbacks=default",
+        "data.num_workers=0",
+        "data.pin_memory=false",
+        "data.train.prepare.window_size=512",
+        *SMALL[:1],
+        *TINY_MODEL,
+        *QUIET,
+    ]
+    for source, batch, expected in (
+        (good, 8, "records are packed into 512-token windows"),
+        (bad, 2, "+data.<split>.prepare.skip_bad_lines=true"),
+    ):
+        run = tmp_path / source.stem
+        args = [f"data.train.source={source}", f"data.val.source={good}"]
+        proc = cli([*sft, *args, f"data.batch_size={batch}", *run_dirs(run, data_dir)], check=False)
+        assert proc.returncode != 0, proc.stdout[-2000:]
+        assert expected in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
