@@ -185,13 +185,26 @@ def test_the_readmes_headless_notebook_command_writes_an_executed_notebook(
     (command,) = re.findall(r"`(jupyter execute [^`]+)`", readme)
     texts = ["The sea is calm tonight. 12 + 30 = 42.\n" * 30, "def f(x):\n    return x\n" * 30]
     model = build_model_dir(tmp_path / "model", texts, max_position_embeddings=512)
+    # A checkout of its own (the notebook and the ignore rules, committed), so that the
+    # command is checked to leave the repository clean: it writes a new, ignored file and
+    # never the tracked notebook (nbclient replaces a last suffix such as `.executed`).
     work = tmp_path / "clone"
     (work / "notebooks").mkdir(parents=True)
     shutil.copy(NOTEBOOK, work / "notebooks" / NOTEBOOK.name)
+    shutil.copy(REPO / ".gitignore", work / ".gitignore")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    _run([*git, "init", "--quiet"], cwd=work)
+    _run([*git, "add", "."], cwd=work)
+    _run([*git, "commit", "--quiet", "-m", "notebook"], cwd=work)
     jupyter = Path(sys.executable).with_name("jupyter")
     args = command.split()
     _run([str(jupyter), *args[1:]], cwd=work, timeout=600, ASTRAI_MODEL=str(model))
-    written = re.search(r"notebooks/\S+\.ipynb", readme[readme.index(command) :]).group(0)
+    status = _run(["git", "status", "--porcelain", "--ignored"], cwd=work).stdout
+    # the file the README says the command writes (named after the command, not in it)
+    after = readme[readme.index(command) + len(command) :]
+    written = re.search(r"notebooks/[^\s`]+\.ipynb", after).group(0)
+    assert written != f"notebooks/{NOTEBOOK.name}"
+    assert status.splitlines() == [f"!! {written}"], status
     nb = nbformat.read(work / written, as_version=4)
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
     assert not [o for o in outputs if o.output_type == "error"]
