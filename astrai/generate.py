@@ -34,6 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from astrai.cli_keys import command_line
+from astrai.inference.engine_options import check_engine_blocks
 from astrai.inference.params import MAX_TOKENS_POLICIES, SamplingParams, check_choice
 from astrai.model.directory import check_model_dir
 
@@ -146,21 +147,6 @@ def _required(cfg: DictConfig) -> None:
         )
 
 
-def _check_engine_settings(engine: Mapping[str, Any]) -> None:
-    """`engine.lora` and `engine.speculative` (and a draft model's directory), checked before
-    the model loads by the classes the engine reads them with: a SystemExit naming the key."""
-    from astrai.inference.adapters import LoRASettings
-    from astrai.inference.speculative import SpeculativeConfig
-
-    try:
-        LoRASettings.of(engine.get("lora"))
-        spec = SpeculativeConfig.of(engine.get("speculative"))
-    except (TypeError, ValueError) as err:  # the messages name engine.lora / engine.speculative
-        raise SystemExit(str(err)) from None
-    if spec is not None and spec.model:
-        check_model_dir(spec.model, key="engine.speculative.model")
-
-
 def _run(cfg: DictConfig) -> None:
     _required(cfg)
     model_dir = check_model_dir(str(cfg.model_path))  # the cheap checks, before torch
@@ -185,7 +171,7 @@ def _run(cfg: DictConfig) -> None:
     from astrai.tokenizer import AutoTokenizer
 
     configure(cfg)  # log level, quiet third parties, torch threads
-    _check_engine_settings(OmegaConf.to_container(cfg.engine, resolve=True))  # type: ignore[arg-type]
+    check_engine_blocks(OmegaConf.to_container(cfg.engine, resolve=True))  # type: ignore[arg-type]
     model = AutoModel.from_pretrained(model_dir, device=cfg.device)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     with instantiate(cfg.engine)(model, tokenizer) as engine:

@@ -113,21 +113,12 @@ def engine_options(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_engine_options(cfg: dict[str, Any]) -> SpeculativeConfig | None:
-    """Check `engine.lora` and `engine.speculative` (and a draft model's directory) before
-    the model loads: a bad one is a SystemExit naming the key. Returns the speculative
-    setting (None: off)."""
-    from astrai.inference.adapters import LoRASettings
-    from astrai.inference.speculative import SpeculativeConfig
+    """Check `engine.lora` and `engine.speculative` (and a draft model's directory) as
+    serve will use them (`engine_options`) before the model loads: a bad one is a
+    SystemExit naming the key. Returns the speculative setting (None: off)."""
+    from astrai.inference.engine_options import check_engine_blocks
 
-    options = engine_options(cfg)
-    try:
-        LoRASettings.of(options.get("lora"))
-        spec = SpeculativeConfig.of(options.get("speculative"))
-    except (TypeError, ValueError) as err:  # the messages name engine.lora / engine.speculative
-        raise SystemExit(str(err)) from None
-    if spec is not None and spec.model:
-        check_model_dir(spec.model, key="engine.speculative.model")
-    return spec
+    return check_engine_blocks(engine_options(cfg))
 
 
 def reward_name_of(cfg: dict[str, Any], model_name: str) -> str | None:

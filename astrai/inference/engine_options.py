@@ -1,0 +1,29 @@
+"""The `engine` group's optional blocks (`engine.lora`, `engine.speculative`) checked before a
+command loads its model, by the classes the engine reads them with: `serve` and `generate`
+fail in a second with one line naming the key instead of after minutes of loading."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from astrai.model.directory import check_model_dir
+
+if TYPE_CHECKING:
+    from astrai.inference.speculative import SpeculativeConfig
+
+
+def check_engine_blocks(engine: Mapping[str, Any]) -> SpeculativeConfig | None:
+    """Check `engine["lora"]` and `engine["speculative"]` (and a draft model's directory); a
+    bad one is a SystemExit naming the key. Returns the speculative setting (None: off)."""
+    from astrai.inference.adapters import LoRASettings
+    from astrai.inference.speculative import SpeculativeConfig
+
+    try:
+        LoRASettings.of(engine.get("lora"))
+        spec = SpeculativeConfig.of(engine.get("speculative"))
+    except (TypeError, ValueError) as err:  # the messages name engine.lora / engine.speculative
+        raise SystemExit(str(err)) from None
+    if spec is not None and spec.model:
+        check_model_dir(spec.model, key="engine.speculative.model")
+    return spec
