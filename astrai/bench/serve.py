@@ -16,7 +16,9 @@ figures (target >= 0.8) and of the offline ones (also per CPU second of this pro
 which other processes on a shared machine disturb less than wall time). Options:
 ``conf/bench/serve.yaml``; the engine is the engine group's (``engine.*``). With
 ``lora=[1,4,16]`` (or ``lora=16``, ``lora=true``) the LoRA throughput benchmark runs instead:
-base-only against requests spread over that many adapters (:mod:`astrai.bench.lora`).
+base-only against requests spread over that many adapters (:mod:`astrai.bench.lora`). With
+``soak=<minutes>`` a soak runs instead: a server under mixed traffic keeps its memory and
+latency flat (:mod:`astrai.bench.soak`).
 """
 
 from __future__ import annotations
@@ -100,7 +102,12 @@ def _client(url: str, bodies: list[dict[str, Any]]) -> dict[str, Any]:
 
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
     """Offline and HTTP throughput on the workload of conf/bench/serve.yaml; with `lora`,
-    the LoRA throughput benchmark instead (astrai/bench/lora.py)."""
+    the LoRA throughput benchmark instead (astrai/bench/lora.py); with `soak`, the soak
+    (astrai/bench/soak.py)."""
+    if cfg.get("soak") is not None:
+        from astrai.bench.soak import run as run_soak
+
+        return run_soak(cfg)
     if cfg.get("lora") not in (None, False):
         from astrai.bench.lora import run as run_lora
 
@@ -216,6 +223,10 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def format_report(report: dict[str, Any]) -> str:
+    if "windows" in report:  # soak=...
+        from astrai.bench.soak import format_report as format_soak
+
+        return format_soak(report)
     if "rows" in report:  # lora=...
         from astrai.bench.lora import format_report as format_lora
 

@@ -16,6 +16,21 @@ same product), so `small_on_aten` is set per layer by the caller that knows the 
 (`astrai.model.layers.mark_cache_resident`): products of at most `ONEDNN_MIN_MACS`
 multiply-adds (rows x in x out) of a cache-resident model stay on `F.linear`
 (`experiments/bench/engine.md`).
+
+oneDNN compiles (JIT) one primitive per product shape and keeps it in two caches of 1024
+entries each (its own, `ONEDNN_PRIMITIVE_CACHE_CAPACITY`, and ideep's, `LRU_CACHE_CAPACITY`),
+about 0.6 MB apiece whatever the weight's size. A server's row counts change every step
+(batch sizes, prompt lengths, speculative drafts), so a long-running server kept compiling
+new ones: its memory grew for hours (issue #44: +18.5% from minute 2 to minute 10 of a
+soak). Bounded here by design: a oneDNN product runs at one of `row_bucket`'s row counts
+(exact up to 16, then rounded up to one of eight sizes per octave, at most 12.5% padding
+rows), and a product of more than `ROW_CHUNK` rows runs as its largest multiple of
+`ROW_CHUNK` rows plus the rest at a bucket. A weight shape then has at most 48
+(`ROW_BUCKETS`) + R / 256 primitives for products of up to R rows (a prefill step's
+budget, `max_prefill_tokens`, plus its decode rows: 55 at the default 2048), about 0.6 MB
+each: bounded, and compiled within the first minutes of traffic. Cost: about 2% of the
+engine benchmark's tokens per CPU second, the padding rows' products (docs/engine.md, "The
+CPU path"; experiments/bench/soak.md).
 """
 
 from __future__ import annotations
@@ -37,6 +52,25 @@ _ONEDNN = (
 # rows x in_features x out_features up to which F.linear beats oneDNN on cached weights
 ONEDNN_MIN_MACS = 1 << 20
 _CACHE_FALLBACK = 8 << 20  # bytes assumed when the OS does not say
+# rows up to which a oneDNN product runs at its own row count; above, 8 sizes per octave
+EXACT_ROWS = 16
+# products of more rows run as a multiple of this many rows plus a bucketed rest
+ROW_CHUNK = 256
+
+
+def row_bucket(rows: int) -> int:
+    """The row count a oneDNN product of `rows` (1..ROW_CHUNK) rows runs at: `rows` itself
+    up to `EXACT_ROWS` (decoding's small batches pay no padding), above that rounded up to a
+    multiple of an eighth of the power of two below it (18, 20, ..., 32, 36, ..., 240, 256):
+    at most 12.5% padding rows, 8 primitives per octave."""
+    if rows <= EXACT_ROWS:
+        return rows
+    step = (1 << ((rows - 1).bit_length() - 1)) // 8
+    return -(-rows // step) * step
+
+
+# every row count a oneDNN product runs at: at most this many primitives per weight shape
+ROW_BUCKETS = tuple(sorted({row_bucket(n) for n in range(1, ROW_CHUNK + 1)}))
 
 
 def last_level_cache_bytes(root: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
@@ -92,7 +126,34 @@ def linear(
         and not (small_on_aten and x.numel() * out_features <= ONEDNN_MIN_MACS)
     ):
         if prepacked is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, prepacked, bias, "none", [], "")
+            return _onednn(x, prepacked, bias, out_features)
         if weight.dtype == torch.float32 and weight.device.type == "cpu":
-            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+            return _onednn(x, weight, bias, out_features)
     return F.linear(x, weight, bias)
+
+
+def _onednn(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    """oneDNN's product at bounded row counts only: `row_bucket`'s, multiples of `ROW_CHUNK`."""
+    rows = x.numel() // x.shape[-1]
+    if rows <= EXACT_ROWS:  # decoding's usual case: as it comes, nothing to pad
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    flat = x.reshape(rows, x.shape[-1])
+    if rows <= ROW_CHUNK:
+        out = _bucketed(flat, weight, bias)
+    else:  # one product of a multiple of ROW_CHUNK rows (256-row pieces ran 3% slower)
+        main = rows - rows % ROW_CHUNK
+        out = torch.ops.mkldnn._linear_pointwise(flat[:main], weight, bias, "none", [], "")
+        if main != rows:
+            out = torch.cat([out, _bucketed(flat[main:], weight, bias)])
+    return out.reshape(*x.shape[:-1], out_features)
+
+
+def _bucketed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    rows = x.shape[0]
+    bucket = row_bucket(rows)
+    if bucket != rows:  # zero rows below: their products are computed and dropped
+        x = F.pad(x, (0, 0, 0, bucket - rows))
+    out = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return out[:rows] if bucket != rows else out

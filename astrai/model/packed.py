@@ -11,7 +11,9 @@ make them cheaper, both set up when an engine starts (`pack_projections`):
   pack above and every other `Linear`, o_proj, down_proj, the lm_head, MLA's): with a
   plain weight oneDNN reorders it on every call; prepacked, a 16 x 512 x 3072 product
   took 138 instead of 224 us (2 threads), bit-identical from 16 rows up
-  (`astrai.extension.linear.prepack_weight`; experiments/bench/engine.md).
+  (`astrai.extension.linear.prepack_weight`; experiments/bench/engine.md). Their products
+  run at a bounded set of row counts (`astrai.extension.linear.row_bucket`), so that
+  oneDNN's per-shape primitives do not grow a server's memory with every new batch size.
 
 What it costs: the packs are copies. On the CPU with oneDNN that is one more copy of
 every matmul weight of the model (the prepacked layouts; a cache-resident model also

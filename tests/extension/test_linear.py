@@ -117,3 +117,92 @@ def test_nothing_is_prepacked_where_onednn_does_not_serve():
 
     assert prepack_weight(torch.randn(8, 4, dtype=torch.bfloat16), 16) is None
     assert prepack_weight(torch.randn(8, 4, dtype=torch.float64), 16) is None
+
+
+def _onednn_rows(fn) -> set[int]:
+    """The row counts of the oneDNN products that `fn` ran."""
+    with profile(record_shapes=True) as prof:
+        fn()
+    return {e.input_shapes[0][0] for e in prof.events() if e.name == "mkldnn::_linear_pointwise"}
+
+
+@pytest.mark.skipif(not onednn_linear_enabled(), reason="this torch build has no oneDNN linear")
+def test_onednn_products_run_at_a_bounded_set_of_row_counts():
+    """oneDNN compiles and caches a primitive per product shape (#44: a server's RSS grew
+    with every new row count); counts from 1 to 700 run at one of `ROW_BUCKETS` (padded)
+    or a multiple of `ROW_CHUNK`, the plain weight and the prepacked one alike, with
+    F.linear's result."""
+    from astrai.extension.linear import ROW_BUCKETS, ROW_CHUNK, prepack_weight, row_bucket
+
+    assert len(ROW_BUCKETS) == 48 and all(row_bucket(n) in ROW_BUCKETS for n in range(1, 257))
+    gen = torch.Generator().manual_seed(0)
+    w, b = torch.randn(96, 64, generator=gen), torch.randn(96, generator=gen)
+    packed = prepack_weight(w, 16)
+    rows = [1, 7, 16, 17, 21, 33, 57, 100, 129, 255, 256, 257, 300, 513, 700]
+    xs = [torch.randn(n, 64, generator=gen) for n in rows]
+
+    def run() -> list[torch.Tensor]:
+        with torch.inference_mode():
+            return [linear(x, w, b) for x in xs] + [
+                linear(x, None, b, prepacked=packed) for x in xs
+            ]
+
+    seen = _onednn_rows(run)
+    allowed = set(ROW_BUCKETS) | {ROW_CHUNK * k for k in range(1, 4)}
+    assert seen <= allowed, sorted(seen - allowed)[:10]
+    outs = run()
+    for x, plain, pre in zip(xs, outs[: len(xs)], outs[len(xs) :]):
+        ref = F.linear(x, w, b)
+        assert plain.shape == pre.shape == ref.shape
+        torch.testing.assert_close(plain, ref, atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(pre, ref, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.skipif(not onednn_linear_enabled(), reason="this torch build has no oneDNN linear")
+def test_padding_and_chunks_keep_batched_shapes():
+    """[B, S, H] inputs of padded (17 rows) and split (3 x 100 > ROW_CHUNK) sizes."""
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(80, 32, generator=gen)
+    for shape in [(1, 17, 32), (3, 100, 32), (2, 1, 32)]:
+        x = torch.randn(shape, generator=gen)
+        with torch.inference_mode():
+            out = linear(x, w)
+        assert out.shape == (*shape[:-1], 80) and out.is_contiguous()
+        torch.testing.assert_close(out, F.linear(x, w), atol=1e-4, rtol=1e-5)
+
+
+RSS_CHILD = """
+import torch
+from astrai.extension.linear import linear, prepack_weight
+
+def rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+
+torch.set_num_threads(1)
+weights = [torch.randn(o, i) for o, i in [(256, 128), (128, 256), (512, 128)]]
+packs = [prepack_weight(w, 32) for w in weights]
+with torch.inference_mode():
+    linear(torch.randn(300, 128), None, prepacked=packs[0])  # oneDNN's own start-up
+    before = rss()
+    for rows in range(1, 513):
+        for w, p in zip(weights, packs):
+            linear(torch.randn(rows, w.shape[1]), None, prepacked=p)
+print(rss() - before)
+"""
+
+
+@pytest.mark.slow  # a fresh process: ~1500 products, a few seconds
+@pytest.mark.skipif(not onednn_linear_enabled(), reason="this torch build has no oneDNN linear")
+def test_memory_stays_bounded_over_many_row_counts():
+    """The owner of #44's growth, measured: 512 row counts through 3 weights grew a process
+    by ~700 MB (0.6 MB per cached primitive) before the buckets, ~85 MB with them."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", RSS_CHILD], capture_output=True, text=True, timeout=300, check=True
+    )
+    grown_mib = float(out.stdout.split()[-1])
+    assert grown_mib < 200, f"RSS grew {grown_mib:.0f} MiB over 512 row counts"
