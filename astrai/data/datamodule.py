@@ -40,6 +40,7 @@ from astrai.data.cache import PreparedSource, prepared_source
 from astrai.data.fingerprint import DataChangedError, data_changes, dataset_fingerprint
 from astrai.data.sampler import BatchReuse, ResumableSampler
 from astrai.data.seeded import SeededSamples
+from astrai.data.storage.h5 import DamagedDataError
 from astrai.tokenizer import AutoTokenizer
 
 log = logging.getLogger(__name__)
@@ -423,9 +424,13 @@ class AstraiDataModule(L.LightningDataModule):
             if not self.datasets:
                 self.setup()
             cache = self.data_dir / "fingerprints" if self.data_dir is not None else None
-            self._fingerprint = {
-                split: dataset_fingerprint(ds, cache) for split, ds in self.datasets.items()
-            }
+            fingerprint = {}
+            for split, ds in self.datasets.items():
+                try:
+                    fingerprint[split] = dataset_fingerprint(ds, cache)
+                except DamagedDataError as err:  # the file's stored checksum: name the split too
+                    raise DamagedDataError(f"data.{split}: {err}") from None
+            self._fingerprint = fingerprint
         return self._fingerprint
 
     def _check_data(self) -> None:

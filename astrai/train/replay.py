@@ -143,10 +143,17 @@ def replay_callback(ledger: Any, until: int, checks: list[StepCheck]) -> Any:
 
 def _check_data(cfg: DictConfig, datamodule: Any, saved: Any) -> None:
     from astrai.data.fingerprint import data_changes
+    from astrai.data.storage.h5 import DamagedDataError
 
     if saved is None or not hasattr(datamodule, "data_fingerprint"):
         return
-    changes = data_changes(saved, datamodule.data_fingerprint())
+    try:
+        current = datamodule.data_fingerprint()
+    except DamagedDataError as err:  # its bytes no longer match the checksum stored with them
+        raise ReplayError(
+            f"the data changed since the run wrote its ledger; replay refused:\n{err}"
+        ) from None
+    changes = data_changes(saved, current)
     if changes:
         lines = [f"data.{split}: {line}" for split, found in changes.items() for line in found]
         raise ReplayError(

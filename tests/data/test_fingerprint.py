@@ -188,6 +188,6 @@ def test_the_training_command_stops_on_a_damaged_prepared_shard(tmp_path: Path) 
     assert again.returncode == 1
     line = again.stderr.strip().splitlines()[-1]
     assert line.startswith(
-        f"astrai.train: {shard.resolve()}: damaged: its data does not match the checksum"
+        f"astrai.train: data.train: {shard.resolve()}: damaged: its data does not match the checksum"
     )
     assert line.endswith("remove its folder under <data_dir>/prepared and rerun)")

@@ -345,8 +345,13 @@ def test_ddp_two_ranks_match_one_process_with_the_options(tmp_path, data_dir):
     first = torch.load(one / "checkpoints" / "step000001.ckpt")["state_dict"]
     last = torch.load(one / "checkpoints" / "last.ckpt")["state_dict"]
     assert any(not torch.equal(v, last[k]) for k, v in first.items())  # the policy moved
+    # The all-reduce adds the two ranks' gradients in another order than one process does,
+    # and Adam divides each coordinate by its own gradient scale, so a coordinate whose
+    # gradients are tiny carries that rounding into its step: on an Intel Xeon one of 11,264
+    # weights ended 1.9e-5 apart after 4 steps (1e-5 passed on AMD EPYC). A wrong statistic
+    # over the ranks moves weights by the step size, lr = 1e-2: 100x this tolerance.
     for k in w1:
-        torch.testing.assert_close(w2[k], w1[k], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(w2[k], w1[k], rtol=1e-4, atol=1e-4)
 
 
 # ------------------------------------------------------------------ everything at once
