@@ -98,8 +98,9 @@ class EvalCallback(Callback):
     def engine_owner(self, pl_module: L.LightningModule) -> PolicyEngine:
         """The policy engine this callback uses (the module's), with its needs declared."""
         if self.policy_engine is None:
-            owner = pl_module.policy_engine if isinstance(pl_module, LMModule) else None
-            if owner is None:  # a plain LightningModule with a model and a tokenizer
+            if isinstance(pl_module, LMModule):
+                owner = pl_module.policy_engine
+            else:  # a plain LightningModule with a model and a tokenizer: one of our own
                 owner = PolicyEngine(lambda: (pl_module.model, pl_module.tokenizer))
             model, tokenizer = owner.live()
             context = model.config.max_position_embeddings
@@ -119,10 +120,6 @@ class EvalCallback(Callback):
         teardown)."""
         owner = self.policy_engine
         return owner.engine if owner is not None and owner.built else None
-
-    def get_engine(self, pl_module: L.LightningModule) -> InferenceEngine:
-        """The engine on the module's live weights (built at the first use)."""
-        return self.engine_owner(pl_module).engine
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """Declare this callback's engine needs before anyone builds the engine."""
