@@ -24,11 +24,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning as L
 
 from astrai.bench.common import as_list
+
+if TYPE_CHECKING:
+    from astrai.train.strategies.grpo import GRPOModule
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +52,10 @@ class StepTimer(L.Callback):
         if self._started is None:
             self._started = time.perf_counter()
 
-    def on_train_batch_end(self, trainer: Any, module: Any, out: Any, batch: Any, i: int) -> None:
-        self._idle += float(getattr(module, "idle_seconds", 0.0))
+    def on_train_batch_end(
+        self, trainer: Any, module: GRPOModule, out: Any, batch: Any, i: int
+    ) -> None:
+        self._idle += float(module.idle_seconds)
         if trainer.global_step > len(self.steps):  # an optimizer step completed
             now = time.perf_counter()
             self.steps.append({"seconds": now - self._started, "idle": self._idle})

@@ -38,7 +38,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from astrai.data.cache import PreparedSource, prepared_source
 from astrai.data.fingerprint import DataChangedError, data_changes, dataset_fingerprint
-from astrai.data.sampler import BatchReuse, ResumableSampler
+from astrai.data.sampler import BatchConsumer, BatchReuse, ResumableSampler
 from astrai.data.seeded import SeededSamples
 from astrai.data.storage.h5 import DamagedDataError
 from astrai.tokenizer import AutoTokenizer
@@ -322,7 +322,8 @@ class AstraiDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         ds = self._dataset("train")
-        self._set_reuse(getattr(self._module_or_none(), "batch_reuse", None) or BatchReuse())
+        consumer = self._consumer()
+        self._set_reuse(consumer.batch_reuse)
         loader = _TrainLoader(
             SeededSamples(ds, self.seed),
             batch_size=self.batch_size * self.reuse.group,
@@ -331,14 +332,17 @@ class AstraiDataModule(L.LightningDataModule):
             collate_fn=self._collate(ds),
             datamodule=self,
             repeat=self.reuse.repeat,
-            lookahead=int(getattr(self._module_or_none(), "batch_lookahead", 0) or 0),
+            lookahead=int(consumer.batch_lookahead),
             **self._loader_kwargs(self.train_sampler().epoch),
         )
         return loader
 
-    def _module_or_none(self) -> Any:
+    def _consumer(self) -> BatchConsumer:
+        """The trainer's module as a `BatchConsumer` (`LMModule` declares its batch reuse and
+        lookahead; any other module, or none, reuses nothing)."""
         trainer = self._trainer_or_none()
-        return getattr(trainer, "lightning_module", None) if trainer is not None else None
+        module = trainer.lightning_module if trainer is not None else None
+        return module if isinstance(module, BatchConsumer) else BatchConsumer()
 
     def _set_reuse(self, reuse: BatchReuse) -> None:
         """Adopt the module's `BatchReuse`; a resumed position saved under another one would

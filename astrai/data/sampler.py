@@ -185,8 +185,9 @@ class BatchReuse:
     samples and is handed to ``repeat`` consecutive training steps (TRL's ``RepeatSampler``).
 
     GRPO's generation batch: ``steps_per_generation`` micro-steps' prompts generated at once,
-    then trained on over ``steps_per_generation * num_iterations`` micro-steps. A
-    LightningModule declares it as its ``batch_reuse`` attribute; the default reuses nothing.
+    then trained on over ``steps_per_generation * num_iterations`` micro-steps. A module
+    declares it as :attr:`BatchConsumer.batch_reuse` (``LMModule`` is one); the default
+    reuses nothing.
     """
 
     group: int = 1
@@ -195,3 +196,18 @@ class BatchReuse:
     def __post_init__(self) -> None:
         if self.group < 1 or self.repeat < 1:
             raise ValueError(f"BatchReuse: group and repeat must be >= 1, got {self}")
+
+
+class BatchConsumer:
+    """What a LightningModule declares about how it consumes training loader batches, read
+    by ``AstraiDataModule`` (``astrai.train.module.LMModule`` is one; a module that is not
+    gets the defaults): each loader batch's reuse and how many later batches the loader
+    shows ahead (``batch["upcoming"]``, for asynchronous rollouts)."""
+
+    @property
+    def batch_reuse(self) -> BatchReuse:
+        return BatchReuse()
+
+    @property
+    def batch_lookahead(self) -> int:
+        return 0

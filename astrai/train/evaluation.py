@@ -1,10 +1,12 @@
 """Evaluation during training: the suites of `astrai.eval`, on the live weights, every N steps.
 
 Every ``every_n_steps`` optimizer steps the callback runs each configured suite (generation
-with exact match, multiple choice by log-likelihood, perplexity, code pass@k) through one
-:class:`~astrai.inference.InferenceEngine` built once on the *live* policy weights
-(``start=False``: ``run_batch`` and ``score`` run synchronously on the training thread; its
-policy version is advanced before every use, so no stale prefix-cache page is reused). Suite
+with exact match, multiple choice by log-likelihood, perplexity, code pass@k) through the
+run's one :class:`~astrai.inference.InferenceEngine` on the *live* policy weights
+(``LMModule.policy_engine``, shared with GRPO's rollouts and the live policy server; this
+callback declares its sizes in ``setup``; ``start=False``: ``run_batch`` and ``score`` run
+synchronously on the training thread; its policy version is brought up to the step before
+every use, so no stale prefix-cache page is reused). Suite
 metrics go to every logger as ``eval/<suite>/<metric>`` scalars, with ``eval/<suite>/count``
 (the items scored, for confidence intervals) and ``eval/<suite>/seconds``; samples go to W&B
 as a table when a W&B logger is attached, and always to ``<run dir>/eval_samples.jsonl``.
@@ -27,6 +29,8 @@ from lightning.pytorch.callbacks import Callback
 
 from astrai.eval import Suite, SuiteResult
 from astrai.inference import InferenceEngine
+from astrai.train.module import LMModule
+from astrai.train.policy_engine import PolicyEngine
 
 log = logging.getLogger(__name__)
 
@@ -41,11 +45,13 @@ class EvalCallback(Callback):
         at_start: also evaluate before the first step (the starting point of the curve).
         at_end: also evaluate after the last step.
         table_rows: samples per suite per evaluation in the table / JSONL.
-        max_batch_size, max_seq_len: engine sizes, passed to ``engine`` at the call
-            (``max_seq_len`` None: what the suites need, capped by the model's context).
+        max_batch_size, max_seq_len: what this callback needs of the engine (``max_seq_len``
+            None: what the suites need, capped by the model's context); the run's engine is
+            built at the largest size any of its users needs.
         engine: the engine factory, called as ``engine(model, tokenizer, start=False,
             max_batch_size=..., max_seq_len=...)``: the ``engine`` group (conf/engine/) as
-            a Hydra partial; None: :class:`~astrai.inference.InferenceEngine` itself.
+            a Hydra partial; None: :class:`~astrai.inference.InferenceEngine` itself. Used
+            when the module's policy engine has no factory of its own (GRPO's has).
         samples_file: JSONL of samples, relative to the trainer's ``default_root_dir``.
         progress: show the suites' progress bars (on a terminal only): an evaluation pass
             can take minutes.
@@ -83,26 +89,42 @@ class EvalCallback(Callback):
         self.samples_file = samples_file
         self.progress = bool(progress)
         self.engine_factory: Callable[..., InferenceEngine] = engine or InferenceEngine
-        self.engine: InferenceEngine | None = None
+        # the module's policy engine; a module that is not an LMModule gets one of ours
+        self.policy_engine: PolicyEngine | None = None
         self.last_step: int | None = None
         self.history: list[dict[str, Any]] = []  # metrics per evaluation (tests, notebooks)
 
     # ------------------------------------------------------------------ engine
-    def get_engine(self, pl_module: L.LightningModule) -> InferenceEngine:
-        """The engine on the module's live weights, built at the first evaluation."""
-        if self.engine is None:
-            model, tokenizer = pl_module.model, pl_module.tokenizer
+    def engine_owner(self, pl_module: L.LightningModule) -> PolicyEngine:
+        """The policy engine this callback uses (the module's), with its needs declared."""
+        if self.policy_engine is None:
+            if isinstance(pl_module, LMModule):
+                owner = pl_module.policy_engine
+            else:  # a plain LightningModule with a model and a tokenizer: one of our own
+                owner = PolicyEngine(lambda: (pl_module.model, pl_module.tokenizer))
+            model, tokenizer = owner.live()
             context = model.config.max_position_embeddings
             need = max(suite.required_seq_len(tokenizer) for suite in self.suites.values())
-            max_seq_len = self.max_seq_len or min(max(need, 64), context)
-            self.engine = self.engine_factory(
-                model,
-                tokenizer,
-                start=False,
+            owner.need(
+                "evaluation callback",
                 max_batch_size=self.max_batch_size,
-                max_seq_len=max_seq_len,
+                max_seq_len=self.max_seq_len or min(max(need, 64), context),
+                factory=self.engine_factory,
             )
-        return self.engine
+            self.policy_engine = owner
+        return self.policy_engine
+
+    @property
+    def engine(self) -> InferenceEngine | None:
+        """The engine this callback evaluates on, once built (None before, and after
+        teardown)."""
+        owner = self.policy_engine
+        return owner.engine if owner is not None and owner.built else None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """Declare this callback's engine needs before anyone builds the engine."""
+        if stage == "fit" and trainer.is_global_zero and self._usable(trainer, pl_module):
+            self.engine_owner(pl_module)
 
     def _usable(self, trainer: L.Trainer, pl_module: L.LightningModule) -> bool:
         if getattr(pl_module, "tokenizer", None) is None:
@@ -123,9 +145,7 @@ class EvalCallback(Callback):
         if not trainer.is_global_zero or not self._usable(trainer, pl_module):
             return {}
         log.info("evaluating %s at step %d", ", ".join(self.suites), step)  # can take minutes
-        engine = self.get_engine(pl_module)
-        if step > engine.policy_version:
-            engine.update_weights(version=step)
+        engine = self.engine_owner(pl_module).sync(step)
         device = pl_module.device
         devices = [device] if device.type == "cuda" else []
         metrics: dict[str, float] = {}
@@ -176,9 +196,10 @@ class EvalCallback(Callback):
             self.evaluate(trainer, pl_module)
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if self.engine is not None:
-            self.engine.shutdown()
-            self.engine = None
+        if self.policy_engine is not None:  # the module closes its own in its teardown
+            if not isinstance(pl_module, LMModule):
+                self.policy_engine.close()
+            self.policy_engine = None
 
 
 class ValidationStep(Callback):

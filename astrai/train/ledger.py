@@ -29,8 +29,10 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from astrai.data.datamodule import AstraiDataModule
 from astrai.train.ledger_store import LEDGER_VERSION, LedgerFile
 from astrai.train.module import grad_stats
+from astrai.train.strategies.grpo.source import RecordingSource, RolloutModule
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +100,7 @@ def batch_digest(batches: Iterable[Any]) -> str:
 def sample_positions(datamodule: Any) -> tuple[int, int]:
     """``(epoch, consumed)``: the training data position of a data module with a resumable
     sampler (`AstraiDataModule`), or ``(-1, -1)`` for one without."""
-    if not hasattr(datamodule, "sampler"):
+    if not isinstance(datamodule, AstraiDataModule):
         return -1, -1
     state = datamodule.state_dict()
     if "consumed" not in state:  # no sampler yet and nothing to resume: the very start
@@ -108,7 +110,7 @@ def sample_positions(datamodule: Any) -> tuple[int, int]:
 
 def sample_ids(datamodule: Any, epoch: int, start: int, end_epoch: int, end: int) -> list[int]:
     """The dataset indices at positions ``[start, end)`` of the epochs' orders (all ranks')."""
-    sampler = getattr(datamodule, "sampler", None)
+    sampler = datamodule.sampler if isinstance(datamodule, AstraiDataModule) else None
     if sampler is None or start < 0:
         return []
     ids: list[int] = []
@@ -164,7 +166,7 @@ class StepLedger(Callback):
             self.file.truncate(start)  # steps after the checkpoint are recorded again
         datamodule = trainer.datamodule
         fingerprint = None
-        if datamodule is not None and hasattr(datamodule, "data_fingerprint"):
+        if isinstance(datamodule, AstraiDataModule):
             fingerprint = datamodule.data_fingerprint()
         self.file.set_meta(
             version=LEDGER_VERSION,
@@ -180,9 +182,9 @@ class StepLedger(Callback):
                 start_digest=digest,
                 resumed_from=str(trainer.ckpt_path) if trainer.ckpt_path else None,
             )
-        listeners = getattr(pl_module, "sample_listeners", None)
-        if listeners is not None:
-            listeners.append(self._record_samples(pl_module))
+        if isinstance(pl_module, RolloutModule):  # its rollouts go to the ledger too
+            record = self._record_samples(pl_module)
+            pl_module.wrap_source(lambda source: RecordingSource(source, record))
         log.info("step ledger: %s (from step %d)", self.path, start)
 
     def _record_samples(self, pl_module: L.LightningModule) -> Any:

@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from astrai.data.datasets import IGNORE_INDEX
+from astrai.data.sampler import BatchConsumer
 from astrai.model import (
     LoRAConfig,
     Transformer,
@@ -50,6 +51,7 @@ from astrai.model import (
 from astrai.model.moe import inactive_expert_parameters
 from astrai.tokenizer import AutoTokenizer
 from astrai.train.optim import OptimizerFactory, ScheduleFactory, adamw, configure_optimizers
+from astrai.train.policy_engine import PolicyEngine
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +122,7 @@ class ReferencePolicy:
     does not move it; `on(device)` follows the policy on first use. Made in the strategy's
     `__init__`, before Lightning restores a checkpoint, so a resumed run keeps the *initial*
     policy as its reference. A reference that moves (GRPO's `sync_interval`) is saved in the
-    checkpoint by its strategy (`astrai.train.strategies.reference_sync`).
+    checkpoint by its strategy (`astrai.train.strategies.grpo.reference`).
     """
 
     def __init__(self, policy: nn.Module, dtype: str | torch.dtype | None = None) -> None:
@@ -267,7 +269,7 @@ def _from_safe(states: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-class LMModule(L.LightningModule, ABC):
+class LMModule(L.LightningModule, BatchConsumer, ABC):
     """Base LightningModule for language-model training strategies (the shape of
     lightning-hydra-template's `MNISTLitModule(net, optimizer, scheduler)`).
 
@@ -290,6 +292,13 @@ class LMModule(L.LightningModule, ABC):
             when the directory does not exist the run starts fresh with a warning.
         label_smoothing: token cross entropy's smoothing (`token_loss`, pretraining and
             SFT), in [0, 1); DPO reads its own `label_smoothing` (cDPO's label-noise rate).
+
+    Declared for the other rooms (read, never discovered): `batch_reuse` and
+    `batch_lookahead` (`astrai.data.sampler.BatchConsumer`: how the data module hands out
+    loader batches; the defaults reuse nothing, GRPO overrides them) and `policy_engine`
+    (`astrai.train.policy_engine.PolicyEngine`: the run's one live inference engine, which
+    the evaluation callback and `serve_policy` use, and GRPO's rollouts; closed in
+    `teardown`).
 
     Hyperparameters (`self.hparams`, logged and kept in checkpoints) are the constructor
     arguments of the whole class chain, with factories stored as their config and modules
@@ -344,6 +353,17 @@ class LMModule(L.LightningModule, ABC):
         self._resume_rng: list[dict[str, Any]] | None = None
         self._rng_outside_validation: dict[str, Any] | None = None
         self.model_compiled = False  # set by configure_model (model.compile=true)
+        # the run's one inference engine on the live weights (evaluation, the live policy
+        # server, GRPO's rollouts); built on first use, shut down in teardown
+        self.policy_engine = PolicyEngine(self.live_policy)
+
+    def live_policy(self) -> tuple[Transformer, AutoTokenizer | None]:
+        """The live policy and its tokenizer (what the policy engine is built on)."""
+        return self.model, self.tokenizer
+
+    def teardown(self, stage: str) -> None:
+        super().teardown(stage)
+        self.policy_engine.close()
 
     # ------------------------------------------------------------------ to implement
     @abstractmethod

@@ -115,19 +115,14 @@ def replay_callback(ledger: Any, until: int, checks: list[StepCheck]) -> Any:
     class ReplayCheck(StepLedger):
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             from astrai.train.ledger import sample_positions
-            from astrai.train.strategies.grpo_sampling import Samples
+            from astrai.train.strategies.grpo.replay_source import ReplaySource
+            from astrai.train.strategies.grpo.source import RolloutModule
 
             self.recording = True  # (self.file stays None: rows are compared, not written)
             self.recorded_step = int(trainer.global_step)
             self.position = sample_positions(trainer.datamodule)
-            if hasattr(pl_module, "replay_samples"):
-                fields = set(Samples.__dataclass_fields__)
-
-                def samples(seed: int) -> Samples:
-                    record = ledger.rollout(seed)
-                    return Samples(**{k: v for k, v in record.items() if k in fields})
-
-                pl_module.replay_samples = samples
+            if isinstance(pl_module, RolloutModule):  # the ledger's rollouts, no engine
+                pl_module.wrap_source(lambda source: ReplaySource(ledger.rollout, source))
 
         def step_ended(self, trainer: Any, step: int, record: dict[str, Any]) -> None:
             check = StepCheck(step, ledger.step(step), record)
@@ -142,10 +137,11 @@ def replay_callback(ledger: Any, until: int, checks: list[StepCheck]) -> Any:
 
 
 def _check_data(cfg: DictConfig, datamodule: Any, saved: Any) -> None:
+    from astrai.data.datamodule import AstraiDataModule
     from astrai.data.fingerprint import data_changes
     from astrai.data.storage.h5 import DamagedDataError
 
-    if saved is None or not hasattr(datamodule, "data_fingerprint"):
+    if saved is None or not isinstance(datamodule, AstraiDataModule):
         return
     try:
         current = datamodule.data_fingerprint()

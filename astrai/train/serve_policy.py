@@ -2,8 +2,8 @@
 
 ``serve_policy.port=8000`` on any training run starts `astrai.serve`'s app (same routes,
 errors and metrics as ``python -m astrai.serve``) on rank 0, over the engine the run already
-has: GRPO's rollout engine, else the evaluation callback's, else one built here on the
-live model. Every OpenAI response and chunk carries ``system_fingerprint:
+has: the module's policy engine (``LMModule.policy_engine``, which GRPO's rollouts and the
+evaluation callback use too; this callback declares its sizes in ``setup``). Every OpenAI response and chunk carries ``system_fingerprint:
 "policy-step-<N>"``, the policy version (GRPO's: the optimizer step count) whose weights
 computed it.
 
@@ -41,6 +41,8 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from astrai.train.policy_engine import PolicyEngine
+
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
@@ -60,9 +62,10 @@ class PolicyServeSettings:
     `port`: None turns serving off; 0 takes any free port (the log line names it).
     `api_key`, `allow_unauthenticated`: as `python -m astrai.serve`'s (a `host` other than
     loopback needs a key, or `allow_unauthenticated: true`). `model_name`: the id `/v1/models` lists and
-    responses carry (train.yaml: the run's `name`). `max_batch_size`, `max_seq_len`: the
-    engine built here when the run has none (no GRPO, no evaluation callback); None: the
-    model's context, at most 4096. `max_window_s`: the longest training waits for the
+    responses carry (train.yaml: the run's `name`). `max_batch_size`, `max_seq_len`: what serving
+    needs of the run's engine, which is built at the largest size any of its users needs
+    (`max_seq_len` None: no need of its own; the engine's default is the model's context,
+    at most 4096). `max_window_s`: the longest training waits for the
     requests of one window (None: no limit).
     """
 
@@ -272,10 +275,11 @@ class PolicyServer(Callback):
         self.settings = PolicyServeSettings.parse(settings)
         self.gate = PolicyGate()
         self.engine: InferenceEngine | None = None
+        self.owner: PolicyEngine | None = None  # the policy engine serving uses
+        self.owns_engine = False  # True: a plain LightningModule's, built by this callback
         self.app: FastAPI | None = None
         self.server: ServerThread | None = None
         self.version: int | None = None  # the policy version being served (None: none yet)
-        self._own_engine = False
         self._seeds = random.SystemRandom()
 
     @property
@@ -303,6 +307,8 @@ class PolicyServer(Callback):
         problems = serve_policy_problems(dataclasses.asdict(self.settings))
         if problems:
             raise ValueError(problems[0])
+        if self._usable(trainer, pl_module):  # before anyone builds the engine
+            self._owner(pl_module)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self.enabled or not trainer.is_global_zero or not self._usable(trainer, pl_module):
@@ -310,7 +316,7 @@ class PolicyServer(Callback):
         from astrai.serve import ServerThread
 
         self.gate = PolicyGate()  # a fit after a finished one starts with an open door
-        self.engine = self._resolve_engine(trainer, pl_module)
+        self.engine = self._owner(pl_module).engine
         self.app = app = self.build_app(self.engine)
         self.server = ServerThread(app, self.settings.host, int(self.settings.port or 0)).start()
         log.info(
@@ -359,11 +365,12 @@ class PolicyServer(Callback):
         self.close()
 
     def close(self) -> None:
-        """Stop serving and shut down the engine if it is this callback's own (a shared
-        one is its owner's to shut down)."""
+        """Stop serving and shut down the engine if it is this callback's own (a module's
+        policy engine is the module's to shut down)."""
         self.stop()
-        if self._own_engine and self.engine is not None:
-            self.engine.shutdown()
+        if self.owner is not None and self.owns_engine:
+            self.owner.close()
+        self.owner = None
         self.engine = None
 
     def stop(self) -> None:
@@ -389,26 +396,23 @@ class PolicyServer(Callback):
             return False
         return True
 
-    def _resolve_engine(self, trainer: L.Trainer, pl_module: L.LightningModule) -> InferenceEngine:
-        """The run's one engine: GRPO's rollout engine, else the evaluation callback's, else
-        one built here on the live model, as those are (``start=False``)."""
-        from astrai.inference import InferenceEngine
-        from astrai.train.evaluation import EvalCallback
+    def _owner(self, pl_module: L.LightningModule) -> PolicyEngine:
+        """The policy engine to serve from: the module's (an ``LMModule``), else one of this
+        callback's own on the live model; with serving's needs declared."""
+        if self.owner is None:
+            from astrai.train.module import LMModule
 
-        engine = getattr(pl_module, "engine", None)  # GRPO's (built on first use)
-        if isinstance(engine, InferenceEngine):
-            return engine
-        for cb in trainer.callbacks:
-            if isinstance(cb, EvalCallback):
-                return cb.get_engine(pl_module)
-        self._own_engine = True
-        return InferenceEngine(
-            pl_module.model,
-            pl_module.tokenizer,
-            start=False,
-            max_batch_size=self.settings.max_batch_size,
-            max_seq_len=self.settings.max_seq_len,
-        )
+            self.owns_engine = not isinstance(pl_module, LMModule)
+            if isinstance(pl_module, LMModule):
+                self.owner = pl_module.policy_engine
+            else:
+                self.owner = PolicyEngine(lambda: (pl_module.model, pl_module.tokenizer))
+            self.owner.need(
+                "serve_policy",
+                max_batch_size=self.settings.max_batch_size,
+                max_seq_len=self.settings.max_seq_len,
+            )
+        return self.owner
 
     # ------------------------------------------------------------------ a window
     def serve_waiting(self, trainer: L.Trainer) -> int:
@@ -421,9 +425,7 @@ class PolicyServer(Callback):
         if not tickets:
             return 0
         started = time.perf_counter()
-        step = int(trainer.global_step)
-        if step > engine.policy_version:  # as GRPO and the eval callback version weights
-            engine.update_weights(version=step)
+        engine = self.owner.sync(int(trainer.global_step))
         self.version = engine.policy_version
         # Eval mode for the window, as `astrai.serve` runs an export: the engine shares the
         # module Lightning keeps in train mode, whose LoRA dropout would otherwise drop

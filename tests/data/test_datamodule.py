@@ -65,6 +65,7 @@ def test_two_ranks_saved_one_rank_resumed() -> None:
 
     class FakeTrainer:
         training = True
+        lightning_module = None  # no module: the data module's defaults (no batch reuse)
 
         def __init__(self, rank: int, world: int) -> None:
             self.global_rank, self.world_size = rank, world

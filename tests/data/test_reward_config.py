@@ -6,7 +6,7 @@ import pickle
 import pytest
 from omegaconf import OmegaConf
 
-from astrai.train.strategies.grpo_rewards import WeightedReward, parse_rewards, score
+from astrai.train.strategies.grpo.rewards import WeightedReward, parse_rewards, score
 
 HERE = __name__  # rewards defined below are plugged in by import path, as a user's would be
 

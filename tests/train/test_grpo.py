@@ -14,8 +14,8 @@ from astrai.data.rewards import register_reward
 from astrai.inference import InferenceEngine
 from astrai.model import preset_model
 from astrai.train.strategies.grpo import build_rollouts, parse_rewards, score
-from astrai.train.strategies.grpo_advantages import group_advantages
-from astrai.train.strategies.grpo_loss import grpo_loss, k3_kl
+from astrai.train.strategies.grpo.advantages import group_advantages
+from astrai.train.strategies.grpo.loss import grpo_loss, k3_kl
 
 
 def test_group_advantages_by_hand():
@@ -158,7 +158,7 @@ def test_grpo_compute_loss_matches_hand_computation(prompt_setup, monkeypatch):
         assert prompt_list == prompts and params.n == 4  # one group of 4 per prompt
         return [FakeResult(c, lp) for c, lp in zip(completions, old)]
 
-    monkeypatch.setattr(module, "_generate", fake_generate)
+    monkeypatch.setattr(module.live_source, "generate", fake_generate)
     loss, metrics = module.compute_loss({"prompt_ids": prompts, "records": recs})
 
     # by hand
@@ -236,7 +236,7 @@ def test_grpo_trains_under_lightning(prompt_setup, tmp_path):
     ):
         assert key in logged, key
     assert 0 < float(logged["train/gen_time_frac"]) < 1
-    assert module._engine is None  # shut down in teardown
+    assert not module.policy_engine.built  # shut down in teardown
     # the reference stayed, the policy moved
     assert all(torch.equal(a, b) for a, b in zip(ref_before, module.reference.model.parameters()))
     assert set(module.state_dict()) == {f"model.{k}" for k in module.model.state_dict()}
@@ -258,7 +258,7 @@ def test_grpo_engine_version_follows_optimizer_steps(prompt_setup):
         module.on_train_batch_end(None, None, 0)
     assert engine.scheduler.policy_version == 3
     module.teardown("fit")
-    assert module._engine is None
+    assert not module.policy_engine.built
 
 
 def test_grpo_rejects_bad_options(prompt_setup):
@@ -395,7 +395,7 @@ def _fit_one_step(root, tok, *, loss_type, batch_size, accumulate):
                 out.append(FakeResult(ids, [-0.5 - 0.1 * (j % 3) for j in range(len(ids))]))
         return out
 
-    module._generate = fake_generate
+    module.live_source.generate = fake_generate
     dm = AstraiDataModule(
         train=PromptDataset(str(root / "prompts.h5")), batch_size=batch_size, seed=0
     )
@@ -496,7 +496,7 @@ def test_reference_sync_every_interval_and_exact_resume(prompt_setup, tmp_path):
 
 
 def test_sync_reference_mixes_and_copies():
-    from astrai.train.strategies.reference_sync import sync_reference
+    from astrai.train.strategies.grpo.reference import sync_reference
 
     torch.manual_seed(0)
     policy = preset_model("tiny", vocab_size=320)

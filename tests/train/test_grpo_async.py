@@ -15,14 +15,14 @@ from train_helpers import quiet_trainer
 
 from astrai.data.rewards import register_reward
 from astrai.train.module import token_logprobs
-from astrai.train.strategies.grpo_async import AsyncRollouts
-from astrai.train.strategies.grpo_loss import (
+from astrai.train.strategies.grpo.async_source import AsyncRollouts
+from astrai.train.strategies.grpo.generation import build_rollouts
+from astrai.train.strategies.grpo.loss import (
     IS_CORRECTIONS,
     LOSS_TYPES,
     grpo_loss,
     importance_sampling_ratio,
 )
-from astrai.train.strategies.grpo_rollouts import build_rollouts
 
 LENGTH_REWARD = "test_grpo_async_length"
 

@@ -65,7 +65,7 @@ def _fit(root, tok, steps, *, callbacks=(), ckpt_path=None, root_dir=None, **kw)
     module = make_grpo(root, tok, **{**KW, **kw})
     # a stop set that ends a random model's turns early, so that episodes have two turns
     stops = frozenset(range(0, len(tok), 5)) | frozenset(tok.stop_ids)
-    module.sampling = dataclasses.replace(module.sampling, stop_ids=stops)
+    module.live_source.params = dataclasses.replace(module.live_source.params, stop_ids=stops)
     trainer = quiet_trainer(
         default_root_dir=root_dir,
         max_steps=steps,
@@ -144,7 +144,7 @@ def test_multi_turn_resume_is_exact(prompt_setup, tmp_path, options):
     ],
 )
 def test_bad_environments_are_named_before_the_model(spec, message):
-    from astrai.train.strategies.grpo_sampling import environment_factory
+    from astrai.train.strategies.grpo.sampling import environment_factory
 
     with pytest.raises(ValueError, match=message):
         environment_factory(spec)

@@ -27,8 +27,8 @@ from trl_helpers import (  # noqa: E402
     trl_loss,
 )
 
-from astrai.train.strategies.grpo_advantages import compute_advantages  # noqa: E402
-from astrai.train.strategies.grpo_loss import (  # noqa: E402
+from astrai.train.strategies.grpo.advantages import compute_advantages  # noqa: E402
+from astrai.train.strategies.grpo.loss import (  # noqa: E402
     LOSS_TYPES,
     grpo_loss,
     high_entropy_mask,

@@ -14,12 +14,13 @@ from train_helpers import quiet_trainer
 
 from astrai.data import BatchReuse
 from astrai.data.rewards import register_reward
+from astrai.data.sampler import BatchConsumer
 from astrai.inference import InferenceEngine
 from astrai.train.module import token_logprobs
 from astrai.train.strategies.grpo import parse_rewards, score
-from astrai.train.strategies.grpo_advantages import group_advantages
-from astrai.train.strategies.grpo_loss import grpo_loss
-from astrai.train.strategies.grpo_rollouts import build_rollouts
+from astrai.train.strategies.grpo.advantages import group_advantages
+from astrai.train.strategies.grpo.generation import build_rollouts
+from astrai.train.strategies.grpo.loss import grpo_loss
 
 LENGTH_REWARD = "test_grpo_reuse_length"
 
@@ -47,13 +48,13 @@ class _Record(Callback):
 
 def _count_generations(module) -> list[int]:
     calls: list[int] = []
-    original = module._generate
+    original = module.live_source.generate
 
     def counting(prompts, **kw):
         calls.append(len(prompts))
         return original(prompts, **kw)
 
-    module._generate = counting
+    module.live_source.generate = counting
     return calls
 
 
@@ -76,7 +77,7 @@ def test_defaults_equal_a_plain_grpo_loop(prompt_setup):
     engine = InferenceEngine(model, by_hand.tokenizer, max_batch_size=16, max_seq_len=64)
     rewards = parse_rewards([LENGTH_REWARD])
     loader = prompt_module(root).train_dataloader()
-    g, params = 4, by_hand.sampling
+    g, params = 4, by_hand.live_source.params
     single = dataclasses.replace(params, n=1)
     for step, batch in zip(range(3), loader):
         prompts = [p for p in batch["prompt_ids"] for _ in range(g)]
@@ -224,7 +225,7 @@ def test_the_loader_repeats_batches_and_resumes_mid_repeat(prompt_setup):
 def _loader_with(dm, reuse):
     """The training loader as a trainer whose module declares `reuse` would get it."""
 
-    class Module:
+    class Module(BatchConsumer):
         batch_reuse = reuse
 
     class Trainer:

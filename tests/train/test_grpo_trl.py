@@ -13,7 +13,7 @@ trl = pytest.importorskip("trl")
 
 from trl_helpers import grpo_trainer, hf_parts, trl_loss  # noqa: E402
 
-from astrai.train.strategies.grpo_loss import LOSS_TYPES, grpo_loss  # noqa: E402
+from astrai.train.strategies.grpo.loss import LOSS_TYPES, grpo_loss  # noqa: E402
 
 EPSILON, EPSILON_HIGH, BETA, MAX_COMPLETION = 0.2, 0.28, 0.04, 6
 

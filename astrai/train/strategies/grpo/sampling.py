@@ -18,13 +18,7 @@ from typing import Any
 import torch
 
 from astrai.inference import InferenceEngine, SamplingParams
-from astrai.train.strategies.grpo_rewards import score
-
-
-def check_count(name: str, value: object) -> None:
-    """A GRPO count option is an int >= 1 (a bool is not)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"GRPO {name} must be an int >= 1, got {value!r}")
+from astrai.train.strategies.grpo.rewards import score
 
 
 def rollout_sampling(
@@ -181,46 +175,6 @@ def sample_episodes(
         action_masks=[list(e.action_mask) for e in episodes],
         stats=stats,
         version=int(engine.policy_version),
-    )
-
-
-def sample_batch(
-    batch: Mapping[str, Any],
-    seed: int | None,
-    params: SamplingParams,
-    *,
-    generate: Callable[..., list[Any]],
-    engine_of: Callable[[], InferenceEngine],
-    tokenizer: Any,
-    make_env: Callable[[], Any] | None,
-    max_turns: int,
-    rewards: Sequence[Any],
-    version: int,
-) -> Samples:
-    """One loader batch's rollouts: single turns through ``generate``, or, with an
-    environment factory, episodes on ``engine_of()``."""
-    records = list(batch["records"])
-    if make_env is None:
-        prompts = [list(p) for p in batch["prompt_ids"]]
-        return sample_turns(
-            generate,
-            tokenizer,
-            prompts,
-            records,
-            params,
-            seed=seed,
-            rewards=rewards,
-            version=version,
-        )
-    return sample_episodes(
-        engine_of(),
-        tokenizer,
-        make_env,
-        records,
-        params,
-        max_turns=max_turns,
-        seed=seed,
-        rewards=rewards,
     )
 
 

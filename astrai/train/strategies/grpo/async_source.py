@@ -17,7 +17,7 @@ Samples older than the weights that train on them are corrected as TRL corrects 
 ratio's denominator becomes the log-probs of the policy at the generation's first use
 (computed then, as TRL computes ``old_per_token_logps``), and the policy term is weighted by
 the truncated importance ratio towards the sampling policy
-(:func:`~astrai.train.strategies.grpo_loss.importance_sampling_ratio`).
+(:func:`~astrai.train.strategies.grpo.loss.importance_sampling_ratio`).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import copy
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -34,9 +35,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from astrai.train.strategies.grpo_loss import IS_CORRECTIONS, importance_sampling_ratio
-from astrai.train.strategies.grpo_rollouts import Generation, Rollouts
-from astrai.train.strategies.grpo_sampling import Samples
+from astrai.train.policy_engine import PolicyEngine
+from astrai.train.strategies.grpo.generation import Generation, Rollouts
+from astrai.train.strategies.grpo.loss import IS_CORRECTIONS, importance_sampling_ratio
+from astrai.train.strategies.grpo.sampling import Samples
+from astrai.train.strategies.grpo.source import RolloutSource
 
 log = logging.getLogger(__name__)
 
@@ -115,13 +118,15 @@ def policy_copy(model: torch.nn.Module) -> torch.nn.Module:
 class RolloutWorker:
     """One thread that runs rollout jobs in submission order on the generator's engine.
 
-    A job is ``(version, snapshot, fn)``: before ``fn(engine)`` runs, weights newer than the
-    engine's are loaded into its model through ``engine.update_weights`` (which also drops
-    the prefix-cache pages of the old weights). Results and exceptions come back through the
-    ``Future`` :meth:`submit` returns.
+    A job is ``(version, snapshot, fn)``: before ``fn()`` runs, a snapshot's weights are
+    loaded into the generator's model through the engine's versioned update (which also
+    drops the prefix-cache pages of the old weights). Results and exceptions come back
+    through the ``Future`` :meth:`submit` returns.
     """
 
-    def __init__(self, engine: Any, model: torch.nn.Module, threads: int | None = None) -> None:
+    def __init__(
+        self, engine: PolicyEngine, model: torch.nn.Module, threads: int | None = None
+    ) -> None:
         self.engine = engine
         self.model = model
         self.threads = threads if threads is not None else torch.get_num_threads()
@@ -130,7 +135,7 @@ class RolloutWorker:
         self.thread.start()
 
     def submit(
-        self, version: int, snapshot: dict[str, torch.Tensor] | None, fn: Callable[[Any], Any]
+        self, version: int, snapshot: dict[str, torch.Tensor] | None, fn: Callable[[], Any]
     ) -> Future:
         future: Future = Future()
         self.jobs.put((version, snapshot, fn, future))
@@ -146,11 +151,9 @@ class RolloutWorker:
             if not future.set_running_or_notify_cancel():
                 continue
             try:
-                if snapshot is not None and version > self.engine.policy_version:
-                    self.engine.update_weights(
-                        lambda s=snapshot: self.model.load_state_dict(s), version=version
-                    )
-                future.set_result(fn(self.engine))
+                if snapshot is not None:
+                    self.engine.sync(version, lambda s=snapshot: self.model.load_state_dict(s))
+                future.set_result(fn())
             except BaseException as err:  # the trainer re-raises it where it waits
                 future.set_exception(err)
 
@@ -159,6 +162,7 @@ class RolloutWorker:
         self.thread.join(timeout=60)
         if self.thread.is_alive():
             log.warning("GRPO: the rollout thread did not stop within 60 s")
+        self.engine.close()
 
 
 def batch_key(prompt_ids: Sequence[Sequence[int]]) -> tuple:
@@ -166,22 +170,21 @@ def batch_key(prompt_ids: Sequence[Sequence[int]]) -> tuple:
     return tuple(tuple(int(t) for t in p) for p in prompt_ids)
 
 
-Job = Callable[[Mapping[str, Any], int], Callable[[Any], Samples]]
+Job = Callable[[Mapping[str, Any], int], Callable[[], Samples]]
 
 
 class RolloutQueue:
     """The generator thread (started by ``start`` on first use) and the loader batches queued
-    on it, by their prompts: ``(seed, future)``. Also the run's staleness histogram."""
+    on it, by their prompts: ``(seed, future)``."""
 
     def __init__(self, start: Callable[[], RolloutWorker]) -> None:
         self.start = start
         self.worker: RolloutWorker | None = None
         self.pending: dict[tuple, tuple[int, Future]] = {}
         self.sent_version: int | None = None  # the last version whose weights went out
-        self.staleness: dict[int, int] = {}
 
-    def submit(self, model: torch.nn.Module, version: int, fn: Callable[[Any], Any]) -> Future:
-        """Queue ``fn(engine)`` with the weights as they are now (a snapshot goes with the
+    def submit(self, model: torch.nn.Module, version: int, fn: Callable[[], Any]) -> Future:
+        """Queue ``fn()`` with the weights as they are now (a snapshot goes with the
         first job of each policy version; the worker's copy starts as the weights now)."""
         if self.worker is None:
             self.worker, self.sent_version = self.start(), version
@@ -220,16 +223,6 @@ class RolloutQueue:
             self.pending.pop(stale)[1].cancel()
         return entry[1]
 
-    def record(self, gap: int) -> dict[str, float]:
-        """Count a generation's staleness; the metrics: it, and the run's histogram."""
-        self.staleness[gap] = self.staleness.get(gap, 0) + 1
-        total = sum(self.staleness.values())
-        out = {"async/staleness": float(gap)}
-        out.update(
-            {f"async/staleness_frac/{k}": c / total for k, c in sorted(self.staleness.items())}
-        )
-        return out
-
     def state_dict(self) -> list[dict[str, Any]]:
         """The queued batches' samples (waiting for them): what a resumed run trains on."""
         return [
@@ -249,8 +242,87 @@ class RolloutQueue:
             future.cancel()
         if self.worker is not None:
             self.worker.close()
-            self.worker.engine.shutdown()
             self.worker = None
+
+
+class Staleness:
+    """The run's histogram of generation staleness (optimizer steps between the weights that
+    sampled a generation batch and those that first train on it)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[int, int] = {}
+
+    def record(self, gap: int) -> dict[str, float]:
+        """Count a generation's staleness; the metrics: it, and the run's histogram."""
+        self.counts[gap] = self.counts.get(gap, 0) + 1
+        total = sum(self.counts.values())
+        out = {"async/staleness": float(gap)}
+        out.update({f"async/staleness_frac/{k}": c / total for k, c in sorted(self.counts.items())})
+        return out
+
+
+class AsyncSource(RolloutSource):
+    """Asynchronous rollouts: the schedule above, over a source that ``build(model)`` makes
+    on the generator's own copy of the policy (an engine source on its own engine).
+
+    Args:
+        options: ``strategy.async_rollouts``.
+        policy: the trainer's live policy (copied when the generator starts; its weights are
+            snapshot for every new policy version).
+        build: ``build(copy) -> (source, engine)``: the generator's source and the engine it
+            samples on (whose weights the versioned updates load).
+        seed_of: ``seed_of(batch, ahead)``: the rollout seed of the loader batch ``ahead``
+            generation batches on.
+    """
+
+    def __init__(
+        self,
+        options: AsyncRollouts,
+        policy: torch.nn.Module,
+        build: Callable[[torch.nn.Module], tuple[RolloutSource, PolicyEngine]],
+        seed_of: Callable[[Mapping[str, Any], int], int],
+    ) -> None:
+        self.options = options
+        self.policy = policy
+        self.build = build
+        self.seed_of = seed_of
+        self.step = 0
+        self.inner: RolloutSource | None = None
+        self.queue = RolloutQueue(self._start)
+
+    def _start(self) -> RolloutWorker:
+        """The generator thread, its engine on a copy of the policy as it is now."""
+        model = policy_copy(self.policy)
+        self.inner, engine = self.build(model)
+        engine.sync(self.step)
+        return RolloutWorker(engine, model, self.options.generator_threads)
+
+    def _job(self, batch: Mapping[str, Any], seed: int) -> Callable[[], Samples]:
+        part = {"prompt_ids": [list(p) for p in batch["prompt_ids"]], "records": batch["records"]}
+        step = self.step
+        return lambda: self.inner.take(part, seed, step)
+
+    def take(self, batch: Mapping[str, Any], seed: int, step: int) -> Samples:
+        """This batch's rollouts from the generator, after queueing the next ones the loader
+        showed (``batch["upcoming"]``)."""
+        self.step = int(step)
+        upcoming = list(batch.get("upcoming") or [])[: self.options.max_staleness]
+        later = [(b, self.seed_of(b, ahead)) for ahead, b in enumerate(upcoming, start=1)]
+        future = self.queue.take(batch, seed, later, self._job, self.policy, self.step)
+        started = time.perf_counter()
+        samples = future.result()
+        self.waited = time.perf_counter() - started
+        return samples
+
+    def state_dict(self) -> dict[str, Any]:
+        """``grpo_pending``: the queued batches' samples (waiting for them), when any."""
+        return {"grpo_pending": self.queue.state_dict()} if self.queue.pending else {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.queue.load_state_dict(state.get("grpo_pending", []))
+
+    def close(self) -> None:
+        self.queue.close()
 
 
 @torch.no_grad()
@@ -265,7 +337,7 @@ def correct_staleness(
     """A generation sampled by an older policy than the one about to train on it: the
     ratio's denominator becomes this policy's log-probs (``logp_of``: one no-gradient forward
     per slice), and the policy term is weighted by the importance ratio towards the sampler
-    (:func:`~astrai.train.strategies.grpo_loss.importance_sampling_ratio`). Returns the
+    (:func:`~astrai.train.strategies.grpo.loss.importance_sampling_ratio`). Returns the
     ratio's metrics."""
     old_rows: list[list[float]] = []
     weights: list[Any] = []

@@ -23,7 +23,7 @@ the rollout policy) and the loss aggregates ``l`` over the completion tokens (``
   TRL's normaliser: that global count divided by the number of processes, since DDP averages
   the ranks' gradients.
 
-Advantages come from :mod:`astrai.train.strategies.grpo_advantages`: one per completion
+Advantages come from :mod:`astrai.train.strategies.grpo.advantages`: one per completion
 ``[N]`` or one per token ``[N, T]`` (REINFORCE++).
 """
 

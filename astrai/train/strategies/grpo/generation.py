@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from astrai.train.strategies.grpo_sampling import Samples
+from astrai.train.strategies.grpo.sampling import Samples
 
 
 @dataclass
