@@ -10,7 +10,7 @@ import torch
 
 from astrai.serve import ServeSettings
 from astrai.serve.__main__ import settings_of
-from astrai.serve.parsing import OutputParser, TextDelta
+from astrai.serve.tool_parsers import OutputParser, TextDelta
 from astrai.serve.reasoning import (
     REASONING_PARSER_CHOICES,
     Reasoning,
