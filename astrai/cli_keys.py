@@ -92,6 +92,15 @@ _HAS_SLOTS = ("train",)
 _CHECKS_ITS_OPTIONS = ("bench",)
 #: keys a command names otherwise: {command: {wrong key: right key}}
 _RENAMED = {"prepare": {"tokenizer": "tokenizer_path", "tokenizer.path": "tokenizer_path"}}
+#: keys a command no longer has: {command: {key: what to say instead}}
+_REMOVED = {
+    "serve": {
+        "tool_call_format": "removed: tool calls are read by one parser family, chosen with "
+        "tool_parser=<name> (vLLM's --tool-call-parser names: hermes, the old default, "
+        "llama3_json, mistral, pythonic, qwen3_coder, auto, none, or 'START|END' tags); "
+        "docs/serving.md",
+    }
+}
 
 #: keys other tools use for a model directory (always refused, with the key to use)
 _FOREIGN = ("model_dir", "model_name_or_path", "pretrained_model_name_or_path")
@@ -176,9 +185,13 @@ def named_groups_win(args: Sequence[str], config_dir: Path = CONF_DIR) -> None:
 
 def renamed_keys(command: str, args: Sequence[str]) -> None:
     """A key that `command` spells otherwise (`tokenizer=` on prepare) is a `SystemExit`
-    naming the right one, before Hydra's "Could not override 'tokenizer'"."""
+    naming the right one, before Hydra's "Could not override 'tokenizer'"; so is a key it no
+    longer has (`tool_call_format=` on serve), saying what replaced it."""
     for arg in args:
         key = _key(arg)
+        gone = _REMOVED.get(command, {}).get(key or "")
+        if gone:
+            raise SystemExit(f"{command}: {key}: {gone}")
         right = _RENAMED.get(command, {}).get(key or "")
         if right:
             value = arg.split("=", 1)[1] or "<dir>"

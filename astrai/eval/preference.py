@@ -41,7 +41,7 @@ class PreferenceAccuracy:
 
 
 def _scores(model: torch.nn.Module, loader, reduction: str) -> tuple[torch.Tensor, torch.Tensor]:
-    from astrai.train.preference import preference_logprobs
+    from astrai.likelihood import preference_logprobs
 
     chosen, rejected = [], []
     with torch.no_grad():
@@ -53,8 +53,8 @@ def _scores(model: torch.nn.Module, loader, reduction: str) -> tuple[torch.Tenso
 
 
 def _reward_scores(path: Path, loader) -> tuple[torch.Tensor, torch.Tensor]:
+    from astrai.likelihood import reward_inputs
     from astrai.model.reward import last_token_rewards, load_reward_model
-    from astrai.train.preference import reward_inputs
 
     model = load_reward_model(path, dtype=torch.float32).eval()
     chosen, rejected = [], []

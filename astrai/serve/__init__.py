@@ -15,10 +15,10 @@ if TYPE_CHECKING:
     from astrai.serve.app import create_app
     from astrai.serve.errors import APIError
     from astrai.serve.handler import ProtocolHandler
-    from astrai.serve.parsing import OutputParser, StopMatcher, ToolCallFormat, ToolCallParser
     from astrai.serve.protocol import ResponseBuilder
     from astrai.serve.server import Server, ServerThread
     from astrai.serve.settings import ServeSettings
+    from astrai.serve.tool_parsers import OutputParser, StopMatcher, ToolParserChoice
 
 __getattr__ = lazy_exports(
     globals(),
@@ -26,10 +26,10 @@ __getattr__ = lazy_exports(
         "astrai.serve.app": ("create_app",),
         "astrai.serve.errors": ("APIError",),
         "astrai.serve.handler": ("ProtocolHandler",),
-        "astrai.serve.parsing": ("OutputParser", "StopMatcher", "ToolCallFormat", "ToolCallParser"),
         "astrai.serve.protocol": ("ResponseBuilder",),
         "astrai.serve.server": ("Server", "ServerThread"),
         "astrai.serve.settings": ("ServeSettings",),
+        "astrai.serve.tool_parsers": ("OutputParser", "StopMatcher", "ToolParserChoice"),
     },
 )
 
@@ -42,7 +42,6 @@ __all__ = [
     "Server",
     "ServerThread",
     "StopMatcher",
-    "ToolCallFormat",
-    "ToolCallParser",
+    "ToolParserChoice",
     "create_app",
 ]

@@ -213,7 +213,6 @@ def settings_of(cfg: dict[str, Any]) -> ServeSettings:
     """The `ServeSettings` that `cfg` describes; a bad value is a SystemExit naming it
     (checked before the model loads)."""
     from astrai.inference.params import check_max_prompt_tokens
-    from astrai.serve.parsing import tool_call_format
     from astrai.serve.settings import ServeSettings
 
     cap = cfg.get("max_prompt_tokens")  # the engine's setting (build_engine), checked now
@@ -227,15 +226,10 @@ def settings_of(cfg: dict[str, Any]) -> ServeSettings:
         settings = ServeSettings(
             model_name=cfg.get("model_name") or Path(str(cfg["model_path"])).resolve().name,
             api_key=cfg.get("api_key") or None,
-            tool_call_format=str(cfg.get("tool_call_format") or "none"),
             **{k: cfg[k] for k in _SETTINGS if k in cfg},
         )
     except ValueError as err:  # the message names the key
         raise SystemExit(str(err)) from None
-    try:
-        tool_call_format(settings.tool_call_format)
-    except ValueError as err:
-        raise SystemExit(f"tool_call_format: {err}") from None
     return settings
 
 
@@ -262,7 +256,7 @@ def startup_line(settings: ServeSettings, app: FastAPI, spec: SpeculativeConfig 
 
     state = app.state.astrai
     tool = state.tool_parser.name if state.tool_parser is not None else "none"
-    if settings.tool_parser_spec == "auto":
+    if settings.tool_parser == "auto":
         tool += " (auto)"
     reasoning = resolve_reasoning_parser(settings.reasoning_parser, state.engine.tokenizer)
     reasoning = reasoning or "none"

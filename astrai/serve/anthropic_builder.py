@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 from astrai.serve.errors import APIError, anthropic_error_body
-from astrai.serve.parsing import Event, TextDelta
 from astrai.serve.protocol import Choice, Prepared, RequestContext, ResponseBuilder, sse
 from astrai.serve.reasoning import (
     ReasoningDelta,
@@ -25,7 +24,7 @@ from astrai.serve.schemas import (
 )
 from astrai.serve.settings import ServeSettings
 from astrai.serve.structured import tool_call_constraint
-from astrai.serve.tool_parsers import argument_fragments
+from astrai.serve.tool_parsers import Event, TextDelta, argument_fragments
 from astrai.tokenizer import AutoTokenizer
 
 _STOP = {

@@ -23,7 +23,6 @@ from astrai.serve.limits import BodyLimitMiddleware
 from astrai.serve.metrics import HTTPMetrics
 from astrai.serve.openai_builder import OpenAIResponseBuilder
 from astrai.serve.openapi import install_openapi
-from astrai.serve.parsing import tool_call_format
 from astrai.serve.protocol import SafeJSONResponse
 from astrai.serve.schemas import (
     ChatCompletionRequest,
@@ -79,13 +78,7 @@ def create_app(
     """
     settings = settings or ServeSettings()
     warm_up_structured_outputs(engine)
-    state = ServerState(
-        engine,
-        settings,
-        tool_call_format(settings.tool_call_format),
-        reward=reward,
-        fingerprint=fingerprint,
-    )
+    state = ServerState(engine, settings, reward=reward, fingerprint=fingerprint)
     app = FastAPI(title="astrai", version="1", docs_url=None, redoc_url=None)
     app.state.astrai = state
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)

@@ -13,11 +13,11 @@ from typing import Any
 from astrai.serve.errors import APIError
 from astrai.serve.logprobs import LegacyLogprobs, token_text
 from astrai.serve.openai_builder import OpenAIStyleBuilder, usage
-from astrai.serve.parsing import Event, TextDelta
 from astrai.serve.protocol import Choice, Prepared, RequestContext
 from astrai.serve.request import openai_params, or_default, stop_strings
 from astrai.serve.schemas import CompletionRequest, given
 from astrai.serve.settings import ServeSettings
+from astrai.serve.tool_parsers import Event, TextDelta
 from astrai.tokenizer import AutoTokenizer
 
 _FINISH = {

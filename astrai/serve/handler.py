@@ -28,7 +28,6 @@ from astrai.inference.adapters import AdapterNotFound
 from astrai.serve.adapters import model_not_found
 from astrai.serve.errors import APIError
 from astrai.serve.limits import check_prompt_chars, check_unicode
-from astrai.serve.parsing import Event, OutputParser, TextDelta
 from astrai.serve.protocol import (
     Choice,
     Prepared,
@@ -39,6 +38,7 @@ from astrai.serve.protocol import (
 from astrai.serve.reasoning import ReasoningDelta, with_reasoning
 from astrai.serve.refusals import bad_settings, ended, failed, refused
 from astrai.serve.state import ServerState
+from astrai.serve.tool_parsers import Event, OutputParser, TextDelta
 
 logger = logging.getLogger("astrai.serve")
 
@@ -129,7 +129,6 @@ class ProtocolHandler:
         p = ctx.prepared
         loop = asyncio.get_running_loop()
         post, put = self.engine.handoff.post, ctx.queue.put_nowait  # one wake-up per step
-        fmt = self.state.tool_format if p.parse_tools else None
         tool_parser = self.state.tool_parser if p.parse_tools else None
         seed = p.params.seed
         if len(p.prompts) > 1:  # a batch: every prompt passes the check before any is queued
@@ -166,7 +165,7 @@ class ProtocolHandler:
             for i, result in enumerate(results, start=first):
                 prefix = self.builder.tool_id_prefix
                 tools = None if tool_parser is None else tool_parser.new(p.tool_defs, prefix)
-                parser = OutputParser(p.stops, fmt, prefix, tool_parser=tools)
+                parser = OutputParser(p.stops, tools)
                 parser = with_reasoning(p.reasoning, parser)  # the reasoning is split off first
                 ctx.choices.append(Choice(i, result, parser, prompt_index=prompt))
                 # The engine's thread only wakes this loop (once per step); the text is

@@ -7,7 +7,6 @@ from typing import Any
 
 from astrai.serve.errors import APIError, openai_error_body
 from astrai.serve.logprobs import chat_entries, token_text
-from astrai.serve.parsing import Event, TextDelta
 from astrai.serve.protocol import Choice, Prepared, RequestContext, ResponseBuilder, sse
 from astrai.serve.reasoning import (
     ReasoningDelta,
@@ -19,7 +18,7 @@ from astrai.serve.request import openai_params, or_default, render_prompt, stop_
 from astrai.serve.schemas import ChatCompletionRequest, ChatMessage, NamedToolChoice, given
 from astrai.serve.settings import ServeSettings
 from astrai.serve.structured import response_format_constraint, tool_call_constraint
-from astrai.serve.tool_parsers import argument_fragments
+from astrai.serve.tool_parsers import Event, TextDelta, argument_fragments
 from astrai.tokenizer import AutoTokenizer
 
 _FINISH = {

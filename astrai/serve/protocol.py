@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 from fastapi.responses import JSONResponse
 
 from astrai.serve.errors import APIError
-from astrai.serve.parsing import Event, OutputParser, ToolCall
 from astrai.serve.settings import ServeSettings
+from astrai.serve.tool_parsers import Event, OutputParser, ToolCall
 
 if TYPE_CHECKING:
     from astrai.inference import GenerateResult, SamplingParams

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from astrai.serve.errors import APIError
-from astrai.serve.parsing import Event, OutputParser, ToolCall
+from astrai.serve.tool_parsers import Event, OutputParser, ToolCall
 
 if TYPE_CHECKING:
     import torch

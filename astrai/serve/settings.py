@@ -15,11 +15,11 @@ from astrai.serve.lora_paths import AdapterRoots
 class ServeSettings:
     """What `create_app` needs besides the engine.
 
-    `tool_call_format`: ``"hermes"`` (``<tool_call>{json}</tool_call>``, our chat
-    template's format), ``"START|END"`` for other tags, or ``"none"`` to never parse tool
-    calls. `tool_parser` (vLLM's names; wins over `tool_call_format` when set):
-    ``hermes``, ``llama3_json``, ``mistral``, ``pythonic``, ``qwen3_coder``, ``auto``
-    (chosen from the model's chat template) or ``none`` (`astrai.serve.tool_parsers`).
+    `tool_parser` (vLLM's `--tool-call-parser` names): ``hermes`` (the default,
+    ``<tool_call>{json}</tool_call>``, our chat template's format), ``llama3_json``,
+    ``mistral``, ``pythonic``, ``qwen3_coder``, ``auto`` (chosen from the model's chat
+    template), ``none`` (never parse tool calls), or ``"START|END"`` tags of a hermes-style
+    format (`astrai.serve.tool_parsers`; GRPO's environments read the same setting).
     `disconnect_poll_s`: how often a non-streaming request checks that its client
     is still there. A cap on prompt tokens is the engine's (`InferenceEngine(...,
     max_prompt_tokens=)`, the one prompt check): `python -m astrai.serve` passes its
@@ -41,8 +41,7 @@ class ServeSettings:
 
     model_name: str = "astrai"
     api_key: str | None = None
-    tool_call_format: str = "hermes"
-    tool_parser: str | None = None
+    tool_parser: str = "hermes"
     retry_after_s: int = 1
     disconnect_poll_s: float = 0.5
     max_body_bytes: int = 4 * 1024 * 1024
@@ -93,15 +92,9 @@ class ServeSettings:
         from astrai.serve.reasoning import check_reasoning_parser
 
         check_reasoning_parser(self.reasoning_parser)  # a ValueError naming its choices
-        if self.tool_parser is not None:
-            from astrai.serve.tool_parsers import resolve
+        from astrai.serve.tool_parsers import resolve
 
-            resolve(self.tool_parser)  # a ValueError naming tool_parser and its choices
-
-    @property
-    def tool_parser_spec(self) -> str:
-        """The effective tool-call format: `tool_parser`, else `tool_call_format`."""
-        return self.tool_call_format if self.tool_parser is None else self.tool_parser
+        resolve(self.tool_parser)  # a ValueError naming tool_parser and its choices
 
 
 def is_loopback(host: str) -> bool:

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any
 
 from astrai.serve.adapters import ServedModels
 from astrai.serve.errors import APIError
-from astrai.serve.parsing import ToolCallFormat
 from astrai.serve.protocol import RequestContext
 from astrai.serve.settings import ServeSettings
 from astrai.serve.tool_parsers import resolve as resolve_tool_parser
@@ -28,7 +27,6 @@ class ServerState:
         self,
         engine: InferenceEngine,
         settings: ServeSettings,
-        tool_format: ToolCallFormat | None,
         reward: RewardScorer | None = None,
         fingerprint: Callable[[], str | None] | None = None,
     ) -> None:
@@ -38,10 +36,9 @@ class ServerState:
         self.fingerprint: Callable[[], str | None] = fingerprint or (lambda: None)
         self.reward = reward  # POST /v1/score's reward model (astrai.serve.score), if loaded
         self.settings = settings
-        self.tool_format = tool_format
         # The format tool calls are parsed in (`tool_parser=auto`: the chat template's).
         self.tool_parser = resolve_tool_parser(
-            settings.tool_parser_spec, getattr(engine.tokenizer, "chat_template", None)
+            settings.tool_parser, getattr(engine.tokenizer, "chat_template", None)
         )
         self.draining = False
         self.inflight: set[RequestContext] = set()

@@ -62,12 +62,11 @@ def tool_call_constraint(
             "choose (tool_choice auto)",
             param="tools",
         )
-    parser = resolve_tool_parser(settings.tool_parser_spec, tokenizer.chat_template)
+    parser = resolve_tool_parser(settings.tool_parser, tokenizer.chat_template)
     if parser is None:
         raise APIError(
             400,
-            "tool_choice: cannot force a tool call, the server parses none "
-            "(tool_parser / tool_call_format is none)",
+            "tool_choice: cannot force a tool call, the server parses none (tool_parser is none)",
             param="tool_choice",
         )
     start, end = parser.forced  # the parser's tags around a JSON call, which it reads back

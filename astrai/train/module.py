@@ -6,7 +6,7 @@ tokenizer, optional LoRA adapters, the optimizer and schedule (factories from `c
 and the non-finite-loss guard. A strategy implements only `compute_loss(batch) -> (loss,
 metrics)`; Lightning does the loop, precision, accumulation, clipping, distribution and
 checkpointing. The features several strategies share live here, once: the token log-prob
-(`token_logprobs`), the language-model loss (`lm_loss`), a frozen reference policy
+(`token_logprobs`, whose home is `astrai.likelihood`), the language-model loss (`lm_loss`), a frozen reference policy
 (`ReferencePolicy`) and starting from an earlier export (`init_from`).
 
 The model config is instantiated to a *factory* (`_partial_: true`), not to a model: the
@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from astrai.data.datasets import IGNORE_INDEX
 from astrai.data.sampler import BatchConsumer
+from astrai.likelihood import token_logprobs
 from astrai.model import (
     LoRAConfig,
     Transformer,
@@ -141,18 +142,6 @@ class ReferencePolicy:
 
 
 # ---------------------------------------------------------------------- losses
-def token_logprobs(logits: Tensor, targets: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
-    """`log p(targets[b, t])` under `logits[b, t]`: `[B, S, V], [B, S] -> [B, S]` in fp32,
-    0 where `targets == ignore_index`. For next-token log-probs of a sequence pass
-    `logits[:, :-1], input_ids[:, 1:]`.
-
-    `cross_entropy(reduction="none")` rather than `log_softmax` + gather: no second
-    `[B, S, V]` tensor is materialised.
-    """
-    nll = F.cross_entropy(
-        logits.flatten(0, 1).float(), targets.flatten(), ignore_index=ignore_index, reduction="none"
-    )
-    return -nll.view_as(targets)
 
 
 def lm_loss(

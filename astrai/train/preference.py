@@ -1,30 +1,40 @@
-"""Log-probabilities and metrics of preference batches (``chosen_*`` / ``rejected_*``, see
-``PreferenceDataset``), shared by every preference strategy (DPO and its loss family, CPO and
-SimPO, ORPO, the reward model) and by ``astrai.eval.preference``: one home, so no strategy
-imports another."""
+"""The losses and metrics of preference batches (``chosen_*`` / ``rejected_*``, see
+``PreferenceDataset``) that every preference strategy shares (DPO and its loss family, CPO and
+SimPO, ORPO, the reward model): one home, so no strategy imports another. Their log-probs
+(`preference_logprobs`, `sequence_logprobs`, `reward_inputs`, ...) live in
+``astrai.likelihood``, below training, where ``astrai.eval.preference`` reads them too; they
+are imported here for the strategies."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
-from astrai.data.datasets import IGNORE_INDEX
-from astrai.train.module import token_logprobs
+from astrai.likelihood import (
+    REDUCTIONS,
+    ld_masks,
+    preference_logprobs,
+    preference_token_logprobs,
+    reduce_preference,
+    reward_inputs,
+    sequence_logprobs,
+)
 
-REDUCTIONS = ("sum", "mean")
-
-
-def sequence_logprobs(token_logps: Tensor, mask: Tensor, reduction: str = "sum") -> Tensor:
-    """Sum (``reduction="sum"``) or mean (``"mean"``) of per-token log-probs over the masked
-    (response) tokens: ``[B, S] -> [B]``; an empty response gives 0."""
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    mask = mask.to(token_logps.dtype)
-    total = (token_logps * mask).sum(-1)
-    return total if reduction == "sum" else total / mask.sum(-1).clamp(min=1.0)
+__all__ = [
+    "REDUCTIONS",
+    "chosen_nll",
+    "ld_masks",
+    "preference_logprobs",
+    "preference_metrics",
+    "preference_token_logprobs",
+    "reduce_preference",
+    "response_nll",
+    "reward_inputs",
+    "sequence_logprobs",
+    "smoothed_sigmoid_loss",
+]
 
 
 def smoothed_sigmoid_loss(z: Tensor, eps: float) -> Tensor:
@@ -32,77 +42,6 @@ def smoothed_sigmoid_loss(z: Tensor, eps: float) -> Tensor:
     ``z`` with the label flipped at rate ``eps`` (cDPO's label smoothing; 0: plain)."""
     loss = -(1.0 - eps) * F.logsigmoid(z)
     return loss - eps * F.logsigmoid(-z) if eps else loss
-
-
-def _sides(batch: Mapping[str, Tensor], key: str) -> Tensor:
-    return torch.cat([batch[f"chosen_{key}"], batch[f"rejected_{key}"]])
-
-
-def preference_token_logprobs(
-    model: nn.Module, batch: Mapping[str, Tensor], *, padding_free: bool = False
-) -> tuple[Tensor, Tensor]:
-    """Per-token log-probs ``[2B, S]`` of the chosen rows then the rejected rows (0 off the
-    response) and the response mask ``[2B, S]`` (bool), in one forward.
-
-    ``padding_free`` packs the real tokens of the ``2B`` rows into one row with position ids
-    restarting at 0 per sequence (the model attends within each sequence only), so no pad
-    token is computed; the result is scattered back to the padded layout.
-    """
-    ids, labels = _sides(batch, "input_ids"), _sides(batch, "labels")
-    mask = _sides(batch, "loss_mask").bool() & (labels != IGNORE_INDEX)
-    if not padding_free:
-        # Right padding under a causal mask never changes the logits of real tokens, so no
-        # attention mask is needed (and SDPA keeps its fast causal path).
-        return token_logprobs(model(ids), labels), mask
-    keep = _sides(batch, "attention_mask").bool()
-    positions = (keep.long().cumsum(-1) - 1)[keep]
-    logits = model(ids[keep][None], position_ids=positions[None])
-    packed = token_logprobs(logits, labels[keep][None])[0]
-    return packed.new_zeros(ids.shape).masked_scatter(keep, packed), mask
-
-
-def ld_masks(mask: Tensor) -> tuple[Tensor, Tensor]:
-    """LD-DPO's split of the response masks ``[2B, S]`` (chosen rows, then rejected): the
-    first ``min(n_chosen, n_rejected)`` response tokens of each row (shared) and the rest of
-    the longer response (tail)."""
-    counts = mask.sum(-1)
-    b = counts.shape[0] // 2
-    shared = torch.minimum(counts[:b], counts[b:]).repeat(2)[:, None]
-    rank = mask.long().cumsum(-1)
-    return mask & (rank <= shared), mask & (rank > shared)
-
-
-def reduce_preference(
-    token_logps: Tensor, mask: Tensor, reduction: str = "sum", ld_alpha: float | None = None
-) -> tuple[Tensor, Tensor]:
-    """Sequence log-probs ``(chosen [B], rejected [B])`` of :func:`preference_token_logprobs`'
-    output: summed or averaged over the response, or LD-DPO's ``shared + ld_alpha * tail``
-    (``ld_alpha`` needs ``reduction="sum"``)."""
-    if ld_alpha is None:
-        seq = sequence_logprobs(token_logps, mask, reduction)
-    else:
-        if reduction != "sum":
-            raise ValueError("DPO ld_alpha weights summed log-probs: it needs reduction=sum")
-        shared, tail = ld_masks(mask)
-        seq = sequence_logprobs(token_logps, shared) + ld_alpha * sequence_logprobs(
-            token_logps, tail
-        )
-    b = seq.shape[0] // 2
-    return seq[:b], seq[b:]
-
-
-def preference_logprobs(
-    model: nn.Module,
-    batch: Mapping[str, Tensor],
-    reduction: str = "sum",
-    *,
-    ld_alpha: float | None = None,
-    padding_free: bool = False,
-) -> tuple[Tensor, Tensor]:
-    """Response log-probs ``(chosen [B], rejected [B])`` (summed, averaged or LD-weighted,
-    see :func:`reduce_preference`) in one ``[2B, S]`` forward (or one packed row)."""
-    tok, mask = preference_token_logprobs(model, batch, padding_free=padding_free)
-    return reduce_preference(tok, mask, reduction, ld_alpha)
 
 
 def response_nll(token_logps: Tensor, mask: Tensor) -> Tensor:
@@ -134,27 +73,3 @@ def preference_metrics(
         "logps/chosen": policy_chosen.detach().mean(),
         "logps/rejected": policy_rejected.detach().mean(),
     }
-
-
-def reward_inputs(batch: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
-    """Chosen then rejected sequences ``[2B, S']`` of a preference batch, each up to its
-    last assistant token, and the index of that token per row ``[2B]``.
-
-    The batch's ``*_input_ids`` stop one token short of the document (``labels`` are shifted
-    by one), so the last assistant token is put back from ``labels``; a row without any
-    labelled token is scored at its last real token. Columns after the last scored token
-    are dropped; right padding is harmless under the causal mask.
-    """
-    ids = torch.cat([batch["chosen_input_ids"], batch["rejected_input_ids"]])
-    labels = torch.cat([batch["chosen_labels"], batch["rejected_labels"]])
-    attn = torch.cat([batch["chosen_attention_mask"], batch["rejected_attention_mask"]])
-    n, s = ids.shape
-    cols = torch.arange(s, device=ids.device).expand(n, s)
-    labelled = labels != IGNORE_INDEX
-    t = torch.where(labelled, cols, -1).amax(-1)  # the last labelled position, -1 if none
-    has = t >= 0
-    rows = torch.arange(n, device=ids.device)
-    full = torch.cat([ids, ids.new_zeros(n, 1)], dim=1)
-    full[rows[has], t[has] + 1] = labels[rows[has], t[has]]
-    last = torch.where(has, t + 1, attn.sum(-1) - 1)
-    return full[:, : int(last.max()) + 1], last

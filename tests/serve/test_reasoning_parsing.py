@@ -10,7 +10,6 @@ import torch
 
 from astrai.serve import ServeSettings
 from astrai.serve.__main__ import settings_of
-from astrai.serve.parsing import OutputParser, TextDelta
 from astrai.serve.reasoning import (
     REASONING_PARSER_CHOICES,
     Reasoning,
@@ -21,6 +20,7 @@ from astrai.serve.reasoning import (
     reasoning_for,
     resolve_reasoning_parser,
 )
+from astrai.serve.tool_parsers import OutputParser, TextDelta
 from astrai.tokenizer import AutoTokenizer
 
 CASES = [

@@ -1,12 +1,14 @@
 """Shared cases of the tool-parser tests: tools, and each format's spelling of calls.
 
 The spellings are written here from the formats' public descriptions (vLLM's parsers,
-the models' chat templates), independently of astrai.serve.tool_parsers.
+the models' chat templates), independently of astrai.serve.tool_parsers; `run` and
+`splits` (at the end) feed them to the family, one test file per parser module.
 """
 
 from __future__ import annotations
 
 import json
+import random
 from typing import Any
 
 PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder")
@@ -140,3 +142,31 @@ REFERENCE_CASES = [
         ('<tool_call>\n{"name": "get_time", "parameters": {"tz": "UTC"}}\n</tool_call>', []),
     ),
 ]
+
+
+def reference_cases(parser: str) -> list[tuple]:
+    """`REFERENCE_CASES` of one parser (its test file's)."""
+    return [case for case in REFERENCE_CASES if case[0] == parser]
+
+
+def run(parser: str, pieces: list[str], tools=TOOL_DEFS) -> tuple[str, list[tuple[str, dict]]]:
+    """`pieces` fed to a fresh parser of the `parser` choice: the content and the calls."""
+    from astrai.serve.tool_parsers import TextDelta, ToolCall, resolve
+
+    p = resolve(parser).new(tools)
+    events = [e for piece in pieces for e in p.feed(piece)] + p.flush()
+    text = "".join(e.text for e in events if isinstance(e, TextDelta))
+    calls = [e for e in events if isinstance(e, ToolCall)]
+    assert [c.index for c in calls] == list(range(len(calls)))
+    assert calls == p.calls
+    return text, [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+def splits(text: str, seed: int = 0) -> list[list[str]]:
+    """The whole text, one character at a time, every cut in two, random chunks."""
+    rng = random.Random(seed)
+    out = [[text], list(text)] + [[text[:i], text[i:]] for i in range(1, len(text))]
+    for _ in range(5):
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, 6)))
+        out.append([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])])
+    return out

@@ -220,3 +220,12 @@ def test_malformed_records_raise_at_reset(record, match):
 def test_bad_code_options_name_the_field(option, value):
     with pytest.raises(ValueError, match=option):
         CodeRepair(**{option: value})
+
+
+def test_an_environments_tool_parser_is_checked_when_it_is_built():
+    assert Calculator().tool_parser == "auto" and CodeRepair().tool_parser == "auto"
+    assert Calculator(tool_parser="llama3_json").tool_parser == "llama3_json"
+    with pytest.raises(ValueError, match="tool_parser must be one of hermes, llama3_json"):
+        Calculator(tool_parser="hermes2")
+    with pytest.raises(ValueError, match="tool_parser"):
+        CodeRepair(tool_parser="bogus")

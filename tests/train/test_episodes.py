@@ -395,3 +395,47 @@ def test_a_template_that_is_not_prefix_stable_is_refused(tok):
             max_turns=2,
             seed=0,
         )
+
+
+# ---------------------------------------------------------------------- the tool parser
+QWEN3_CODER_CALL = (
+    "<tool_call>\n<function=calc>\n<parameter=expr>\n23 + 45\n</parameter>\n</function>\n"
+    "</tool_call>"
+)
+
+
+def test_turns_are_read_with_the_parser_the_server_picks_for_the_template(model):
+    """A template whose tool format is qwen3_coder's: the environment's default (`auto`)
+    reads the model's calls with the parser `python -m astrai.serve tool_parser=auto` picks
+    for the same tokenizer; hermes (the old runner's, hard-coded) reads none of them."""
+    from astrai.serve import ServeSettings, create_app
+    from astrai.tokenizer.chat_template import DEFAULT_CHAT_TEMPLATE
+
+    texts = [f"{p['prompt']} {p['solution']}" for p in arithmetic_problems(60)]
+    marker = "{# a Qwen3-Coder template writes <function=name><parameter=p> #}"
+    coder = AutoTokenizer.train(
+        texts * 2, vocab_size=300, chat_template=DEFAULT_CHAT_TEMPLATE + marker
+    )
+    served = create_app(_engine(model, coder), ServeSettings(tool_parser="auto")).state.astrai
+    assert served.tool_parser.name == "qwen3_coder"
+    record = {"prompt": "What is 23 + 45?", "answer": "68"}
+
+    def episode(make_env):
+        engine = Scripted(coder, [QWEN3_CODER_CALL, "The answer is 68."])
+        (ep,) = run_episodes(
+            engine, coder, make_env, [record], SamplingParams(), max_turns=3, seed=0
+        )
+        return ep
+
+    ep = episode(Calculator)
+    call = {"type": "function", "function": {"name": "calc", "arguments": {"expr": "23 + 45"}}}
+    assert (ep.turns, ep.tool_calls, ep.error) == (2, 1, None)
+    assert ep.messages[1:3] == [
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "68"},
+    ]
+    ep = episode(lambda: Calculator(tool_parser="hermes"))
+    assert (ep.turns, ep.tool_calls) == (1, 0)
+    assert ep.final_text == QWEN3_CODER_CALL
+    ep = episode(lambda: Calculator(tool_parser="none"))
+    assert (ep.turns, ep.tool_calls) == (1, 0)

@@ -10,7 +10,11 @@
 
 `auto` picks by the chat template's text (`detect`), falling back to hermes; `none`
 parses no calls. `resolve` turns the setting into a `ToolParserChoice`, whose `new` makes
-the per-choice parser (`ToolParser`, base.py).
+the per-choice parser (`ToolParser`, base.py) and whose `parse_text` reads a whole output.
+The server (one parser per choice, behind the stop strings: `OutputParser`, stream.py) and
+GRPO's environments (`astrai.train.environments`, `Environment.tool_parser`) resolve the
+same setting against the same chat template, so a model is read alike in training and
+serving. The events they emit are events.py's.
 """
 
 from __future__ import annotations
@@ -20,15 +24,22 @@ from dataclasses import dataclass
 from typing import Any
 
 from astrai.serve.tool_parsers.base import ToolParser, argument_fragments
+from astrai.serve.tool_parsers.events import Event, TextDelta, ToolCall
 from astrai.serve.tool_parsers.hermes import HermesToolParser, tagged_parser
 from astrai.serve.tool_parsers.llama3_json import Llama3JsonToolParser
 from astrai.serve.tool_parsers.mistral import MistralToolParser
 from astrai.serve.tool_parsers.pythonic import PythonicToolParser
 from astrai.serve.tool_parsers.qwen3_coder import Qwen3CoderToolParser
+from astrai.serve.tool_parsers.stream import OutputParser, StopMatcher
 
 __all__ = [
     "TOOL_PARSERS",
     "TOOL_PARSER_CHOICES",
+    "Event",
+    "OutputParser",
+    "StopMatcher",
+    "TextDelta",
+    "ToolCall",
     "ToolParser",
     "ToolParserChoice",
     "argument_fragments",
@@ -72,6 +83,15 @@ class ToolParserChoice:
     ) -> ToolParser:
         return self.cls(tools, id_prefix)
 
+    def parse_text(
+        self, text: str, tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> tuple[str, list[ToolCall]]:
+        """A whole output at once: its content (the text outside the calls, as a
+        non-streamed choice's) and its calls (`tools`: as for `new`)."""
+        parser = self.new(tools)
+        events = parser.feed(text) + parser.flush()
+        return "".join(e.text for e in events if isinstance(e, TextDelta)), parser.calls
+
 
 def detect(template: str | None) -> str:
     """The parser a chat template's text calls for (`hermes` when nothing matches)."""
@@ -81,18 +101,23 @@ def detect(template: str | None) -> str:
     return "hermes"
 
 
-def resolve(spec: str | None, template: str | None = None) -> ToolParserChoice | None:
-    """`tool_parser=` (or a legacy `tool_call_format` "START|END") -> a choice; None for
-    `none`. A ValueError naming `tool_parser` and the choices for anything else."""
+def resolve(
+    spec: str | ToolParserChoice | None, template: str | None = None
+) -> ToolParserChoice | None:
+    """`tool_parser=` (a name, `auto` read off `template`, `none`, or "START|END" tags of a
+    hermes-style format) -> a choice (a choice is kept as it is); None for `none`. A
+    ValueError naming `tool_parser` and the choices for anything else."""
+    if isinstance(spec, ToolParserChoice):
+        return spec
     if spec is None or spec in ("", "none", "off"):
         return None
-    if spec == "auto":
-        spec = detect(template)
-    if spec in TOOL_PARSERS:
-        return ToolParserChoice(TOOL_PARSERS[spec])
-    start, sep, end = spec.partition("|")
-    if sep and start and end:
-        return ToolParserChoice(tagged_parser(start, end))
+    if isinstance(spec, str):
+        name = detect(template) if spec == "auto" else spec
+        if name in TOOL_PARSERS:
+            return ToolParserChoice(TOOL_PARSERS[name])
+        start, sep, end = spec.partition("|")
+        if sep and start and end:
+            return ToolParserChoice(tagged_parser(start, end))
     raise ValueError(
         f"tool_parser must be one of {', '.join(TOOL_PARSER_CHOICES)} "
         f"(or 'START|END' tags for a hermes-style format); got {spec!r}"

@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
-from astrai.serve.parsing import Event, TextDelta, ToolCall, emit_text, held_suffix
+from astrai.serve.tool_parsers.events import Event, TextDelta, ToolCall, emit_text, held_suffix
 
 Parsed = list[tuple[str, Any]]  # (name, arguments) pairs; arguments checked later
 

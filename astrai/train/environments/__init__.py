@@ -5,7 +5,9 @@
 `Episode`s (action mask, log-probs, reward). Built in: `Calculator` (arithmetic with a
 ``calc`` tool) and `CodeRepair` (programs run against tests, with a second attempt). The
 names are imported on first use (`astrai.lazy`): `CodeRepair` brings in the evaluation
-sandbox, the runner the inference parameters and the server's tool-call parser.
+sandbox, the runner the inference parameters. The runner reads the model's turns with the
+server's tool-call parser family (`astrai.serve.tool_parsers`), as `Environment.tool_parser`
+chooses.
 """
 
 from typing import TYPE_CHECKING

@@ -38,6 +38,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+from astrai.serve.tool_parsers import ToolParserChoice, resolve
+
 __all__ = ["Environment", "StepResult"]
 
 
@@ -59,11 +61,21 @@ class Environment(ABC):
     """One episode of a multi-turn task (see the module docstring for an example).
 
     `tools`: OpenAI function schemas rendered into the prompt (the chat template's
-    ``tools=``); None: no tool block. The runner only duck-types: any object with `reset`,
-    `step` (and optionally `tools`) will do; this base names the contract.
+    ``tools=``); None: no tool block. `tool_parser`: how the runner reads tool calls in the
+    model's turns, the server's `tool_parser` setting (vLLM's names: ``hermes``,
+    ``llama3_json``, ``mistral``, ``pythonic``, ``qwen3_coder``, ``none``, "START|END" tags,
+    or a `ToolParserChoice`); ``auto`` (the default) picks the parser from the tokenizer's
+    chat template as the server's ``auto`` does, so training and serving read a model's
+    calls alike. The runner only duck-types `reset`, `step` and `tools`; an object that is
+    not an `Environment` is read with ``auto``.
     """
 
     tools: list[dict[str, Any]] | None = None
+    tool_parser: str | ToolParserChoice = "auto"
+
+    def __init__(self, *, tool_parser: str | ToolParserChoice = "auto") -> None:
+        resolve(tool_parser)  # a ValueError naming tool_parser and its choices, at build time
+        self.tool_parser = tool_parser
 
     @abstractmethod
     def reset(self, record: Mapping[str, Any]) -> list[dict[str, Any]]:

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from fractions import Fraction
 from typing import Any
 
+from astrai.serve.tool_parsers import ToolParserChoice
 from astrai.train.environments.base import Environment, StepResult
 
 __all__ = ["CALC_TOOL", "CalcError", "Calculator", "evaluate", "format_value"]
@@ -106,9 +107,18 @@ class Calculator(Environment):
             prompts short for models that learned the tool from their SFT data.
         max_calls: tool calls allowed per episode (None: no limit); a turn that would
             exceed it ends the episode unanswered (its final text is then that turn).
+        tool_parser: how the model's calls are read (`Environment`; ``auto``: as the
+            server reads the chat template's format).
     """
 
-    def __init__(self, *, announce_tools: bool = True, max_calls: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        announce_tools: bool = True,
+        max_calls: int | None = None,
+        tool_parser: str | ToolParserChoice = "auto",
+    ) -> None:
+        super().__init__(tool_parser=tool_parser)
         if not isinstance(announce_tools, bool):
             raise ValueError(f"Calculator announce_tools must be a bool, got {announce_tools!r}")
         if max_calls is not None and (

@@ -19,6 +19,7 @@ from typing import Any
 
 from astrai.eval.code_reward import CodeTests
 from astrai.eval.sandbox import ExecutionResult, run_program
+from astrai.serve.tool_parsers import ToolParserChoice
 from astrai.train.environments.base import Environment, StepResult
 
 __all__ = ["CodeRepair"]
@@ -36,6 +37,7 @@ class CodeRepair(Environment):
         timeout, memory_mb: per-program sandbox limits (wall-clock seconds, address space).
         feedback_chars: at most this many trailing characters of the program's error
             output are shown to the model.
+        tool_parser: how tool calls in the model's turns are read (`Environment`).
     """
 
     tools = None
@@ -47,7 +49,9 @@ class CodeRepair(Environment):
         timeout: float = 10.0,
         memory_mb: int = 1024,
         feedback_chars: int = 1000,
+        tool_parser: str | ToolParserChoice = "auto",
     ) -> None:
+        super().__init__(tool_parser=tool_parser)
         for name, value, low in (
             ("max_attempts", max_attempts, 1),
             ("feedback_chars", feedback_chars, 0),

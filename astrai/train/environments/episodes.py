@@ -18,6 +18,11 @@ ended on another stop id). This needs a prefix-stable template (a conversation p
 renders, and tokenizes, as a prefix of the whole: true of astrai's default ChatML
 template, `astrai.tokenizer.chat_template`); one that is not raises ValueError.
 
+The model's turn becomes an assistant message with the server's tool-call parser family:
+the environment's `tool_parser` (``auto`` by default) resolved against the tokenizer's chat
+template, as `python -m astrai.serve` resolves its own, so training and serving read a
+model's calls alike.
+
 Failures: an environment that raises (in the factory, `reset` or `step`), or answers
 with a malformed `StepResult` or messages the template cannot render, fails its episode
 alone (reward 0.0, `error` set, one warning); a rejected or aborted generation is an engine
@@ -36,7 +41,7 @@ from numbers import Real
 from typing import TYPE_CHECKING, Any
 
 from astrai.inference.params import SamplingParams
-from astrai.serve.parsing import TOOL_CALL_FORMATS, TextDelta, ToolCall, ToolCallParser
+from astrai.serve.tool_parsers import ToolParserChoice, resolve
 from astrai.train.environments.base import Environment, StepResult
 
 if TYPE_CHECKING:
@@ -106,19 +111,15 @@ class Episode:
         return 1.0 - sum(self.action_mask) / n if n else 0.0
 
 
-def assistant_message(text: str) -> dict[str, Any]:
+def assistant_message(text: str, parser: ToolParserChoice | None) -> dict[str, Any]:
     """The model's turn as an OpenAI-shaped message: the text outside tool calls as
-    ``content``, and ``tool_calls`` (parsed as the server does, Hermes tags) when any."""
-    parser = ToolCallParser(TOOL_CALL_FORMATS["hermes"])
-    events = parser.feed(text) + parser.flush()
-    message: dict[str, Any] = {
-        "role": "assistant",
-        "content": "".join(e.text for e in events if isinstance(e, TextDelta)),
-    }
+    ``content``, and ``tool_calls`` when any, read by `parser` (the environment's
+    `tool_parser` choice) as the server reads a choice; any tool name passes (the
+    environment answers an unknown one). None (``none``): the text is all content."""
+    content, found = (text, []) if parser is None else parser.parse_text(text)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
     calls = [
-        {"type": "function", "function": {"name": e.name, "arguments": e.input}}
-        for e in events
-        if isinstance(e, ToolCall)
+        {"type": "function", "function": {"name": c.name, "arguments": c.input}} for c in found
     ]
     if calls:
         message["tool_calls"] = calls
@@ -133,6 +134,7 @@ class _Run:
     episode: Episode
     env: Any = None
     tools: Any = None
+    parser: ToolParserChoice | None = None  # how the model's turns are read
     active: bool = True
 
     @property
@@ -208,6 +210,8 @@ def _start(
         messages = run.env.reset(record)
         _check_messages(messages, "reset()")
         run.tools = getattr(run.env, "tools", None)
+        spec = run.env.tool_parser if isinstance(run.env, Environment) else "auto"
+        run.parser = resolve(spec, tokenizer.chat_template)
         prompt = tokenizer.apply_chat_template(
             messages, tools=run.tools, add_generation_prompt=True, tokenize=True
         )
@@ -281,7 +285,7 @@ def _advance(
     ep.logprobs += [float(x) for x in result.logprobs]
     ep.action_mask += [1] * len(ids)
     ep.turns += 1
-    message = assistant_message(tokenizer.decode(ids, skip_special_tokens=True))
+    message = assistant_message(tokenizer.decode(ids, skip_special_tokens=True), run.parser)
     ep.messages.append(message)
     ep.tool_calls += len(message.get("tool_calls", ()))
     if result.finish_reason == "length":  # a cut turn is not shown to the environment

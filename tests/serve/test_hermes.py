@@ -1,17 +1,17 @@
-"""Stop strings and tool-call parsing on text streams, split at every possible point."""
+"""`HermesToolParser` (hermes.py): ``<tool_call>{json}</tool_call>`` spans, with content before
+them, split at every possible point; `tagged_parser`'s other tags ("START|END"); vLLM's
+reading of a body (only ``arguments`` holds the arguments)."""
+
+from __future__ import annotations
 
 import json
 
 import pytest
+from tool_parser_cases import reference_cases, run, splits
 
-from astrai.serve.parsing import (
-    OutputParser,
-    StopMatcher,
-    TextDelta,
-    ToolCall,
-    ToolCallFormat,
-    tool_call_format,
-)
+from astrai.serve.tool_parsers import OutputParser, TextDelta, ToolCall, resolve
+
+HERMES = resolve("hermes")
 
 
 def _run(parser: OutputParser, pieces: list[str]):
@@ -28,31 +28,6 @@ def _splits(text: str):
     yield list(text)
     for i in range(1, len(text)):
         yield [text[:i], text[i:]]
-
-
-@pytest.mark.parametrize(
-    "text, stops, expect, matched",
-    [
-        ("Hello world, bye", ["world"], "Hello ", "world"),
-        ("Hello world", ["xyz"], "Hello world", None),
-        ("abcabd", ["abd"], "abc", "abd"),  # a failed partial match is released
-        ("one two three", ["three", "two"], "one ", "two"),  # the earliest match wins
-        ("Hello wor", ["world"], "Hello wor", None),  # held text comes back at the end
-    ],
-)
-def test_stop_strings_at_every_split(text, stops, expect, matched):
-    for pieces in _splits(text):
-        parser = OutputParser(stops)
-        out, _ = _run(parser, pieces)
-        assert (out, parser.matched_stop) == (expect, matched), pieces
-
-
-def test_stop_matcher_never_emits_a_stop_prefix_early():
-    m = StopMatcher(["STOP"])
-    assert m.feed("abc ST") == "abc "
-    assert m.feed("O") == ""
-    assert m.feed("P tail") == ""
-    assert m.matched == "STOP"
 
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "n": 2}}\n</tool_call>'
@@ -73,7 +48,6 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "n":
             "",
             [("f", {"a": 1})],
         ),
-        ('<tool_call>{"name": "f"}</tool_call>', "", [("f", {})]),
         ("<tool_call>{not json}</tool_call>", "<tool_call>{not json}</tool_call>", []),
         (
             '<tool_call>{"arguments": {}}</tool_call>',
@@ -86,25 +60,22 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "n":
     ],
 )
 def test_tool_calls_at_every_split(text, content, calls):
-    fmt = ToolCallFormat()
     for pieces in _splits(text):
-        out, got = _run(OutputParser((), fmt), pieces)
+        out, got = _run(OutputParser((), HERMES.new()), pieces)
         assert out == content, pieces
         assert [(c.name, json.loads(c.arguments)) for c in got] == calls, pieces
         assert [c.index for c in got] == list(range(len(calls)))
         assert len({c.id for c in got}) == len(got)
 
 
-def test_stop_string_applies_before_tool_parsing():
-    out, calls = _run(OutputParser(["<tool_call>"], ToolCallFormat()), ["Hi ", CALL])
-    assert (out, calls) == ("Hi ", [])
+@pytest.mark.parametrize(("parser", "tools", "out", "want"), reference_cases("hermes"))
+def test_the_reference_parsers_reading_whole_and_in_random_chunks(parser, tools, out, want):
+    for pieces in splits(out, seed=3):
+        assert run(parser, pieces, tools=tools) == want, pieces
 
 
-def test_tool_call_format_config():
-    assert tool_call_format("hermes") == ToolCallFormat("<tool_call>", "</tool_call>")
-    assert tool_call_format("none") is None
-    assert tool_call_format("[CALL]|[/CALL]") == ToolCallFormat("[CALL]", "[/CALL]")
-    with pytest.raises(ValueError, match="tool call format"):
-        tool_call_format("bogus")
-    _, calls = _run(OutputParser((), tool_call_format("[C]|[/C]")), ['[C]{"name": "x"}[/C]'])
+def test_other_tags_read_as_hermes():
+    tagged = resolve("[CALL]|[/CALL]")
+    assert (tagged.name, tagged.forced) == ("[CALL]|[/CALL]", ("[CALL]", "[/CALL]"))
+    _, calls = _run(OutputParser((), tagged.new()), ['[CALL]{"name": "x", "arguments": {}}[/CALL]'])
     assert [c.name for c in calls] == ["x"]
