@@ -4,8 +4,8 @@ Three callers share it: the HTTP server (`generate_async` / `submit` / `submit_g
 evaluation (`run_batch`, and `score` for log-likelihoods), and GRPO rollouts (`run_batch`,
 token ids and log-probs). `SamplingParams.n` samples of one prompt run as a group that
 prefills the prompt once (`astrai.inference.groups`).
-Its step is nano-vllm's: `scheduler.schedule()` -> `runner.run(plan)` ->
-`scheduler.postprocess(...)`, driven by one background thread or, for `run_batch`, by the
+Its step is nano-vllm's: `scheduler.schedule()` -> `runner.run(plan)` (a `StepOutput`) ->
+`scheduler.postprocess(plan, out)`, driven by one background thread or, for `run_batch`, by the
 calling thread; both use `step()`.
 """
 
