@@ -83,7 +83,7 @@ def _run_step(eng: InferenceEngine, batch: int | None) -> tuple[dict[str, float]
             t0 = clock()
             out = runner.run(plan)
             t1 = clock()
-            scheduler.postprocess(plan, *out)
+            scheduler.postprocess(plan, out)
             took["forward"] += t1 - t0
             took["postprocess"] += clock() - t1
         t0 = clock()

@@ -2,8 +2,9 @@
 
 `InferenceEngine` is the front door. Each step, `InferenceScheduler.schedule()` decides
 which requests run with how many tokens (a `StepPlan`), `ModelRunner.run(plan)` runs the
-forward and samples, and `InferenceScheduler.postprocess(...)` appends the tokens and
-applies the stop rules. A request's settings travel as one `SamplingParams`
+forward and samples (a `StepOutput`: the tokens each row emitted, one, or 1..k+1 with
+speculation), and `InferenceScheduler.postprocess(plan, out)` appends them and applies
+the stop rules. A request's settings travel as one `SamplingParams`
 (`astrai.inference.params`: the settings, their checks and the request limits). Prompt
 log-probs and `InferenceEngine.score` (log-likelihoods): `astrai.inference.logprobs`.
 `SamplingParams.n` samples of one prompt prefill it once (`astrai.inference.groups`).

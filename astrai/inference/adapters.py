@@ -19,12 +19,13 @@ name no adapter.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
 import reprlib
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +33,7 @@ import torch
 from torch import nn
 
 from astrai.extension.lora import LoRABatch, LoRALayer, LoRAStep
+from astrai.inference.task import Rejection, Task
 from astrai.model.hub import from_hf_key
 from astrai.model.layers import Linear
 from astrai.model.lora import (
@@ -44,6 +46,8 @@ from astrai.model.lora import (
 )
 
 logger = logging.getLogger(__name__)
+
+NO_ADAPTERS = "this engine serves no LoRA adapters (start it with lora=..., engine.lora)"
 
 # MLA decodes through kv_b_proj's absorbed weight, never its forward: no delta would apply.
 _NOT_ADAPTABLE = ("kv_b_proj",)
@@ -322,19 +326,59 @@ class AdapterSlots:
             token_slots, self.scalings, self.rank, self.scalings.device, self.host_scalings
         )
 
+    def active(self, tasks: Sequence[Task]) -> bool:
+        """Whether a row of a step runs with an adapter (then it runs eagerly, `applied`)."""
+        return any(t.adapter_slot >= 0 for t in tasks)
+
+    @contextlib.contextmanager
+    def applied(self, tasks: Sequence[Task], q_lens: Sequence[int]) -> Iterator[None]:
+        """The adapted projections add each token's adapter (row `i` feeds `q_lens[i]`
+        tokens of `tasks[i]`) for the forward run in the block."""
+        self.step.batch = self.batch(
+            [t.adapter_slot for t, q in zip(tasks, q_lens) for _ in range(q)]
+        )
+        try:
+            yield
+        finally:
+            self.step.batch = None
+
+
+class NoAdapterSlots:
+    """The slots of an engine that serves no adapters: no request ever holds one (its tasks
+    have no adapter, so admission never asks for a slot)."""
+
+    def active(self, tasks: Sequence[Task]) -> bool:
+        return False
+
+    def available(self, adapter: Adapter) -> bool:
+        return False
+
+    def acquire(self, adapter: Adapter) -> int | None:
+        return None
+
+    def release(self, slot: int) -> None:
+        """Nothing is held."""
+
+
+NO_ADAPTER_SLOTS = NoAdapterSlots()  # stateless: one serves every engine without adapters
+
 
 class EngineAdapters:
     """The adapters an engine serves, by name, over its `AdapterSlots`; thread-safe (loads
     and unloads come from server threads while the engine runs)."""
 
+    enabled = True
+
     @classmethod
-    def build(cls, model: nn.Module, lora: LoRASettings | Mapping | None) -> EngineAdapters | None:
-        """The engine's adapters: None without `lora` settings unless `model` carries a
-        training run's adapters, which become the live adapter (rank limit: theirs)."""
+    def build(
+        cls, model: nn.Module, lora: LoRASettings | Mapping | None
+    ) -> EngineAdapters | NoAdapters:
+        """The engine's adapters: `NoAdapters` without `lora` settings unless `model` carries
+        a training run's adapters, which become the live adapter (rank limit: theirs)."""
         settings = LoRASettings.of(lora)
         config = getattr(model, "lora_config", None)
         if settings is None and config is None:
-            return None
+            return NoAdapters()
         if settings is None:
             settings = LoRASettings(max_loras=1, max_lora_rank=config.r)
         adapters = cls(AdapterSlots(model, settings))
@@ -439,9 +483,60 @@ class EngineAdapters:
         with self.lock:
             return [a.info for a in self.by_name.values()]
 
+    def assign(self, tasks: Sequence[Task]) -> Rejection | None:
+        """Give the tasks of one prompt their adapter (None: the base, or a training run's
+        live adapter); a `Rejection` if it was unloaded since the request was checked.
+        The caller holds `lock` from the resolution to the queueing (no unload between)."""
+        try:
+            adapter = self.resolve(tasks[0].params.adapter)
+        except AdapterNotFound as err:
+            return Rejection(str(err), param="adapter")
+        for task in tasks:
+            task.adapter = adapter
+        return None
+
+
+class NoAdapters:
+    """The registry of an engine that serves no adapters (as `NoPrefixCache` is the prefix
+    cache that shares nothing): every request runs the base model, a request naming an
+    adapter is `AdapterNotFound`, and loading or unloading one is an `AdapterError`."""
+
+    enabled = False
+    default: Adapter | None = None
+
+    def __init__(self) -> None:
+        self.slots = NO_ADAPTER_SLOTS
+        self.lock = contextlib.nullcontext()
+
+    def load(self, name: str, path: str | os.PathLike) -> AdapterInfo:
+        raise AdapterError(NO_ADAPTERS)
+
+    def unload(self, name: str, in_use: Callable[[Adapter], bool]) -> None:
+        raise AdapterError(NO_ADAPTERS)
+
+    def list(self) -> list[AdapterInfo]:
+        return []
+
+    def resolve(self, name: str | None) -> Adapter | None:
+        if name is None:
+            return None
+        raise AdapterNotFound(f"adapter {name!r}: {NO_ADAPTERS}")
+
+    def assign(self, tasks: Sequence[Task]) -> Rejection | None:
+        """Requests were checked (`resolve`): they name no adapter and run the base."""
+        return None
+
+    def refresh_live(self) -> None:
+        """No live adapter."""
+
+    def close(self) -> None:
+        """Nothing hooked into the model."""
+
 
 __all__ = [
     "LIVE_ADAPTER",
+    "NO_ADAPTERS",
+    "NO_ADAPTER_SLOTS",
     "Adapter",
     "AdapterError",
     "AdapterInUse",
@@ -450,6 +545,8 @@ __all__ = [
     "AdapterSlots",
     "EngineAdapters",
     "LoRASettings",
+    "NoAdapterSlots",
+    "NoAdapters",
     "adaptable_modules",
     "read_adapter",
 ]

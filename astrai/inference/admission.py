@@ -23,7 +23,7 @@ from astrai.inference.processors import describe
 from astrai.inference.task import Rejection, Task, TaskState
 
 if TYPE_CHECKING:
-    from astrai.inference.adapters import AdapterSlots
+    from astrai.inference.adapters import AdapterSlots, NoAdapterSlots
     from astrai.inference.cache import PagePool
 
 logger = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ class Admission:
     """`InferenceScheduler`'s admission of waiting tasks (a mixin over its queues)."""
 
     pool: PagePool
-    adapter_slots: AdapterSlots | None
+    adapter_slots: AdapterSlots | NoAdapterSlots
     max_batch_size: int
     total_prompt_tokens: int
     total_cached_tokens: int

@@ -10,12 +10,13 @@ got before `n` existed).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from astrai.inference.params import SamplingParams
-from astrai.inference.task import Task
+from astrai.inference.structured import StructuredOutput, per_prompt
+from astrai.inference.task import Rejection, Task
 
 
 @dataclass
@@ -45,6 +46,28 @@ def group_tasks(
         )
         for j in range(params.n)
     ]
+
+
+def prompt_groups(
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams,
+    structured: StructuredOutput | Sequence[StructuredOutput | None] | None,
+    check: Callable[[list[int], SamplingParams], Rejection | None],
+    backend: str | None,
+) -> list[tuple[list[Task], Rejection | None]]:
+    """`run_batch`'s groups, one per prompt, each checked (`check`: its `Rejection`, or
+    None) before anything runs: prompt `i` seeded `seed + i * n`, with its own output
+    constraint when `structured` gives one per prompt."""
+    n, seed = params.n, params.seed
+    constraints = None if structured is None else per_prompt(structured, len(prompts))
+    groups = []
+    for i, prompt_ids in enumerate(prompts):
+        p = params if seed is None else dataclasses.replace(params, seed=seed + i * n)
+        if constraints is not None:
+            p = dataclasses.replace(p, structured=constraints[i])
+        ids = list(prompt_ids)
+        groups.append((group_tasks(ids, p, backend), check(ids, p)))
+    return groups
 
 
 def batch_output(task: Task, *, return_logprobs: bool, return_details: bool) -> Any:

@@ -4,46 +4,46 @@ Three callers share it: the HTTP server (`generate_async` / `submit` / `submit_g
 evaluation (`run_batch`, and `score` for log-likelihoods), and GRPO rollouts (`run_batch`,
 token ids and log-probs). `SamplingParams.n` samples of one prompt run as a group that
 prefills the prompt once (`astrai.inference.groups`).
-Its step is nano-vllm's: `scheduler.schedule()` -> `runner.run(plan)` ->
-`scheduler.postprocess(...)`, driven by one background thread or, for `run_batch`, by the
+Its step is nano-vllm's: `scheduler.schedule()` -> `runner.run(plan)` (a `StepOutput`) ->
+`scheduler.postprocess(plan, out)`, driven by one background thread or, for `run_batch`, by the
 calling thread; both use `step()`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import dataclasses
 import logging
-import threading
-from collections.abc import AsyncGenerator, Callable, Generator, Iterator, Mapping, Sequence
+import os
+from collections.abc import AsyncGenerator, Callable, Generator, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
 from tqdm.auto import tqdm
 
 from astrai.extension import BackendUnavailable, selected_backend
-from astrai.extension.omp import release_idle_team
-from astrai.inference.adapters import EngineAdapters, LoRASettings
-from astrai.inference.batch import BatchResult, batch_output, group_tasks, single
-from astrai.inference.cache import PagePool
-from astrai.inference.engine_lora import AdapterMethods
+from astrai.inference.adapters import AdapterInfo, EngineAdapters, LoRASettings, NoAdapters
+from astrai.inference.batch import BatchResult, batch_output, group_tasks, prompt_groups, single
 from astrai.inference.errors import EngineNotReady, RequestRejected
 from astrai.inference.grammar import grammar_compiler
 from astrai.inference.graph import DecodeGraphRunner
 from astrai.inference.handoff import Handoff
 from astrai.inference.logprobs import ScoreResult
-from astrai.inference.params import MAX_LOGPROBS, SamplingParams, check_count, params_from
-from astrai.inference.proposers import make_proposer
-from astrai.inference.result import GenerateResult, interleave
+from astrai.inference.loop import EngineLoop
+from astrai.inference.params import SamplingParams, params_from
+from astrai.inference.parts import kv_pool, make_proposer
+from astrai.inference.result import GenerateResult, interleave, stream_deltas, stream_text
 from astrai.inference.runner import ModelRunner
 from astrai.inference.scheduler import InferenceScheduler
-from astrai.inference.scoring import check_score_requests, score_phases, score_result
-from astrai.inference.speculative import SpeculativeConfig
-from astrai.inference.structured import StructuredOutput, per_prompt
+from astrai.inference.scoring import (
+    check_score_requests,
+    score_params,
+    score_phases,
+    score_result,
+    score_tasks,
+)
+from astrai.inference.speculative import Proposer, SpeculativeConfig
+from astrai.inference.structured import StructuredOutput
 from astrai.inference.task import Rejection, Task
 from astrai.model import Transformer
-from astrai.model.mla_config import kv_geometry
 from astrai.model.packed import pack_projections, prepack_rows, release_projections
 from astrai.tokenizer import AutoTokenizer
 
@@ -58,7 +58,7 @@ __all__ = [
 ]
 
 
-class InferenceEngine(AdapterMethods):
+class InferenceEngine:
     """A model, its tokenizer, a KV pool, a scheduler, a model runner and a loop thread.
 
     `cache_mode="contiguous"` (default) gives every batch slot `max_seq_len` fixed KV
@@ -105,7 +105,6 @@ class InferenceEngine(AdapterMethods):
         # model has no dropout; the runner runs it under inference_mode.
         self.model = model
         self.tokenizer = tokenizer
-        param = next(model.parameters())
         cfg = model.config
         if len(tokenizer) > cfg.vocab_size:
             raise ValueError(
@@ -114,23 +113,20 @@ class InferenceEngine(AdapterMethods):
         self.packed_projections = bool(packed_projections)  # before a pool sized by free memory
         if self.packed_projections:
             pack_projections(model, prepack_rows(max_batch_size))
-        self.pool = PagePool(
-            num_layers=cfg.num_hidden_layers,
-            **kv_geometry(cfg),  # K/V per kv head, or MLA's latent (astrai/model/mla_config.py)
-            dtype=param.dtype,
-            device=param.device,
+        self.pool = kv_pool(
+            model,
             max_batch_size=max_batch_size,
-            max_seq_len=max_seq_len or min(cfg.max_position_embeddings, 4096),
-            mode=cache_mode,
+            max_seq_len=max_seq_len,
+            cache_mode=cache_mode,
             page_size=page_size,
             kv_tokens=kv_tokens,
             memory_fraction=memory_fraction,
-            enable_radix=prefix_cache,
+            prefix_cache=prefix_cache,
         )
         self.handoff = Handoff(stream_interval)
-        self.adapters = EngineAdapters.build(model, lora)  # None: no adapters
-        slots = None if self.adapters is None else self.adapters.slots
-        spec, self.proposer = make_proposer(speculative, model, max_batch_size, max_seq_len)
+        self.adapters: EngineAdapters | NoAdapters = EngineAdapters.build(model, lora)
+        slots = self.adapters.slots
+        self.proposer: Proposer = make_proposer(speculative, model, max_batch_size, max_seq_len)
         self.scheduler = InferenceScheduler(
             self.pool,
             vocab_size=cfg.vocab_size,
@@ -140,7 +136,7 @@ class InferenceEngine(AdapterMethods):
             max_queue=max_queue,
             max_prompt_tokens=max_prompt_tokens,
             adapters=slots,
-            speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
+            speculative_tokens=self.proposer.num_speculative_tokens,
         )
         self.runner = ModelRunner(
             model,
@@ -152,9 +148,7 @@ class InferenceEngine(AdapterMethods):
             adapters=slots,
             proposer=self.proposer,
         )
-        self._closed = False
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self.loop = EngineLoop(self.step, self.scheduler, self.handoff)
         if start:
             self.start()
 
@@ -199,30 +193,19 @@ class InferenceEngine(AdapterMethods):
     @property
     def running(self) -> bool:
         """The background loop thread is alive."""
-        return self._thread is not None and self._thread.is_alive()
+        return self.loop.running
 
     @property
     def ready(self) -> bool:
-        return not self._closed and self.running and self.scheduler.failure is None
+        return not self.loop.closed and self.running and self.scheduler.failure is None
 
     def start(self) -> None:
         """Start the background loop (a restart after a crash accepts requests again)."""
-        if self.running:
-            return
-        self._stop.clear()
-        self.scheduler.failure = None
-        release_idle_team()  # the loop computes now: idle workers here would throttle its team
-        self._thread = threading.Thread(target=self._loop, name="astrai-engine", daemon=True)
-        self._thread.start()
+        self.loop.start()
 
     def stop(self, timeout: float | None = 30.0) -> None:
         """Stop the loop after its current step; queued and running tasks stay as they are."""
-        self._stop.set()
-        self.scheduler.wakeup.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
-        self.handoff.flush()
+        self.loop.stop(timeout)
 
     def step(self) -> None:
         """One step: plan, run each plan, post-process, then free what finished.
@@ -247,64 +230,21 @@ class InferenceEngine(AdapterMethods):
                     logger.exception("model forward failed; aborting its %d requests", n)
                     scheduler.abort(plan, f"model forward failed: {type(err).__name__}: {err}")
                     continue
-                scheduler.postprocess(plan, *out)
+                scheduler.postprocess(plan, out)
             scheduler.cleanup()
         finally:  # first tokens and ends go at once; other text within `stream_interval`
             self.handoff.end_step(urgent=scheduler.milestones != milestones)
 
-    def _loop(self) -> None:
-        logger.debug("engine loop started")
-        wakeup = self.scheduler.wakeup
-        while not self._stop.is_set():
-            if not self.scheduler.has_work():
-                self.handoff.flush()  # nothing follows to deliver what is held
-                wakeup.wait(timeout=0.1)
-                wakeup.clear()
-                continue
-            try:
-                self.step()
-            except Exception as err:
-                logger.exception("engine loop crashed")
-                self.scheduler.fail_all(f"{type(err).__name__}: {err}")
-                return
-
-    @contextlib.contextmanager
-    def _paused(self) -> Iterator[None]:
-        """The background loop stopped for the block (after finishing the work it has) and
-        restarted after it, unless the engine was shut down meanwhile: for work on the
-        calling thread (`run_batch`, `score`) and weight updates."""
-        was_running = self.running
-        if was_running:
-            while self.scheduler.has_work():
-                threading.Event().wait(0.01)
-                if not self.running:
-                    break
-            self.stop()
-        try:
-            yield
-        finally:
-            if was_running and not self._closed:
-                self.start()
-
     # ------------------------------------------------------------------ lifecycle
     def shutdown(self) -> None:
         """Stop the loop and end every open stream (finish reason `cancelled`)."""
-        if self._closed:
+        if self.loop.closed:
             return
-        self._closed = True
-        self.scheduler.cancel_all()
-        deadline = 50
-        while self.running and self.scheduler.has_work() and deadline:
-            threading.Event().wait(0.02)
-            deadline -= 1
-        self.stop()
-        if self.scheduler.has_work():  # loop was not running: clean up on this thread
-            self.scheduler.cleanup()
+        self.loop.close()
         if self.packed_projections:
             release_projections(self.model)  # the last engine on this model drops the packs
-        for extra in (self.adapters, self.proposer):  # LoRA slots' hooks, a draft model
-            if extra is not None:
-                extra.close()
+        self.adapters.close()  # LoRA slots' hooks
+        self.proposer.close()  # a draft model's KV rows
 
     def __enter__(self) -> InferenceEngine:
         return self
@@ -334,7 +274,7 @@ class InferenceEngine(AdapterMethods):
         (`InferenceScheduler.problem`).
         """
         params.validate(vocab_size=self.vocab_size)
-        self.check_adapter(params.adapter)  # AdapterNotFound names it
+        self.adapters.resolve(params.adapter)  # AdapterNotFound names it
         if params.structured is not None:  # compiled (and cached) now: a bad one is a 400
             grammar_compiler(self.tokenizer).compile(params.structured)
         problem = self.scheduler.problem(prompt_ids, params)
@@ -344,9 +284,9 @@ class InferenceEngine(AdapterMethods):
     def _queue(self, tasks: Sequence[Task], rejection: str | Rejection | None) -> None:
         """Queue the tasks of one prompt as a group, or reject them all with `rejection`;
         with their adapter, resolved under the registry's lock (no unload in between)."""
-        with self.adapter_lock():
+        with self.adapters.lock:
             if rejection is None:
-                rejection = self.assign_adapter(tasks)
+                rejection = self.adapters.assign(tasks)
             if rejection is None:
                 self.scheduler.submit_group(tasks)
                 return
@@ -385,7 +325,7 @@ class InferenceEngine(AdapterMethods):
         `submit`'s, once for the group: a prompt that can never run rejects every sample
         with the same `Rejection`.
         """
-        if self._closed:
+        if self.loop.closed:
             raise EngineNotReady("the engine has been shut down")
         params = params_from(params, sampling)
         prompt_ids = self.encode(prompt)
@@ -431,7 +371,7 @@ class InferenceEngine(AdapterMethods):
         params = params_from(params, sampling)
         if params.n == 1 and isinstance(prompt, str):
             result = self.submit(prompt, params)
-            return self._stream(result) if stream else result.wait_completion()
+            return stream_text(result, self.cancel) if stream else result.wait_completion()
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         groups = [self.submit_group(p, params) for p in prompts]
         if stream:
@@ -441,13 +381,6 @@ class InferenceEngine(AdapterMethods):
             return [group[0] for group in texts]
         return texts[0] if isinstance(prompt, str) else texts
 
-    def _stream(self, result: GenerateResult) -> Generator[str, None, None]:
-        try:
-            yield from result
-        finally:
-            if not result.done:
-                self.cancel(result)
-
     async def generate_async(
         self, prompt: str | Sequence[int], params: SamplingParams | None = None, **sampling: Any
     ) -> AsyncGenerator[str, None]:
@@ -456,25 +389,13 @@ class InferenceEngine(AdapterMethods):
 
         The engine's thread only wakes the event loop (once per step, `Handoff`); the text is
         decoded here, and a consumer that falls behind gets several tokens' text at once."""
-        loop = asyncio.get_running_loop()
-        ready = asyncio.Event()
         result = self.submit(prompt, single(params_from(params, sampling), "generate_async"))
-        result.listen(lambda: self.handoff.post(loop, ready.set))
-        start = 0
+        deltas = stream_deltas(result, self.handoff, self.cancel)
         try:
-            while True:
-                ready.clear()
-                pieces, start, done = result.take(start)
-                if pieces:
-                    yield "".join(text for text, _ in pieces)
-                if done:
-                    break
-                if not pieces:
-                    await ready.wait()
-        finally:
-            if not result.done:
-                self.cancel(result)
-        result.raise_if_failed()
+            async for delta in deltas:
+                yield delta
+        finally:  # a consumer that stops early closes this stream: cancel its request
+            await deltas.aclose()
 
     # ------------------------------------------------------------------ rollouts and weights
     def run_batch(
@@ -502,20 +423,9 @@ class InferenceEngine(AdapterMethods):
         wants `logprobs_mode="scaled"` (its trainer's forward divides by the temperature too).
         """
         params = params_from(params, sampling).validate(vocab_size=self.vocab_size)
-        backend = selected_backend()
-        n, seed = params.n, params.seed
-        constraints = None if structured is None else per_prompt(structured, len(prompt_ids_list))
-        groups: list[tuple[list[Task], Rejection | None]] = []
-        for i, prompt_ids in enumerate(prompt_ids_list):  # every check before anything runs
-            p = params if seed is None else dataclasses.replace(params, seed=seed + i * n)
-            if constraints is not None:
-                p = dataclasses.replace(p, structured=constraints[i])
-            ids, rejection = list(prompt_ids), None
-            try:
-                self.check_request(ids, p)
-            except RequestRejected as err:
-                rejection = err.rejection
-            groups.append((group_tasks(ids, p, backend), rejection))
+        groups = prompt_groups(
+            prompt_ids_list, params, structured, self._checked, selected_backend()
+        )
         self._run_here([groups])
         return [
             batch_output(t, return_logprobs=return_logprobs, return_details=return_details)
@@ -543,26 +453,12 @@ class InferenceEngine(AdapterMethods):
         runs first and the others reuse the whole KV pages of its context before the last
         context token.
         """
-        if top_logprobs is not None:
-            check_count("top_logprobs", top_logprobs, MAX_LOGPROBS)
-        extra = {} if top_logprobs is None else {"prompt_logprobs": top_logprobs}
-        base = single(params_from(params, extra), "score")
-        if base.prompt_logprobs is None:
-            base = dataclasses.replace(base, prompt_logprobs=0)
-        self.check_adapter(base.adapter)  # AdapterNotFound before any work, as submit's
+        base = score_params(params, top_logprobs)
+        self.adapters.resolve(base.adapter)  # AdapterNotFound before any work, as submit's
         pairs = check_score_requests(
             requests, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size
         )
-        backend = selected_backend()
-        tasks = []
-        for i, (context, continuation) in enumerate(pairs):
-            p = dataclasses.replace(base, max_tokens=0, prompt_logprobs_start=len(context))
-            task = Task(prompt_ids=context + continuation, params=p, backend=backend)
-            try:
-                self.check_request(task.prompt_ids, p)
-            except ValueError as err:
-                raise ValueError(f"request {i}: {err}") from None
-            tasks.append(task)
+        tasks = score_tasks(pairs, base, self.check_request, selected_backend())
         phases = score_phases([c for c, _ in pairs], self.pool.shares_prefixes)
         with tqdm(
             total=len(tasks), desc="score", unit="req", disable=None if progress else True
@@ -570,25 +466,27 @@ class InferenceEngine(AdapterMethods):
             for t in tasks:
                 t.on_finish = lambda _, bar=bar: bar.update(1)
             self._run_here([[([tasks[i]], None) for i in phase] for phase in phases])
-        results = []
-        for i, (t, (context, _)) in enumerate(zip(tasks, pairs)):
-            if t.finish_reason != "length":
-                raise RuntimeError(f"request {i} {t.finish_reason}: {t.error}")
-            results.append(score_result(t, len(context)))
-        return results
+        return [
+            score_result(i, t, len(context))
+            for i, (t, (context, _)) in enumerate(zip(tasks, pairs))
+        ]
+
+    def _checked(self, prompt_ids: list[int], params: SamplingParams) -> Rejection | None:
+        """`check_request`, with a prompt that can never run as its `Rejection`."""
+        try:
+            self.check_request(prompt_ids, params)
+        except RequestRejected as err:
+            return err.rejection
+        return None
 
     def _run_here(self, phases: Sequence[Sequence[tuple[list[Task], Rejection | None]]]) -> None:
         """Run checked groups of tasks (with their rejection, if any) to the end on this
         thread, one phase after the other; the background loop is paused meanwhile."""
-        with self._paused():
-            try:
-                for phase in phases:
-                    for tasks, rejection in phase:
-                        self._queue(tasks, rejection)
-                    while self.scheduler.has_work():
-                        self.step()
-            finally:
-                self.handoff.flush()
+
+        def queue(phase: Sequence[tuple[list[Task], Rejection | None]]) -> Callable[[], None]:
+            return lambda: [self._queue(tasks, rejection) for tasks, rejection in phase]
+
+        self.loop.run_here([queue(phase) for phase in phases])
 
     def update_weights(
         self, fn: Callable[[], Any] | None = None, version: int | None = None
@@ -596,5 +494,27 @@ class InferenceEngine(AdapterMethods):
         """Apply `fn` (e.g. copy new weights in) with the loop paused; advance the policy
         version to `version` (default: current + 1; an explicit one must be greater)."""
 
-        with self._paused():  # then a training run's live adapter is read again
-            return self.scheduler.apply_weight_update(version, lambda: self.reweigh(fn))
+        def apply() -> None:
+            if fn is not None:
+                fn()
+            self.adapters.refresh_live()  # a training run's live adapter is read again
+
+        with self.loop.paused():
+            return self.scheduler.apply_weight_update(version, apply)
+
+    # ------------------------------------------------------------------ LoRA adapters
+    @property
+    def lora_enabled(self) -> bool:
+        return self.adapters.enabled
+
+    def load_adapter(self, name: str, path: str | os.PathLike) -> AdapterInfo:
+        """Register the PEFT-layout adapter at `path` (ours or PEFT's) as `name`, while
+        serving; an `AdapterError` names the file and the limit it breaks."""
+        return self.adapters.load(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        """Forget adapter `name`; `AdapterInUse` while queued or running requests use it."""
+        self.adapters.unload(name, self.scheduler.uses_adapter)
+
+    def list_adapters(self) -> list[AdapterInfo]:
+        return self.adapters.list()

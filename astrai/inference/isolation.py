@@ -42,16 +42,21 @@ def sample_isolated(
     tasks: Sequence[Task],
     cache: SamplingBatchCache,
     generator_of: Callable[[Task], torch.Generator | None],
+    generated: Sequence[Sequence[int]] | None = None,
 ) -> IsolatedSample:
     """Sample one token per row of `logits` for `tasks`, failing only the rows that fault.
 
     `generator_of(task)`: the task's own generator (seeded requests); `cache`: the runner's
-    batch layout cache. Faulted rows keep a placeholder token the caller must drop.
+    batch layout cache; `generated`: each row's tokens so far, for penalties and logits
+    processors (None: each task's `output_ids`). Faulted rows keep a placeholder token the
+    caller must drop.
     """
+    if generated is None:
+        generated = [t.output_ids for t in tasks]
     if any(t.params.logits_processors for t in tasks):
         logits = logits.float().clone()
         faults = apply_logits_processors(
-            logits, [t.params.logits_processors for t in tasks], [t.output_ids for t in tasks]
+            logits, [t.params.logits_processors for t in tasks], generated
         )
     else:
         logits = logits.float()
@@ -70,7 +75,7 @@ def sample_isolated(
         tokens, logprobs = sample_batch(
             logits,
             cache.get(params, logits.device),
-            generated=[t.output_ids for t in tasks],
+            generated=generated,
             generators=gens,
         )
         top = top_alternatives(logits, ks)
@@ -88,7 +93,7 @@ def sample_isolated(
             tok, lp = sample_batch(
                 logits[i : i + 1],
                 [task.params],
-                generated=[task.output_ids],
+                generated=[generated[i]],
                 generators=[gens[i]],
             )
             top = top_alternatives(logits[i : i + 1], [ks[i]])

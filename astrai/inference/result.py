@@ -11,9 +11,11 @@ behind decodes several tokens in one go.
 
 from __future__ import annotations
 
+import asyncio
 import threading
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Generator, Iterator, Sequence
 
+from astrai.inference.handoff import Handoff
 from astrai.inference.logprobs import TokenLogprob, TopLogprobs
 from astrai.inference.task import Task
 from astrai.tokenizer import AutoTokenizer
@@ -154,7 +156,8 @@ class GenerateResult:
     @property
     def speculation(self) -> dict[str, int]:
         """Speculative decoding's figures for this request: tokens proposed and accepted."""
-        return {"proposed": self.task.spec_proposed, "accepted": self.task.spec_accepted}
+        spec = self.task.spec
+        return {"proposed": spec.proposed, "accepted": spec.accepted}
 
     @property
     def top_logprobs(self) -> list[TopLogprobs]:
@@ -250,6 +253,44 @@ def interleave(
         for r in results:
             if not r.done:
                 cancel(r)
+
+
+def stream_text(
+    result: GenerateResult, cancel: Callable[[GenerateResult], object]
+) -> Generator[str, None, None]:
+    """`result`'s text deltas on this thread; closing the stream before its end cancels it."""
+    try:
+        yield from result
+    finally:
+        if not result.done:
+            cancel(result)
+
+
+async def stream_deltas(
+    result: GenerateResult, handoff: Handoff, cancel: Callable[[GenerateResult], object]
+) -> AsyncGenerator[str, None]:
+    """`result`'s text deltas in the running event loop, which is never blocked and holds no
+    thread per stream: the engine's thread only wakes it (once per step, `Handoff`); the
+    text is decoded here, and a consumer that falls behind gets several tokens' text at
+    once. Closing the stream before its end cancels the request."""
+    loop = asyncio.get_running_loop()
+    ready = asyncio.Event()
+    result.listen(lambda: handoff.post(loop, ready.set))
+    start = 0
+    try:
+        while True:
+            ready.clear()
+            pieces, start, done = result.take(start)
+            if pieces:
+                yield "".join(text for text, _ in pieces)
+            if done:
+                break
+            if not pieces:
+                await ready.wait()
+    finally:
+        if not result.done:
+            cancel(result)
+    result.raise_if_failed()
 
 
 class _Subscriber:

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, NamedTuple
+from collections.abc import Sequence
 
 import torch
 
 from astrai.extension import attn_backend
-from astrai.inference.adapters import AdapterSlots
+from astrai.inference.adapters import NO_ADAPTER_SLOTS, AdapterSlots, NoAdapterSlots
 from astrai.inference.cache import PagePool
 from astrai.inference.constrain import GrammarRows
 from astrai.inference.grammar import GrammarCompiler
@@ -30,42 +30,21 @@ from astrai.inference.graph import (
     StandInGraphRunner,
     capture_sizes,
 )
-from astrai.inference.isolation import sample_isolated
-from astrai.inference.logprobs import PromptScores, TopLogprobs
+from astrai.inference.isolation import IsolatedSample, sample_isolated
+from astrai.inference.logprobs import PromptScores
 from astrai.inference.sampling import SamplingBatchCache
 from astrai.inference.scheduler import StepPlan
 from astrai.inference.scoring import PromptTargets
-from astrai.inference.speculative import Proposer
+from astrai.inference.speculative import NO_PROPOSER, Proposer
+from astrai.inference.step_output import StepOutput
 from astrai.inference.task import Task
-from astrai.inference.verify import verify, with_drafts
+from astrai.inference.verify import sample_step, with_drafts
 from astrai.inference.workspace import InferenceWorkspace
 from astrai.model import Transformer
 from astrai.model.layers import mark_cache_resident
 from astrai.model.packed import refresh_packs
 
 logger = logging.getLogger(__name__)
-
-
-class StepOutput(NamedTuple):
-    """What one plan's forward produced, for `InferenceScheduler.postprocess`.
-
-    `token_ids` / `logprobs`: one per `plan.samplers`; `prompt_logprobs`: the prompt tokens
-    scored by this forward; `top_logprobs`: per sampler, None when no sampler asks;
-    `faults`: `{sampler index: error}` for requests whose own sampling failed (their token is
-    a placeholder: `postprocess` aborts them instead); `stopped`: samplers whose structured
-    output is complete (`constrain.GrammarRows`), to finish with reason `stop`. A step that
-    verified proposals (`astrai.inference.verify`): `more` the tokens each sampler emitted
-    after its first, `verified` `{plan row: (proposed, accepted)}`.
-    """
-
-    token_ids: list[int]
-    logprobs: list[float]
-    prompt_logprobs: list[PromptScores] | None = None
-    top_logprobs: list[TopLogprobs] | None = None
-    faults: dict[int, str] | None = None
-    stopped: set[int] | None = None
-    more: dict[int, list[tuple[int, float, TopLogprobs]]] | None = None
-    verified: dict[int, tuple[int, int]] | None = None
 
 
 class ModelRunner:
@@ -86,8 +65,8 @@ class ModelRunner:
         decode_graphs: bool | str | None = None,
         logprob_chunk: int = 512,
         grammar: GrammarCompiler | None = None,
-        adapters: AdapterSlots | None = None,
-        proposer: Proposer | None = None,
+        adapters: AdapterSlots | NoAdapterSlots = NO_ADAPTER_SLOTS,
+        proposer: Proposer = NO_PROPOSER,
     ) -> None:
         if (
             isinstance(logprob_chunk, bool)
@@ -114,7 +93,8 @@ class ModelRunner:
         self._sampling = SamplingBatchCache()
         self.grammar_rows = GrammarRows(grammar)
         self.adapters = adapters
-        self.proposer = proposer  # speculative decoding (astrai.inference.speculative)
+        # speculative decoding (astrai.inference.speculative)
+        self.proposer = proposer
 
     def _build_graphs(self, mode: bool | str | None, batch: int) -> None:
         """CUDA graphs for decode by default on CUDA; `"stand-in"` for CPU tests; False: eager."""
@@ -155,12 +135,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepOutput:
-        """Forward `plan` under its attention backend and sample its samplers' next tokens.
+        """Forward `plan` under its attention backend and sample what its samplers emit.
 
-        The token ids and their log-probs (each request's `logprobs_mode`) come one per
-        `plan.samplers`, with the prompt log-probs and top alternatives rows asked for. A
-        request whose own sampling fails (a logits processor, its seed) is reported in
-        `faults`, the others are sampled as usual; an exception raised here is the forward's.
+        Per sampler (`plan.samplers`), the tokens it emits this step (one for plain decode;
+        with proposals, the accepted ones and one more: `astrai.inference.verify`) and their
+        log-probs (each request's `logprobs_mode`), with the prompt log-probs and top
+        alternatives rows asked for. A request whose own sampling fails (a logits processor,
+        its seed) is reported in `faults`, the others are sampled as usual; an exception
+        raised here is the forward's.
         """
         previous, self._last_sampled = self._last_sampled, None
         drafts = self._proposals(plan)
@@ -169,21 +151,22 @@ class ModelRunner:
                 return self._speculate(plan, drafts)
             logits, graphed, prompt = self._forward(plan, previous)
             if not plan.samplers:
-                return StepOutput([], [], prompt)
-            masked = self.grammar_rows.mask(logits, plan.samplers)
-            out = sample_isolated(logits, plan.samplers, self._sampling, self._generator)
-        out.faults.update(masked)
-        stopped = self.grammar_rows.advance(plan.samplers, out.token_ids, out.faults)
+                return StepOutput(prompt_logprobs=prompt)
+            out, drawn = sample_step(logits, plan.samplers, self._sample, self.grammar_rows)
         if graphed and not out.faults:
-            self._last_sampled = out.device_tokens
-        return StepOutput(
-            out.token_ids, out.logprobs, prompt, out.top_logprobs, out.faults, stopped
-        )
+            self._last_sampled = drawn.device_tokens
+        out.prompt_logprobs = prompt
+        return out
+
+    def _sample(
+        self, rows: torch.Tensor, tasks: Sequence[Task], generated: Sequence[Sequence[int]] | None
+    ) -> IsolatedSample:
+        return sample_isolated(rows, tasks, self._sampling, self._generator, generated)
 
     def _proposals(self, plan: StepPlan) -> dict[int, list[int]]:
         """Each speculating row's proposals (`{plan row: tokens}`; empty: a plain step).
         Plans that score prompts never speculate (their logits follow the plan's layout)."""
-        if self.proposer is None or not any(plan.draft_budgets):
+        if not any(plan.draft_budgets):  # speculation off (`NoProposer`) or backing off
             return {}
         if PromptTargets.of(plan) is not None:
             return {}
@@ -203,28 +186,13 @@ class ModelRunner:
             rows_drafts.append(d)
             idx.extend(range(ends[row] - 1 - len(d), ends[row]))
         logits, _, _ = self._forward(spec, None, torch.tensor(idx, device=self.device))
-
-        def sample(rows: torch.Tensor, tasks: list[Task]) -> Any:
-            return sample_isolated(rows, tasks, self._sampling, self._generator)
-
-        out = verify(logits, plan.samplers, rows_drafts, first, sample, self.grammar_rows)
-        verified = {
-            row: (len(drafts[row]), out.accepted[s])
-            for s, row in enumerate(plan.sample_rows)
-            if row in drafts
-        }
-        for row, (proposed, accepted) in verified.items():
-            self.proposer.verified(plan.tasks[row], proposed, accepted)
-        return StepOutput(
-            out.tokens,
-            out.logprobs,
-            None,
-            out.tops,
-            out.faults,
-            out.stopped,
-            out.more,
-            verified,
+        out, _ = sample_step(
+            logits, plan.samplers, self._sample, self.grammar_rows, rows_drafts, first
         )
+        for s, task in enumerate(plan.samplers):
+            if out.proposed[s]:
+                self.proposer.verified(task, out.proposed[s], out.accepted(s))
+        return out
 
     def _forward(
         self, plan: StepPlan, previous: torch.Tensor | None, logits_idx: torch.Tensor | None = None
@@ -233,7 +201,7 @@ class ModelRunner:
         the prompt log-probs of the plan (None when no row asks)."""
         graphs = self.graph_runner
         padded = None
-        adapted = self.adapters is not None and any(t.adapter_slot >= 0 for t in plan.tasks)
+        adapted = self.adapters.active(plan.tasks)
         if graphs is not None and plan.decode_only and not adapted and logits_idx is None:
             padded = graphs.padded_size(len(plan.rows))
         if padded is not None:  # pure decode: replay a captured graph on the workspace
@@ -252,14 +220,8 @@ class ModelRunner:
             self.workspace.last_rows = None
         if not adapted:
             return self._eager(plan, logits_idx)
-        step = self.adapters.step
-        step.batch = self.adapters.batch(
-            [t.adapter_slot for t, q in zip(plan.tasks, plan.q_lens) for _ in range(q)]
-        )
-        try:
+        with self.adapters.applied(plan.tasks, plan.q_lens):
             return self._eager(plan, logits_idx)
-        finally:
-            step.batch = None
 
     def _eager(
         self, plan: StepPlan, logits_idx: torch.Tensor | None = None

@@ -4,8 +4,9 @@ The scheduler only decides; it never touches the model, the workspace, graphs or
 sampling (that is `runner.ModelRunner`). One engine step is
 
     plans = scheduler.schedule()          # cleanup, admission, which rows run with what
-    out = runner.run(plan)                # for each plan: forward + sampling
-    scheduler.postprocess(plan, *out)     # append, stop rules, finish
+    out = runner.run(plan)                # for each plan: forward + sampling: a StepOutput,
+                                          # the tokens each row emitted (1; 1..k+1 speculating)
+    scheduler.postprocess(plan, out)      # append, stop rules, finish
     scheduler.cleanup()                   # free the KV of finished tasks
 
 and both the engine's background loop and its synchronous `run_batch()` drive exactly that
@@ -36,15 +37,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from astrai.inference.adapters import AdapterSlots
+from astrai.inference.adapters import NO_ADAPTER_SLOTS, AdapterSlots, NoAdapterSlots
 from astrai.inference.admission import Admission, prompt_problem
 from astrai.inference.cache import PagePool
 from astrai.inference.groups import HeldFollowers
-from astrai.inference.logprobs import PromptScores, TopLogprobs
+from astrai.inference.logprobs import TopLogprobs
 from astrai.inference.metrics import EngineMetrics
 from astrai.inference.params import SamplingParams, check_max_prompt_tokens
 from astrai.inference.processors import describe
 from astrai.inference.speculative import SpecCounters, next_budget
+from astrai.inference.step_output import StepOutput
 from astrai.inference.task import Rejection, Task, TaskState
 
 logger = logging.getLogger(__name__)
@@ -90,7 +92,7 @@ class InferenceScheduler(Admission):
         stop_ids: Sequence[int] = (),
         max_queue: int | None = None,
         max_prompt_tokens: int | None = None,
-        adapters: AdapterSlots | None = None,
+        adapters: AdapterSlots | NoAdapterSlots = NO_ADAPTER_SLOTS,
         speculative_tokens: int = 0,
     ) -> None:
         if max_prefill_tokens <= 0:
@@ -106,7 +108,7 @@ class InferenceScheduler(Admission):
         self.max_prompt_tokens = max_prompt_tokens
         self.policy_version = 0
         # LoRA adapter slots (`astrai.inference.adapters`): a request holds its adapter's
-        # slot from admission to its end; None: the engine serves no adapters.
+        # slot from admission to its end; `NoAdapterSlots`: the engine serves no adapters.
         self.adapter_slots = adapters
         # Speculative decoding: at most this many proposals per decoding request and step
         # (KV reserved for them: `StepPlan.draft_budgets`); 0: off.
@@ -293,7 +295,7 @@ class InferenceScheduler(Admission):
                 plan.sample_rows.append(len(plan.tasks))
                 plan.samplers.append(t)
             plan.tasks.append(t)
-            plan.draft_budgets.append(t.draft_budget if t.prefilled else 0)
+            plan.draft_budgets.append(t.spec.budget if t.prefilled else 0)
             plan.rows.append(t.row)
             plan.q_lens.append(n)
             plan.seq_lens.append(start + n)
@@ -301,36 +303,26 @@ class InferenceScheduler(Admission):
             plan.positions.extend(range(start, start + n))
         return plan, budget
 
-    def postprocess(
-        self,
-        plan: StepPlan,
-        tokens: list[int],
-        logprobs: list[float],
-        prompt_logprobs: list[PromptScores] | None = None,
-        top_logprobs: list[TopLogprobs] | None = None,
-        faults: dict[int, str] | None = None,
-        stopped: set[int] | None = None,
-        more: dict[int, list[tuple[int, float, TopLogprobs]]] | None = None,
-        verified: dict[int, tuple[int, int]] | None = None,
-    ) -> None:
-        """Account the forward of `plan`, record its prompt log-probs, append each sampler's
-        token (and top alternatives); apply stop rules. Score-only tasks (`max_tokens=0`)
-        end once their prompt is computed. A sampler in `faults` (its own sampling failed)
-        or whose `on_token` callback raises ends `aborted` with the cause; the rest go on.
-        A sampler in `stopped` (its structured output is complete) ends `stop` after its
-        last token. Speculative rows: `verified` `{row: (proposed, accepted)}` (the
-        accepted proposals' KV is kept), `more` `{sampler: [(token, logprob, top), ...]}`
-        the tokens after the first, each under the same stop rules."""
-        verified = verified or {}
+    def postprocess(self, plan: StepPlan, out: StepOutput) -> None:
+        """Account the forward of `plan`, record its prompt log-probs, append the tokens each
+        sampler emitted (`out.tokens[s]`, with their log-probs and top alternatives), each
+        under the stop rules. Score-only tasks (`max_tokens=0`) end once their prompt is
+        computed. A sampler in `out.faults` (its own sampling failed) or whose `on_token`
+        callback raises ends `aborted` with the cause; the rest go on. A sampler in
+        `out.stopped` (its structured output is complete) ends `stop` after its last token.
+        A sampler that verified proposals (`out.proposed`) keeps the KV of those accepted."""
+        accepted: dict[int, int] = {}  # plan row -> proposals kept (their KV is valid)
+        if out.proposed is not None:
+            for s, proposed in enumerate(out.proposed):
+                if proposed:
+                    kept = accepted[plan.sample_rows[s]] = out.accepted(s)
+                    self.spec.record(plan.samplers[s], proposed, kept)
         for row, (t, n) in enumerate(zip(plan.tasks, plan.q_lens)):
             was_prefilled = t.prefilled
-            proposed, accepted = verified.get(row, (0, 0))
-            t.computed += n + accepted
-            if proposed:
-                self.spec.record(t, proposed, accepted)
+            t.computed += n + accepted.get(row, 0) if accepted else n
             if t.prefilled and not was_prefilled:
                 self._prefilled(t)
-        for scores in prompt_logprobs or ():
+        for scores in out.prompt_logprobs or ():
             t = plan.tasks[scores.row]
             t.prompt_logprobs[scores.first : scores.first + len(scores.tokens)] = scores.tokens
         for t in plan.tasks:
@@ -338,17 +330,18 @@ class InferenceScheduler(Admission):
                 self._finish(t, "length")
         self.num_steps += 1
         now = time.perf_counter()
-        tops = top_logprobs or [()] * len(plan.samplers)
-        faults, stopped, more = faults or {}, stopped or set(), more or {}
-        for i, (t, tok, lp, top) in enumerate(zip(plan.samplers, tokens, logprobs, tops)):
-            if i in faults:
-                logger.warning("request %d aborted: %s", t.id, faults[i])
-                self._finish(t, "aborted", faults[i])
+        faults, stopped, tops = out.faults, out.stopped, out.top_logprobs
+        for s, (t, tokens, logprobs) in enumerate(zip(plan.samplers, out.tokens, out.logprobs)):
+            if s in faults:
+                logger.warning("request %d aborted: %s", t.id, faults[s])
+                self._finish(t, "aborted", faults[s])
                 continue
-            emitted = [(tok, lp, top), *more.get(i, ())]
-            for k, (tok, lp, top) in enumerate(emitted):
-                if not t.finished:
-                    self._emit(t, tok, lp, top, now, i in stopped and k == len(emitted) - 1)
+            last = len(tokens) - 1
+            for k, tok in enumerate(tokens):
+                if t.finished:
+                    break
+                top = tops[s][k] if tops is not None else ()
+                self._emit(t, tok, logprobs[k], top, now, k == last and s in stopped)
 
     def _emit(self, t: Task, tok: int, lp: float, top: TopLogprobs, now: float, done: bool) -> None:
         """Append one sampled token to `t` and apply the stop rules (`done`: its structured
@@ -454,7 +447,7 @@ class InferenceScheduler(Admission):
             k = self.speculative_tokens and next_budget(
                 t, self.speculative_tokens, self.max_seq_len
             )
-            t.draft_budget = k if k and self.pool.ensure(t.row, t.total_len + k) else 0
+            t.spec.budget = k if k and self.pool.ensure(t.row, t.total_len + k) else 0
             while not self.pool.ensure(t.row, t.total_len):
                 if len(self._running) == 1:
                     self._finish(

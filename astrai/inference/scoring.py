@@ -7,18 +7,20 @@ softmax, so no full-vocabulary logits tensor for a whole batch ever exists.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from astrai.inference.batch import single
 from astrai.inference.logprobs import PromptScores, ScoreResult, TokenLogprob, TopLogprobs
-from astrai.inference.params import is_int
+from astrai.inference.params import MAX_LOGPROBS, SamplingParams, check_count, is_int, params_from
+from astrai.inference.task import Task
 
 if TYPE_CHECKING:
     from astrai.inference.scheduler import StepPlan
-    from astrai.inference.task import Task
 
 
 def _log_softmax_(logits: torch.Tensor) -> torch.Tensor:
@@ -144,6 +146,39 @@ def check_score_requests(
     return out
 
 
+def score_params(params: SamplingParams | None, top_logprobs: int | None) -> SamplingParams:
+    """`score`'s settings: one sequence, `top_logprobs` (when given) alternatives per token,
+    else `params.prompt_logprobs` (None: 0)."""
+    if top_logprobs is not None:
+        check_count("top_logprobs", top_logprobs, MAX_LOGPROBS)
+    extra = {} if top_logprobs is None else {"prompt_logprobs": top_logprobs}
+    base = single(params_from(params, extra), "score")
+    if base.prompt_logprobs is None:
+        base = dataclasses.replace(base, prompt_logprobs=0)
+    return base
+
+
+def score_tasks(
+    pairs: Sequence[tuple[list[int], list[int]]],
+    base: SamplingParams,
+    check: Callable[[list[int], SamplingParams], None],
+    backend: str | None,
+) -> list[Task]:
+    """One task per checked `(context, continuation)` pair: nothing sampled, the prompt
+    scored from the continuation on; `check` (the engine's request check) raising names
+    the request's index."""
+    tasks = []
+    for i, (context, continuation) in enumerate(pairs):
+        p = dataclasses.replace(base, max_tokens=0, prompt_logprobs_start=len(context))
+        task = Task(prompt_ids=context + continuation, params=p, backend=backend)
+        try:
+            check(task.prompt_ids, p)
+        except ValueError as err:
+            raise ValueError(f"request {i}: {err}") from None
+        tasks.append(task)
+    return tasks
+
+
 def score_phases(contexts: Sequence[Sequence[int]], shared: bool) -> list[list[int]]:
     """Request indices in the order to run them: with a prefix cache (`shared`), the first
     request of every context runs first, then the rest, which find that context cached."""
@@ -157,8 +192,11 @@ def score_phases(contexts: Sequence[Sequence[int]], shared: bool) -> list[list[i
     return [first, rest] if rest else [first]
 
 
-def score_result(task: Task, context_len: int) -> ScoreResult:
-    """The continuation part of a finished scoring task's prompt log-probs."""
+def score_result(index: int, task: Task, context_len: int) -> ScoreResult:
+    """The continuation part of finished scoring task `index`'s prompt log-probs;
+    RuntimeError when it did not run to the end."""
+    if task.finish_reason != "length":
+        raise RuntimeError(f"request {index} {task.finish_reason}: {task.error}")
     tokens = [t for t in (task.prompt_logprobs or [])[context_len:] if t is not None]
     if len(tokens) != len(task.prompt_ids) - context_len:
         raise RuntimeError(f"task {task.id}: prompt log-probs are incomplete")

@@ -1,4 +1,4 @@
-"""Speculative decoding: the setting, the n-gram proposer, budgets and figures.
+"""Speculative decoding: the setting, the proposer interface, budgets and figures.
 
 vLLM's `speculative_config` names: `method` (``ngram``: prompt lookup over the request's own
 prompt and output; ``draft_model``: a smaller model sharing the tokenizer, greedy), at most
@@ -8,7 +8,7 @@ directory).
 
 One step: the scheduler gives each decoding request a budget (K, less near `max_tokens` or
 the end of the context, 0 while it backs off) and reserves KV for it; the runner asks the
-proposer (`astrai.inference.proposers`) for up to that many tokens, feeds the request's
+proposer (`InferenceEngine.proposer`) for up to that many tokens, feeds the request's
 newest token plus its proposals as one ragged extend row (`verify.with_drafts`: the
 chunked-prefill path), and verifies them (`astrai.inference.verify`). Both proposers are
 deterministic, so verification is "sample and compare": position j is sampled from the
@@ -24,7 +24,6 @@ speculation on and off: each emitted token costs the request's stream one draw, 
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -37,10 +36,6 @@ if TYPE_CHECKING:
 
 SPEC_METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
-# Backing off: after `n` verifications in a row that accepted nothing, a request skips
-# speculation for 2**n - 1 steps (at most MAX_SKIP), so a workload where proposals fail
-# decodes as without speculation, bar the proposals' lookups.
-MAX_SKIP = 31
 
 
 @dataclass
@@ -86,7 +81,10 @@ class SpeculativeConfig:
 
 
 class Proposer(ABC):
-    """Proposes each decoding request's next tokens (deterministically)."""
+    """Proposes each decoding request's next tokens (deterministically), at most
+    `num_speculative_tokens` (K) per request and step."""
+
+    num_speculative_tokens: int
 
     @abstractmethod
     def propose(self, tasks: Sequence[Task], budgets: Sequence[int]) -> list[list[int]]:
@@ -99,71 +97,25 @@ class Proposer(ABC):
         """Free what the proposer holds (the engine stops)."""
 
 
-class NgramIndex:
-    """One request's n-grams (sizes `lo..hi`) -> where each first and last started, kept
-    up to date as tokens arrive, so that a lookup costs a dict access per size, not a scan."""
+class NoProposer(Proposer):
+    """Speculation off (K = 0), as `NoPrefixCache` is the prefix cache that shares nothing:
+    no request ever gets a proposal budget, so nothing is proposed or verified."""
 
-    def __init__(self, lo: int, hi: int) -> None:
-        self.lo, self.hi = lo, hi
-        self.seen = 0  # tokens indexed
-        self.last: dict[tuple[int, ...], int] = {}
-        self.first: dict[tuple[int, ...], int] = {}
-
-    def lookup(self, seq: Sequence[int], k: int) -> list[int]:
-        """The `k` tokens after the latest earlier occurrence of the longest suffix of
-        `seq` (sizes hi..lo) that occurred before (the first occurrence when that gives
-        more: in a repeated run the latest runs into the suffix); [] when none did."""
-        n_seq = len(seq)
-        self._index(seq, n_seq - 1)  # every n-gram that ends before the suffix
-        proposal: list[int] = []
-        for n in range(min(self.hi, n_seq - 1), self.lo - 1, -1):
-            key = tuple(seq[n_seq - n :])
-            start = self.last.get(key)
-            if start is None:
-                continue
-            proposal = list(seq[start + n : start + n + k])
-            if len(proposal) < k:  # the latest match runs into the suffix (a repeated run):
-                first = self.first[key]  # the first one may continue further
-                proposal = max(proposal, list(seq[first + n : first + n + k]), key=len)
-            if proposal:
-                break
-        self._index(seq, n_seq)
-        return proposal
-
-    def _index(self, seq: Sequence[int], upto: int) -> None:
-        """Index the n-grams ending at positions `seen + 1 .. upto` (the suffix is indexed
-        only after its lookup, so a match is always an earlier occurrence)."""
-        for end in range(self.seen + 1, upto + 1):
-            for n in range(self.lo, min(self.hi, end) + 1):
-                key = tuple(seq[end - n : end])
-                self.last[key] = end - n
-                self.first.setdefault(key, end - n)
-        self.seen = max(self.seen, upto)
-
-
-class NgramProposer(Proposer):
-    """Prompt lookup (vLLM's ``ngram``): the tokens that followed the latest earlier
-    occurrence of the request's last n tokens, n from `prompt_lookup_max` down."""
-
-    def __init__(self, config: SpeculativeConfig) -> None:
-        self.lo, self.hi = config.prompt_lookup_min, config.prompt_lookup_max
-        self._index: weakref.WeakKeyDictionary[Task, NgramIndex] = weakref.WeakKeyDictionary()
+    num_speculative_tokens = 0
 
     def propose(self, tasks: Sequence[Task], budgets: Sequence[int]) -> list[list[int]]:
-        out = []
-        for task, k in zip(tasks, budgets):
-            index = self._index.get(task)
-            if index is None:
-                index = self._index[task] = NgramIndex(self.lo, self.hi)
-            out.append(index.lookup(task.prompt_ids + task.output_ids, k) if k > 0 else [])
-        return out
+        return [[] for _ in tasks]
+
+
+NO_PROPOSER = NoProposer()  # stateless: one serves every engine without speculation
 
 
 def next_budget(task: Task, k: int, max_seq_len: int) -> int:
     """How many proposals `task` may verify this step: `k`, less near its `max_tokens` or
     the end of the context; 0 while it backs off (`MAX_SKIP`)."""
-    if task.spec_skip > 0:
-        task.spec_skip -= 1
+    spec = task.spec
+    if spec.skip > 0:
+        spec.skip -= 1
         return 0
     room = min(task.params.max_tokens - len(task.output_ids) - 1, max_seq_len - task.total_len)
     return max(0, min(k, room))
@@ -183,13 +135,7 @@ class SpecCounters:
         self.drafts += 1
         self.draft_tokens += proposed
         self.accepted_tokens += accepted
-        task.spec_proposed += proposed
-        task.spec_accepted += accepted
-        if not accepted:
-            task.spec_misses += 1
-            task.spec_skip = min((1 << task.spec_misses) - 1, MAX_SKIP)
-        else:
-            task.spec_misses = 0
+        task.spec.record(proposed, accepted)
 
     def stats(self) -> dict[str, Any]:
         """For `get_stats` (none while speculation is off); the mean accepted length is
@@ -206,9 +152,9 @@ class SpecCounters:
 
 
 __all__ = [
+    "NO_PROPOSER",
     "SPEC_METHODS",
-    "NgramIndex",
-    "NgramProposer",
+    "NoProposer",
     "Proposer",
     "SpecCounters",
     "SpeculativeConfig",

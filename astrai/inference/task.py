@@ -1,4 +1,4 @@
-"""One generation request as the scheduler sees it."""
+"""One generation request as the scheduler sees it (with its speculation state)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,11 @@ from astrai.inference.logprobs import TokenLogprob, TopLogprobs
 from astrai.inference.params import SamplingParams
 
 _ids = itertools.count(1)
+
+# Backing off: after `n` verifications in a row that accepted nothing, a request skips
+# speculation for 2**n - 1 steps (at most MAX_SKIP), so a workload where proposals fail
+# decodes as without speculation, bar the proposals' lookups.
+MAX_SKIP = 31
 
 
 class TaskState(StrEnum):
@@ -34,6 +39,29 @@ class Rejection:
 
     def __str__(self) -> str:
         return self.reason
+
+
+@dataclass(slots=True)
+class SpecState:
+    """One request's speculation (`Task.spec`): this step's proposal `budget` (KV reserved
+    for it), the tokens `proposed` and `accepted` so far, and its back-off (`misses` in a
+    row that accepted nothing, `skip`: steps left without proposals)."""
+
+    budget: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    misses: int = 0
+    skip: int = 0
+
+    def record(self, proposed: int, accepted: int) -> None:
+        """`accepted` of `proposed` proposals were kept: back off after a miss."""
+        self.proposed += proposed
+        self.accepted += accepted
+        if not accepted:
+            self.misses += 1
+            self.skip = min((1 << self.misses) - 1, MAX_SKIP)
+        else:
+            self.misses = 0
 
 
 @dataclass(eq=False)
@@ -82,13 +110,8 @@ class Task:
     # None: the base model) and, while running, its device slot (-1: none).
     adapter: Any = None
     adapter_slot: int = -1
-    # Speculative decoding (`astrai.inference.speculative`): this step's proposal budget,
-    # tokens proposed and accepted so far, and the back-off state.
-    draft_budget: int = 0
-    spec_proposed: int = 0
-    spec_accepted: int = 0
-    spec_misses: int = 0
-    spec_skip: int = 0
+    # Speculative decoding (`astrai.inference.speculative`): budget, figures, back-off.
+    spec: SpecState = field(default_factory=SpecState)
 
     @property
     def prefix_namespace(self) -> int | None:

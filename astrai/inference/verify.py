@@ -1,4 +1,6 @@
-"""Verifying proposed tokens: sample each position as without speculation, and compare.
+"""A step's sampling: each sampler's tokens, verifying proposed ones on the way.
+
+Plain decode is speculation with k = 0: one position per sampler, sampled once.
 
 A speculative row's forward gives logits for its newest token and each proposal after it.
 Position j of every row still verifying is sampled with the request's own sampling
@@ -13,91 +15,94 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from astrai.inference.constrain import GrammarRows
 from astrai.inference.isolation import IsolatedSample
-from astrai.inference.logprobs import TopLogprobs
+from astrai.inference.step_output import StepOutput
 from astrai.inference.task import Task
 
 if TYPE_CHECKING:
     from astrai.inference.scheduler import StepPlan
 
 
-@dataclass
-class Verified:
-    """Per sampler: its first token (`tokens`, `logprobs`, `tops`), the tokens after it
-    (`more`), how many proposals it accepted (`accepted`); `faults` and `stopped` index
-    samplers as a plain step's do."""
-
-    tokens: list[int]
-    logprobs: list[float]
-    tops: list[TopLogprobs] | None
-    accepted: list[int]
-    more: dict[int, list[tuple[int, float, TopLogprobs]]] = field(default_factory=dict)
-    faults: dict[int, str] = field(default_factory=dict)
-    stopped: set[int] = field(default_factory=set)
+Sample = Callable[[torch.Tensor, Sequence[Task], Sequence[Sequence[int]] | None], IsolatedSample]
 
 
-def verify(
+def sample_step(
     logits: torch.Tensor,
     samplers: Sequence[Task],
-    drafts: Sequence[Sequence[int]],
-    first: Sequence[int],
-    sample: Callable[[torch.Tensor, Sequence[Task]], IsolatedSample],
+    sample: Sample,
     grammar: GrammarRows,
-) -> Verified:
-    """`logits` rows `first[s] .. first[s] + len(drafts[s])` are sampler `s`'s positions
-    (its newest token, then each proposal); `sample(rows, tasks)` is the runner's isolated
-    sampling. The samplers' `output_ids` are extended while verifying (what the next
-    position's penalties see) and restored before returning."""
-    n = len(samplers)
-    emitted: list[list[tuple[int, float, TopLogprobs]]] = [[] for _ in range(n)]
-    out = Verified([0] * n, [0.0] * n, None, [0] * n)
-    alive, j = list(range(n)), 0
-    try:
-        while alive:
-            idx = torch.tensor([first[s] + j for s in alive], device=logits.device)
-            rows = logits.index_select(0, idx)
-            tasks = [samplers[s] for s in alive]
-            masked = grammar.mask(rows, tasks)
-            drawn = sample(rows, tasks)
-            drawn.faults.update(masked)
-            complete = grammar.advance(tasks, drawn.token_ids, drawn.faults)
-            going = []
-            for r, s in enumerate(alive):
-                if r in drawn.faults:
-                    if not emitted[s]:  # a later position's fault is met again next step
-                        out.faults[s] = drawn.faults[r]
-                    continue
-                tok = drawn.token_ids[r]
-                top = drawn.top_logprobs[r] if drawn.top_logprobs is not None else ()
-                emitted[s].append((tok, drawn.logprobs[r], top))
-                tasks[r].output_ids.append(tok)
-                if r in complete:
-                    out.stopped.add(s)
-                elif j < len(drafts[s]) and tok == drafts[s][j]:
-                    going.append(s)
-            alive, j = going, j + 1
-    finally:
-        for s, tokens in enumerate(emitted):
-            if tokens:
-                del samplers[s].output_ids[-len(tokens) :]
-    any_top = any(top for tokens in emitted for _, _, top in tokens)
-    out.tops = [()] * n if any_top else None
-    for s, tokens in enumerate(emitted):
-        if not tokens:
-            continue
-        out.tokens[s], out.logprobs[s], top = tokens[0]
-        if out.tops is not None:
-            out.tops[s] = top
-        out.accepted[s] = len(tokens) - 1
-        if len(tokens) > 1:
-            out.more[s] = tokens[1:]
-    return out
+    drafts: Sequence[Sequence[int]] | None = None,
+    first: Sequence[int] | None = None,
+) -> tuple[StepOutput, IsolatedSample]:
+    """Each sampler's emitted tokens of one step, and the draws of its first position.
+
+    Plain decode (`drafts` None): row `s` of `logits` is sampler `s`'s one position.
+    Speculation: rows `first[s] .. first[s] + len(drafts[s])` are its positions (its
+    newest token, then each proposal), sampled while the samples equal the proposals.
+    `sample(rows, tasks, generated)` is the runner's isolated sampling; `generated` (None:
+    each task's `output_ids`) is what penalties and logits processors see: at a later
+    position, the output plus the tokens emitted before it this step (the tasks are not
+    touched: `postprocess` appends what was emitted)."""
+    rows = logits if first is None else logits.index_select(0, _index(first, 0, logits))
+    masked = grammar.mask(rows, samplers)
+    drawn = sample(rows, samplers, None)
+    faults = drawn.faults
+    faults.update(masked)
+    stopped = grammar.advance(samplers, drawn.token_ids, faults)
+    tops = drawn.top_logprobs
+    out = StepOutput(
+        [[tok] for tok in drawn.token_ids],
+        [[lp] for lp in drawn.logprobs],
+        None if tops is None else [[top] for top in tops],
+        None if drafts is None else [len(d) for d in drafts],
+        faults,
+        stopped,
+    )
+    for s in faults:  # a placeholder: nothing emitted
+        out.tokens[s], out.logprobs[s] = [], []
+        if out.top_logprobs is not None:
+            out.top_logprobs[s] = []
+    if drafts is None:
+        return out, drawn
+    alive = [
+        s
+        for s, d in enumerate(drafts)
+        if d and s not in faults and s not in stopped and out.tokens[s][0] == d[0]
+    ]
+    j = 1
+    while alive:
+        rows = logits.index_select(0, _index([first[s] for s in alive], j, logits))
+        tasks = [samplers[s] for s in alive]
+        masked = grammar.mask(rows, tasks)
+        later = sample(rows, tasks, [t.output_ids + out.tokens[s] for t, s in zip(tasks, alive)])
+        later.faults.update(masked)  # a later position's fault is met again next step
+        complete = grammar.advance(tasks, later.token_ids, later.faults)
+        going = []
+        for r, s in enumerate(alive):
+            if r in later.faults:
+                continue
+            tok = later.token_ids[r]
+            out.tokens[s].append(tok)
+            out.logprobs[s].append(later.logprobs[r])
+            if out.top_logprobs is not None:  # None: no sampler asked at the first position
+                top = later.top_logprobs[r] if later.top_logprobs is not None else ()
+                out.top_logprobs[s].append(top)
+            if r in complete:
+                out.stopped.add(s)
+            elif j < len(drafts[s]) and tok == drafts[s][j]:
+                going.append(s)
+        alive, j = going, j + 1
+    return out, drawn
+
+
+def _index(first: Sequence[int], j: int, logits: torch.Tensor) -> torch.Tensor:
+    """Row indices `first[i] + j` on `logits`' device."""
+    return torch.tensor([f + j for f in first], device=logits.device)
 
 
 def with_drafts(plan: StepPlan, drafts: Mapping[int, list[int]]) -> StepPlan:

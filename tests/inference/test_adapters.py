@@ -292,3 +292,33 @@ def test_a_failure_while_admitting_fails_only_that_request(
     monkeypatch.undo()  # the adapter is sound again: it moves in and runs as PEFT's
     (out,) = engine.run_batch([prompts[2]], greedy(), return_details=True, adapter="ours")
     assert_exact(out.token_ids, out.logprobs, reference("ours", prompts[2]), "ours after")
+
+
+# ---------------------------------------------------------------------- NoAdapters
+def test_no_adapters_is_the_registry_of_an_engine_without_lora(model):
+    """`EngineAdapters.build` without settings (and a model without a live adapter) gives
+    `NoAdapters`: the base for every request, the errors an engine without LoRA gives."""
+    from astrai.inference.adapters import (
+        NO_ADAPTER_SLOTS,
+        AdapterNotFound,
+        EngineAdapters,
+        NoAdapters,
+    )
+    from astrai.inference.params import SamplingParams
+    from astrai.inference.task import Task
+
+    none = EngineAdapters.build(model, None)
+    assert isinstance(none, NoAdapters) and not none.enabled and none.list() == []
+    assert none.resolve(None) is None and none.slots is NO_ADAPTER_SLOTS
+    with pytest.raises(AdapterNotFound, match=r"adapter 'qv': this engine serves no LoRA"):
+        none.resolve("qv")
+    with pytest.raises(AdapterError, match=r"lora=\.\.\., engine\.lora"):
+        none.load("qv", "/nowhere")
+    with pytest.raises(AdapterError, match=r"serves no LoRA"):
+        none.unload("qv", lambda adapter: False)
+    task = Task([1, 2], SamplingParams())
+    with none.lock:
+        assert none.assign([task]) is None and task.adapter is None
+    assert not none.slots.active([task]) and task.adapter_slot == -1
+    none.refresh_live()
+    none.close()

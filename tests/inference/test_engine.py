@@ -12,12 +12,9 @@ import torch
 from astrai.inference import (
     EngineNotReady,
     InferenceEngine,
-    InferenceScheduler,
     RequestRejected,
     SamplingParams,
-    Task,
 )
-from astrai.inference.cache import PagePool
 
 MODES = {
     "contiguous": dict(cache_mode="contiguous"),
@@ -361,35 +358,6 @@ def test_settings_travel_in_sampling_params(model, tokenizer, greedy_reference):
     assert stopped.token_ids == [first, second] and stopped.finish_reason == "stop"
     assert len(ignored.token_ids) == 5 and ignored.finish_reason == "length"
     assert short.token_ids == [first] and short.finish_reason == "length"
-
-
-def test_scheduler_plans_without_a_model():
-    """Chunked prefill under a token budget, decode rows first, stop rules in postprocess."""
-    pool = PagePool(num_layers=1, num_kv_heads=1, head_dim=4, max_batch_size=4, max_seq_len=32)
-    sched = InferenceScheduler(pool, vocab_size=100, max_prefill_tokens=4, stop_ids=[99])
-    a = sched.submit(Task(list(range(6)), SamplingParams(max_tokens=3)))
-    b = sched.submit(Task([7, 8, 9], SamplingParams(max_tokens=3)))
-    (plan,) = sched.schedule()
-    assert plan.tasks == [a] and plan.q_lens == [4] and plan.token_ids == [0, 1, 2, 3]
-    assert plan.positions == [0, 1, 2, 3] and plan.samplers == [] and b.row is not None
-    sched.postprocess(plan, [], [])
-    (plan,) = sched.schedule()
-    assert plan.tasks == [a, b] and plan.q_lens == [2, 2] and plan.seq_lens == [6, 2]
-    assert plan.sample_rows == [0] and not plan.decode_only
-    sched.postprocess(plan, [50], [-0.5])
-    (plan,) = sched.schedule()  # a decodes its token; b's last prompt token samples too
-    assert plan.tasks == [a, b] and plan.token_ids == [50, 9] and plan.seq_lens == [7, 3]
-    assert plan.decode_only and plan.rows == [a.row, b.row]
-    sched.postprocess(plan, [99, 60], [-1.0, -2.0])
-    assert a.finish_reason == "stop" and a.output_ids == [50, 99] and a.logprobs == [-0.5, -1.0]
-    (plan,) = sched.schedule()  # a is released; b goes on
-    assert plan.tasks == [b] and a.row is None
-    sched.postprocess(plan, [61], [0.0])
-    sched.postprocess(sched.schedule()[0], [62], [0.0])
-    assert b.finish_reason == "length" and b.output_ids == [60, 61, 62]
-    sched.cleanup()
-    assert pool.all_free() and not sched.has_work()
-    assert sched.stats()["total_tokens"] == 5
 
 
 def test_weight_versions_only_advance_and_only_when_idle(model, tokenizer):

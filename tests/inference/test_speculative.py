@@ -652,3 +652,35 @@ def test_speculation_is_deterministic_across_runs(model, tokenizer):
     assert a == b
     keys = ("spec_num_drafts", "spec_draft_tokens", "spec_accepted_tokens")
     assert [sa[k] for k in keys] == [sb[k] for k in keys]
+
+
+# ---------------------------------------------------------------------- units
+def test_no_proposer_is_speculation_off():
+    from astrai.inference.speculative import NO_PROPOSER, NoProposer, Proposer
+
+    assert isinstance(NO_PROPOSER, NoProposer) and isinstance(NO_PROPOSER, Proposer)
+    assert NO_PROPOSER.num_speculative_tokens == 0
+    assert NO_PROPOSER.propose([object(), object()], [0, 0]) == [[], []]
+    NO_PROPOSER.verified(object(), 0, 0)
+    NO_PROPOSER.close()
+
+
+def test_spec_state_backs_off_after_misses_and_resets_on_a_hit():
+    from astrai.inference.params import SamplingParams
+    from astrai.inference.speculative import next_budget
+    from astrai.inference.task import MAX_SKIP, SpecState, Task
+
+    task = Task([1, 2, 3], SamplingParams(max_tokens=10))
+    assert task.spec == SpecState()
+    skips = []
+    for _ in range(6):
+        task.spec.record(4, 0)
+        skips.append(task.spec.skip)
+    assert skips == [1, 3, 7, 15, 31, MAX_SKIP] and task.spec.proposed == 24
+    assert next_budget(task, 4, 64) == 0 and task.spec.skip == MAX_SKIP - 1
+    task.spec.record(2, 1)
+    assert (task.spec.misses, task.spec.accepted) == (0, 1)
+    task.spec.skip = 0
+    assert next_budget(task, 4, 64) == 4
+    task.output_ids = [0] * 7  # 2 tokens left of max_tokens: the last is the bonus
+    assert next_budget(task, 4, 64) == 2

@@ -29,7 +29,7 @@ from test_speculative import (
 )
 
 from astrai.inference import InferenceEngine
-from astrai.inference.speculative import NgramIndex
+from astrai.inference.ngram import NgramIndex
 from astrai.model import ModelConfig, Transformer
 
 # A copy bias that keeps most sampled runs on the period, with rejections here and there.
