@@ -1,7 +1,11 @@
-"""Suite-wide settings: no network, no W&B uploads, deterministic CPU threads."""
+"""Suite-wide settings: no network, no W&B uploads, deterministic CPU threads; under
+pytest-xdist (`make test` runs two workers) each worker gets its share of the cores, the
+files with the most slow tests start first, and `shared_build` builds an expensive folder
+(a reference training run, the prepared data) once for all workers of the session."""
 
 import contextlib
 import os
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,6 +17,18 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest
 import torch
+from shared_build import SharedBuild
+
+# pytest-xdist names each worker in its environment; a run without workers has neither.
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if XDIST_WORKER is not None:
+    # Each worker its share of the cores (2 workers on 2 cores: 1 thread each), set before
+    # any test runs; subprocesses inherit it through OMP_NUM_THREADS (astrai's thread policy
+    # reads it), so the multi-process runs do not oversubscribe the machine either.
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (_cores or 1) // _workers)))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # Triton kernels run on CPU tensors only in Triton's interpreter, which must be chosen
 # before anything imports triton (transformers does). Auto backend selection never picks
@@ -26,12 +42,38 @@ if not torch.cuda.is_available():
 
 
 def pytest_collection_modifyitems(config, items):
+    if XDIST_WORKER is not None:
+        _slowest_files_first(items)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def _slowest_files_first(items: list[pytest.Item]) -> None:
+    """Files in order of their count of `slow` tests, most first (a stable sort: the tests
+    of a file keep their order). xdist hands out whole files in collection order, so the long
+    ones start early and the two workers finish together instead of one waiting on the
+    last long file."""
+    slow = Counter(item.path for item in items if "slow" in item.keywords)
+    items.sort(key=lambda item: -slow[item.path])
+
+
+@pytest.fixture(scope="session")
+def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder of this session that every xdist worker sees (the parent of the workers'
+    own base temps); without workers, under the session's base temp."""
+    base = tmp_path_factory.getbasetemp()
+    path = (base.parent if XDIST_WORKER is not None else base) / "shared"
+    path.mkdir(exist_ok=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def shared_build(shared_dir: Path) -> SharedBuild:
+    return SharedBuild(shared_dir / "builds")
 
 
 def _build_model_dir(
