@@ -76,15 +76,11 @@ def shared_build(shared_dir: Path) -> SharedBuild:
     return SharedBuild(shared_dir / "builds")
 
 
-def _build_model_dir(
-    path: Path, texts: list[str], *, vocab_size: int = 300, seed: int = 0, **config: Any
-) -> Path:
-    """A random-weight model directory (config, safetensors and a BPE tokenizer trained on
-    `texts`), as `make train` would export it; `config` overrides the tiny defaults."""
+def _save_model_dir(path: Path, tok: Any, *, seed: int = 0, **config: Any) -> Path:
+    """A random-weight model directory (config, safetensors and the tokenizer `tok`), as
+    `make train` would export it; `config` overrides the tiny defaults."""
     from astrai.model import ModelConfig, Transformer, save_pretrained
-    from astrai.tokenizer import AutoTokenizer
 
-    tok = AutoTokenizer.train(texts, vocab_size=vocab_size)
     defaults = dict(
         hidden_size=32,
         intermediate_size=64,
@@ -98,10 +94,37 @@ def _build_model_dir(
     return Path(path)
 
 
+def _build_model_dir(
+    path: Path, texts: list[str], *, vocab_size: int = 300, seed: int = 0, **config: Any
+) -> Path:
+    """`_save_model_dir` with a BPE tokenizer trained on `texts`."""
+    from astrai.tokenizer import AutoTokenizer
+
+    tok = AutoTokenizer.train(texts, vocab_size=vocab_size)
+    return _save_model_dir(path, tok, seed=seed, **config)
+
+
 @pytest.fixture(scope="session")
 def build_model_dir() -> Callable[..., Path]:
     """Factory of tiny model directories for tests that load one from disk."""
     return _build_model_dir
+
+
+@pytest.fixture(scope="session")
+def save_model_dir() -> Callable[..., Path]:
+    """Factory of tiny model directories with a given tokenizer."""
+    return _save_model_dir
+
+
+@pytest.fixture(scope="session")
+def stdlib_tokenizer() -> Any:
+    """The suite's 384-token BPE on the first ten `[a-c]*.py` files of the standard library
+    (tests/tiny_parts.py), trained once per session for the inference and serve tests."""
+    from tiny_parts import STDLIB_VOCAB, stdlib_texts
+
+    from astrai.tokenizer import AutoTokenizer
+
+    return AutoTokenizer.train(stdlib_texts(), vocab_size=STDLIB_VOCAB)
 
 
 @pytest.fixture
