@@ -8,6 +8,11 @@ PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.astrai-installed
 PYTEST_ARGS ?=
+# The suite runs on two pytest-xdist workers, whole files each, in the order tests/conftest.py
+# puts them (the files with the most slow tests first; xdist would otherwise start with the
+# files of most tests); each worker gets its share of the cores.
+# `make test PYTEST_WORKERS=` runs it in one process.
+PYTEST_WORKERS ?= -n 2 --dist loadfile --no-loadscope-reorder
 
 .PHONY: setup test train serve bench gpu-check lint format clean
 
@@ -21,7 +26,7 @@ $(STAMP): pyproject.toml Makefile
 	@touch $(STAMP)
 
 test: setup
-	WANDB_MODE=offline $(PY) -m pytest $(PYTEST_ARGS)
+	WANDB_MODE=offline $(PY) -m pytest $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 train: setup
 	$(PY) -m astrai.train $(ARGS)

@@ -4,39 +4,26 @@ engine for tests that need known completions, and a JSONL writer."""
 from __future__ import annotations
 
 import json
-import sysconfig
 from collections.abc import Callable, Sequence
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import torch
+from tiny_parts import STDLIB_VOCAB, stdlib_texts, tiny_transformer
 
 from astrai.inference import BatchResult, InferenceEngine, SamplingParams
-from astrai.model import ModelConfig, Transformer
+from astrai.model import Transformer
 from astrai.tokenizer import AutoTokenizer
 
 
 def tiny_tokenizer() -> AutoTokenizer:
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    texts = [p.read_text(errors="ignore") for p in sorted(stdlib.glob("[a-c]*.py"))[:10]]
-    texts += ["Question: What is 2 + 3?\nAnswer: 5\n"] * 5
-    return AutoTokenizer.train(texts, vocab_size=384)
+    texts = [*stdlib_texts(), *["Question: What is 2 + 3?\nAnswer: 5\n"] * 5]
+    return AutoTokenizer.train(texts, vocab_size=STDLIB_VOCAB)
 
 
 def tiny_model(tokenizer: AutoTokenizer, max_positions: int = 512) -> Transformer:
-    cfg = ModelConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=max_positions,
-        initializer_range=0.15,  # spread-out logits: no near-ties between choices
-    )
-    torch.manual_seed(0)
-    return Transformer(cfg).eval()
+    return tiny_transformer(len(tokenizer), max_positions)
 
 
 def engine_for(model: Transformer, tokenizer: AutoTokenizer, **kwargs: Any) -> InferenceEngine:

@@ -1,34 +1,19 @@
-import sysconfig
-from pathlib import Path
-
 import pytest
 import torch
+from tiny_parts import tiny_transformer
 
-from astrai.model import ModelConfig, Transformer
+from astrai.model import Transformer
 from astrai.tokenizer import AutoTokenizer
 
 
 @pytest.fixture(scope="session")
-def tokenizer() -> AutoTokenizer:
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    texts = [p.read_text(errors="ignore") for p in sorted(stdlib.glob("[a-c]*.py"))[:10]]
-    return AutoTokenizer.train(texts, vocab_size=384)
+def tokenizer(stdlib_tokenizer) -> AutoTokenizer:
+    return stdlib_tokenizer
 
 
 @pytest.fixture(scope="session")
 def model(tokenizer) -> Transformer:
-    cfg = ModelConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        initializer_range=0.15,  # spread-out logits: greedy has no near-ties
-    )
-    torch.manual_seed(0)
-    return Transformer(cfg).eval()
+    return tiny_transformer(len(tokenizer))
 
 
 def _greedy(model: Transformer, prompt: list[int], n: int) -> list[int]:

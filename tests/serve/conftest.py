@@ -11,13 +11,13 @@ KV mode, no prefix cache, so a prefill always starts at position 0).
 
 from __future__ import annotations
 
-import sysconfig
 import time
 from pathlib import Path
 
 import anthropic
 import openai
 import pytest
+from tiny_parts import TINY_SHAPE
 
 from astrai.inference import InferenceEngine
 from astrai.model import AutoModel, Transformer
@@ -58,20 +58,12 @@ class ScriptedTransformer(Transformer):
 
 
 @pytest.fixture(scope="session")
-def model_dir(tmp_path_factory, build_model_dir) -> Path:
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    texts = [p.read_text(errors="ignore") for p in sorted(stdlib.glob("[a-c]*.py"))[:10]]
-    return build_model_dir(
+def model_dir(tmp_path_factory, save_model_dir, stdlib_tokenizer) -> Path:
+    return save_model_dir(
         tmp_path_factory.mktemp("tiny-model"),
-        texts,
-        vocab_size=384,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        stdlib_tokenizer,
         max_position_embeddings=1024,
-        initializer_range=0.15,
+        **TINY_SHAPE,
     )
 
 

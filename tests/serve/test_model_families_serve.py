@@ -3,9 +3,6 @@ multi-head latent attention (MLA) model: the same greedy text as full recomputat
 
 from __future__ import annotations
 
-import sysconfig
-from pathlib import Path
-
 import openai
 import pytest
 import torch
@@ -49,12 +46,10 @@ def _is_family(model, family: str) -> bool:
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
-def served(request, tmp_path_factory, build_model_dir):
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    texts = [p.read_text(errors="ignore") for p in sorted(stdlib.glob("[a-c]*.py"))[:10]]
+def served(request, tmp_path_factory, save_model_dir, stdlib_tokenizer):
     family = request.param
-    path = build_model_dir(
-        tmp_path_factory.mktemp(family), texts, vocab_size=384, **SMALL, **FAMILIES[family]
+    path = save_model_dir(
+        tmp_path_factory.mktemp(family), stdlib_tokenizer, **SMALL, **FAMILIES[family]
     )
     model = AutoModel.from_pretrained(path)
     tok = AutoTokenizer.from_pretrained(path)

@@ -52,10 +52,8 @@ def _load(path: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, data_dir) -> Path:
-    where = tmp_path_factory.mktemp("uninterrupted")
-    cli([*RUN, *run_dirs(where, data_dir)])
-    return where / "run"
+def reference(reference_run) -> Path:
+    return reference_run("interrupt", RUN)
 
 
 @pytest.mark.parametrize(("signame", "when", "stopped_at"), STOPS)

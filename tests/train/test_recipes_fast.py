@@ -5,6 +5,7 @@ tiny_grpo starts from (``${paths.log_dir}/tiny_sft_start/latest/export``)."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -31,16 +32,30 @@ def _dirs(tmp: Path, data_dir: Path, run: str) -> list[str]:
     return [d.replace(f"={tmp / 'run'}", f"={tmp / run}") for d in dirs]
 
 
-def test_sft_start_then_dpo_and_grpo_from_it(tmp_path: Path, data_dir: Path) -> None:
-    cli(
-        [
-            "experiment=tiny_sft_start",
-            *FAST,
-            "data.train.prepare.builtin.n=64",
-            "data.val.prepare.builtin.n=16",
-            *_dirs(tmp_path, data_dir, "sft"),
-        ]
-    )
+@pytest.fixture(scope="module")
+def sft_start(shared_build, data_dir: Path) -> Path:
+    """The outputs folder of one `experiment=tiny_sft_start` run, trained once per session;
+    each chain copies it as its own `outputs` (a copy, not links: its recipes sample from an
+    export of their own, as when they trained the start themselves)."""
+
+    def build(where: Path) -> None:
+        cli(
+            [
+                "experiment=tiny_sft_start",
+                *FAST,
+                "data.train.prepare.builtin.n=64",
+                "data.val.prepare.builtin.n=16",
+                *_dirs(where, data_dir, "sft"),
+            ]
+        )
+
+    return shared_build("recipes-sft-start", build) / "outputs"
+
+
+def test_sft_start_then_dpo_and_grpo_from_it(
+    tmp_path: Path, data_dir: Path, sft_start: Path
+) -> None:
+    shutil.copytree(sft_start, tmp_path / "outputs")
     start = tmp_path / "outputs" / "tiny_sft_start" / "latest" / "export"
     assert (start / "model.safetensors").is_file()
 
@@ -114,19 +129,13 @@ def test_dpo_without_its_starting_policy_fails_before_training(
     assert not (tmp_path / "x" / "checkpoints").exists()
 
 
-def test_sft_start_then_the_preference_recipes(tmp_path: Path, data_dir: Path) -> None:
+def test_sft_start_then_the_preference_recipes(
+    tmp_path: Path, data_dir: Path, sft_start: Path
+) -> None:
     """tiny_simpo (pairs), tiny_kto (unpaired on-policy answers), tiny_reward and
     tiny_grpo_learned (GRPO scored by tiny_reward's export) chained from one start, as
     their READMEs run them."""
-    cli(
-        [
-            "experiment=tiny_sft_start",
-            *FAST,
-            "data.train.prepare.builtin.n=64",
-            "data.val.prepare.builtin.n=16",
-            *_dirs(tmp_path, data_dir, "sft"),
-        ]
-    )
+    shutil.copytree(sft_start, tmp_path / "outputs")
     sampled = [
         f"data.{split}.source.{key}"
         for split in ("train", "val")

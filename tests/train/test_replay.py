@@ -74,10 +74,8 @@ def ledger_row(run: Path, step: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def pretrain_run(tmp_path_factory, data_dir) -> Path:
-    where = tmp_path_factory.mktemp("ledger-pretrain")
-    cli([*PRETRAIN, *run_dirs(where, data_dir)])
-    return where / "run"
+def pretrain_run(reference_run) -> Path:
+    return reference_run("ledger-pretrain", PRETRAIN)
 
 
 def test_replay_of_a_step_reproduces_loss_grad_norm_and_weights(pretrain_run, tmp_path):

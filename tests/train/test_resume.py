@@ -47,13 +47,13 @@ KILLS_WITH_WORKERS = [("KillAtStep", 2), ("KillAtStep", 4), ("KillInValidation",
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, data_dir) -> Path:
+def reference(reference_run) -> Path:
     """The uninterrupted run every resumed one must equal, with no loader workers: a run
-    with workers draws the same samples in the same order, so it must end there too."""
-    where = tmp_path_factory.mktemp("resume-reference")
-    cli([*RUN, "data.num_workers=0", *run_dirs(where, data_dir)])
-    assert any("lora" in k for k in final_state(where / "run", 10)[0])
-    return where / "run"
+    with workers draws the same samples in the same order, so it must end there too
+    (trained once per session)."""
+    run = reference_run("resume", [*RUN, "data.num_workers=0"])
+    assert any("lora" in k for k in final_state(run, 10)[0])
+    return run
 
 
 @pytest.mark.parametrize(("workers", "kills"), [(0, KILLS), (2, KILLS_WITH_WORKERS)])

@@ -77,13 +77,14 @@ def _weights(run: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> dict[int, Path]:
-    """The reference runs: 1 rank x 8 and 2 ranks x 4, never stopped."""
-    runs = {}
-    for world in (1, 2):
-        runs[world] = tmp_path_factory.mktemp(f"uninterrupted{world}")
-        _run(runs[world], data_dir, world)
-    return runs
+def uninterrupted(shared_build, data_dir: Path) -> dict[int, Path]:
+    """The reference runs: 1 rank x 8 and 2 ranks x 4, never stopped (once per session)."""
+    return {
+        world: shared_build(
+            f"world-size-uninterrupted{world}", lambda where, w=world: _run(where, data_dir, w)
+        )
+        for world in (1, 2)
+    }
 
 
 def _check_continuation(resumed: Path, refs: dict[int, Path], before: int, after: int) -> str:
