@@ -35,7 +35,7 @@ def hermes_call(body: str) -> Parsed | None:
 
 
 def tagged_parser(start: str, end: str) -> type[HermesToolParser]:
-    """A hermes parser with other tags (`tool_call_format: "START|END"`)."""
+    """A hermes parser with other tags (`tool_parser: "START|END"`)."""
     return type(
         "TaggedToolParser",
         (HermesToolParser,),
