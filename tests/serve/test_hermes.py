@@ -7,27 +7,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from tool_parser_cases import reference_cases, run, splits
+from tool_parser_cases import feed_output, reference_cases, run, splits
 
-from astrai.serve.tool_parsers import OutputParser, TextDelta, ToolCall, resolve
+from astrai.serve.tool_parsers import OutputParser, resolve
 
 HERMES = resolve("hermes")
-
-
-def _run(parser: OutputParser, pieces: list[str]):
-    events = []
-    for p in pieces:
-        events += parser.feed(p)
-    events += parser.flush()
-    text = "".join(e.text for e in events if isinstance(e, TextDelta))
-    return text, [e for e in events if isinstance(e, ToolCall)]
-
-
-def _splits(text: str):
-    yield [text]
-    yield list(text)
-    for i in range(1, len(text)):
-        yield [text[:i], text[i:]]
 
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "n": 2}}\n</tool_call>'
@@ -60,8 +44,8 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "n":
     ],
 )
 def test_tool_calls_at_every_split(text, content, calls):
-    for pieces in _splits(text):
-        out, got = _run(OutputParser((), HERMES.new()), pieces)
+    for pieces in splits(text):
+        out, got = feed_output(OutputParser((), HERMES.new()), pieces)
         assert out == content, pieces
         assert [(c.name, json.loads(c.arguments)) for c in got] == calls, pieces
         assert [c.index for c in got] == list(range(len(calls)))
@@ -77,5 +61,7 @@ def test_the_reference_parsers_reading_whole_and_in_random_chunks(parser, tools,
 def test_other_tags_read_as_hermes():
     tagged = resolve("[CALL]|[/CALL]")
     assert (tagged.name, tagged.forced) == ("[CALL]|[/CALL]", ("[CALL]", "[/CALL]"))
-    _, calls = _run(OutputParser((), tagged.new()), ['[CALL]{"name": "x", "arguments": {}}[/CALL]'])
+    _, calls = feed_output(
+        OutputParser((), tagged.new()), ['[CALL]{"name": "x", "arguments": {}}[/CALL]']
+    )
     assert [c.name for c in calls] == ["x"]

@@ -4,24 +4,9 @@ point, applied before the tool-call parser."""
 from __future__ import annotations
 
 import pytest
+from tool_parser_cases import feed_output, splits
 
-from astrai.serve.tool_parsers import OutputParser, StopMatcher, TextDelta, ToolCall, resolve
-
-
-def _run(parser: OutputParser, pieces: list[str]):
-    events = []
-    for p in pieces:
-        events += parser.feed(p)
-    events += parser.flush()
-    text = "".join(e.text for e in events if isinstance(e, TextDelta))
-    return text, [e for e in events if isinstance(e, ToolCall)]
-
-
-def _splits(text: str):
-    yield [text]
-    yield list(text)
-    for i in range(1, len(text)):
-        yield [text[:i], text[i:]]
+from astrai.serve.tool_parsers import OutputParser, StopMatcher, resolve
 
 
 @pytest.mark.parametrize(
@@ -35,9 +20,9 @@ def _splits(text: str):
     ],
 )
 def test_stop_strings_at_every_split(text, stops, expect, matched):
-    for pieces in _splits(text):
+    for pieces in splits(text):
         parser = OutputParser(stops)
-        out, _ = _run(parser, pieces)
+        out, _ = feed_output(parser, pieces)
         assert (out, parser.matched_stop) == (expect, matched), pieces
 
 
@@ -54,6 +39,6 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "n":
 
 def test_stop_string_applies_before_tool_parsing():
     parser = OutputParser(["<tool_call>"], resolve("hermes").new())
-    out, calls = _run(parser, ["Hi ", CALL])
+    out, calls = feed_output(parser, ["Hi ", CALL])
     assert (out, calls) == ("Hi ", [])
     assert parser.tool_calls == []

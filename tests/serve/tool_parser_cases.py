@@ -162,6 +162,16 @@ def run(parser: str, pieces: list[str], tools=TOOL_DEFS) -> tuple[str, list[tupl
     return text, [(c.name, json.loads(c.arguments)) for c in calls]
 
 
+def feed_output(parser, pieces: list[str]) -> tuple[str, list]:
+    """`pieces` fed to an `OutputParser` (stop strings, then the tool parser): the content and
+    the `ToolCall` events."""
+    from astrai.serve.tool_parsers import TextDelta, ToolCall
+
+    events = [e for piece in pieces for e in parser.feed(piece)] + parser.flush()
+    text = "".join(e.text for e in events if isinstance(e, TextDelta))
+    return text, [e for e in events if isinstance(e, ToolCall)]
+
+
 def splits(text: str, seed: int = 0) -> list[list[str]]:
     """The whole text, one character at a time, every cut in two, random chunks."""
     rng = random.Random(seed)
