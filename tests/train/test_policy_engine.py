@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from train_helpers import TINY_MODEL
+from train_helpers import TINY_MODEL, train_run
 
 from astrai.train.policy_engine import PolicyEngine, factory_sizes
 
@@ -113,7 +113,6 @@ def _counted_run(where: Path, data_dir: Path, extra: list[str], monkeypatch) -> 
     """tiny_grpo with evaluation, in this process, counting engines and KV pools built."""
     from astrai.inference import InferenceEngine
     from astrai.inference.cache.pool import PagePool
-    from astrai.train import runner
     from astrai.train.evaluation import EvalCallback
 
     seen: dict[str, Any] = {"engines": [], "pools": 0, "hooks": []}
@@ -142,17 +141,7 @@ def _counted_run(where: Path, data_dir: Path, extra: list[str], monkeypatch) -> 
     monkeypatch.setattr(InferenceEngine, "__init__", count_engine)
     monkeypatch.setattr(PagePool, "__init__", count_pool)
     monkeypatch.setattr(EvalCallback, "evaluate", check_hooks)
-    run = where / "run"
-    cfg = runner.compose(
-        [
-            *FLAGSHIP,
-            *extra,
-            f"paths.output_dir={run}",
-            f"paths.log_dir={where / 'outputs'}",
-            f"paths.data_dir={data_dir}",
-        ]
-    )
-    runner.train(cfg)
+    train_run(where, data_dir, extra, base=FLAGSHIP)
     return seen
 
 

@@ -29,6 +29,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 from train_helpers import SMALL, TINY_MODEL, checkpoint_differences
+from train_helpers import train_run as run_in_process
 
 from astrai.train.serve_policy import PolicyServer, PolicyServeSettings, serve_policy_problems
 
@@ -220,20 +221,7 @@ class Probe(Callback):
 # ---------------------------------------------------------------------- training runs
 def train_run(where: Path, data_dir: Path, extra: list[str], base: list[str] = RUN) -> Path:
     """`astrai.train` in this process with the test-size settings; returns the run folder."""
-    from astrai.train import runner
-
-    run = where / "run"
-    cfg = runner.compose(
-        [
-            *base,
-            *extra,
-            f"paths.output_dir={run}",
-            f"paths.log_dir={where / 'outputs'}",
-            f"paths.data_dir={data_dir}",
-        ]
-    )
-    runner.train(cfg)
-    return run
+    return run_in_process(where, data_dir, extra, base)
 
 
 def serving(where: Path, plan: str, *settings: str) -> list[str]:

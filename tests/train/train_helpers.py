@@ -29,6 +29,17 @@ def run_dirs(tmp: Path, data_dir: Path) -> list[str]:
     ]
 
 
+def train_run(where: Path, data_dir: Path, extra: list[str], base: list[str]) -> Path:
+    """`astrai.train` in this process with `base + extra`, its outputs under `where`; returns
+    the run folder."""
+    from astrai.train import runner
+
+    run = where / "run"
+    paths = [f"paths.output_dir={run}", f"paths.log_dir={where / 'outputs'}"]
+    runner.train(runner.compose([*base, *extra, *paths, f"paths.data_dir={data_dir}"]))
+    return run
+
+
 def cli(
     args: list[str], *, timeout: float = 300, check: bool = True, env: dict | None = None
 ) -> subprocess.CompletedProcess:
