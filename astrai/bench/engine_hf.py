@@ -45,6 +45,7 @@ def run_hf(hf_model: Any, work: Work, batch_size: int, pad_id: int) -> dict[str,
         for j, (p, _) in enumerate(chunk):
             ids[j, width - len(p) :] = torch.tensor(p)
             mask[j, width - len(p) :] = 1
+        ids, mask = ids.to(hf_model.device), mask.to(hf_model.device)
         marker = FirstToken()
         new = max(n for _, n in chunk)
         with torch.no_grad():
