@@ -53,6 +53,8 @@ class HeadSettings:
         entropy: also return each token's entropy (a metric: no gradient).
         label_smoothing: also return each token's mean over the vocabulary of ``-log p``
             (with gradient), the term label-smoothed cross entropy mixes in.
+        dtype: of the softmax arithmetic and the scores: fp32, as the dense path's
+            ``logits.float()`` (the matmuls stay in the model's dtype); float64 for gradcheck.
     """
 
     chunk_size: int = 1024
@@ -60,6 +62,7 @@ class HeadSettings:
     temperature: float = 1.0
     entropy: bool = False
     label_smoothing: bool = False
+    dtype: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:
         if self.chunk_size < 1 or self.vocab_chunk_size < 1:
@@ -72,8 +75,8 @@ class HeadSettings:
 
 
 class TokenScores(NamedTuple):
-    """Per target position (0 where the target is ignored), in fp32 (the inputs' dtype when
-    wider): ``logp`` (with gradient), ``entropy`` (no gradient; None unless asked) and
+    """Per target position (0 where the target is ignored), in ``HeadSettings.dtype`` (fp32):
+    ``logp`` (with gradient), ``entropy`` (no gradient; None unless asked) and
     ``smooth`` (mean over the vocabulary of ``-log p``, with gradient; None unless asked)."""
 
     logp: Tensor
@@ -109,7 +112,7 @@ def _logits(xs: tuple[Tensor, ...], ws: tuple[Tensor, ...], rows: slice, cols: s
 class _Plan(NamedTuple):
     settings: HeadSettings
     shard: VocabShard
-    compute: torch.dtype  # fp32, or the inputs' dtype when wider (float64 for gradcheck)
+    compute: torch.dtype  # HeadSettings.dtype
 
 
 class _ChunkedHead(torch.autograd.Function):
@@ -175,14 +178,19 @@ class _ChunkedHead(torch.autograd.Function):
         coef = g_sm - g_lp if g_sm is not None else -g_lp  # of softmax in d(out)/d(z)
         local = targets - plan.shard.start
         gx = [
-            torch.zeros(x.shape, dtype=dt, device=x.device) if need else None
+            torch.zeros(x.shape, dtype=torch.promote_types(dt, x.dtype), device=x.device)
+            if need
+            else None
             for x, need in zip(xs, needs[:k])
         ]
         gw = [torch.empty_like(w) if need else None for w, need in zip(ws, needs[k:])]
+        # gradients accumulate over blocks in fp32 at least (a bf16 model's too)
         for c0, c1 in _blocks(v_local, s.vocab_chunk_size):
             cols = slice(c0, c1)
             acc = [
-                torch.zeros(w[cols].shape, dtype=dt, device=w.device) if g is not None else None
+                torch.zeros(w[cols].shape, dtype=torch.promote_types(dt, w.dtype), device=w.device)
+                if g is not None
+                else None
                 for w, g in zip(ws, gw)
             ]
             for r0, r1 in _blocks(n, s.chunk_size):
@@ -198,9 +206,9 @@ class _ChunkedHead(torch.autograd.Function):
                 grad = (grad / s.temperature).to(xs[0].dtype)
                 for i in range(k):
                     if gx[i] is not None:
-                        gx[i][rows] += (grad @ ws[i][cols]).to(dt)
+                        gx[i][rows] += grad @ ws[i][cols]
                     if acc[i] is not None:
-                        acc[i] += (grad.T @ xs[i][rows]).to(dt)
+                        acc[i] += grad.T @ xs[i][rows]
             for i in range(k):
                 if gw[i] is not None:
                     gw[i][cols] = acc[i]
@@ -223,8 +231,7 @@ def chunked_token_scores(
     valid), computed block by block (module docstring)."""
     if len(xs) != len(ws) or not xs:
         raise ValueError("chunked_token_scores: one weight per input, at least one")
-    compute = torch.promote_types(xs[0].dtype, torch.float32)
-    plan = _Plan(settings, shard if shard is not None else VocabShard(), compute)
+    plan = _Plan(settings, shard if shard is not None else VocabShard(), settings.dtype)
     logp, entropy, smooth = _ChunkedHead.apply(plan, targets, *xs, *ws)
     return TokenScores(
         logp,

@@ -90,7 +90,7 @@ def test_gradcheck_float64():
     x = torch.randn(5, 3, generator=g, dtype=torch.float64, requires_grad=True)
     w = torch.randn(11, 3, generator=g, dtype=torch.float64, requires_grad=True)
     t = torch.randint(0, 11, (5,), generator=g)
-    settings = HeadSettings(2, 4, 1.7, label_smoothing=True)
+    settings = HeadSettings(2, 4, 1.7, label_smoothing=True, dtype=torch.float64)
 
     def f(x, w):
         out = chunked_token_scores([x], [w], t, settings)
