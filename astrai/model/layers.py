@@ -42,6 +42,13 @@ class Linear(nn.Linear):
             self.lora.apply(x, out)
         return out
 
+    def product_terms(self, x: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``[(x, weight)]``: this layer's output is ``x @ weight.T`` (the chunked LM head,
+        `astrai.model.head`, computes it block by block); a biased layer has no such form."""
+        if self.bias is not None:
+            raise ValueError("the chunked LM head needs a head without bias")
+        return [(x, self.weight)]
+
 
 class PackedLinear:
     """The weights (and biases) of one or more `Linear`s that read the same input, for

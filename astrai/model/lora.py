@@ -146,6 +146,13 @@ class LoRALinear(nn.Module):
             return self.base_layer(x)
         return self.base_layer(x) + self.lora_B(self.lora_A(self.dropout(x))) * self.scaling
 
+    def product_terms(self, x: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The base layer's ``(input, weight)`` pairs plus ``(scaling * A(dropout(x)), B)``:
+        the output is the sum of their products (the chunked LM head, `astrai.model.head`,
+        computes a LoRA-wrapped head block by block from them)."""
+        low_rank = self.lora_A(self.dropout(x)) * self.scaling
+        return [*self.base_layer.product_terms(x), (low_rank, self.lora_B.weight)]
+
     @torch.no_grad()
     def merged(self) -> nn.Linear:
         """The base layer with the low-rank update folded into its weight."""

@@ -11,9 +11,11 @@ from torch.utils.checkpoint import checkpoint
 
 from astrai.extension import KVCache
 from astrai.model.config import ModelConfig
+from astrai.model.head import HeadSettings, TokenScores, head_scores
 from astrai.model.layers import Linear, RMSNorm, RotaryEmbedding
 from astrai.model.mla import make_attention
 from astrai.model.moe import MoE, RouterStats, make_mlp, router_losses, router_stats
+from astrai.vocab import VocabShard
 
 
 class DecoderBlock(nn.Module):
@@ -92,6 +94,9 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        # where this process's head rows lie in the vocabulary (tensor parallelism sets a
+        # vocabulary-parallel one); every reduction of the chunked head goes through it
+        self.vocab_shard: VocabShard = VocabShard()
         self.gradient_checkpointing = False
         # `model.compile=true` (the factories' `compile=`): LMModule calls `compile_for_training`;
         # the inference engine (packed forwards) always runs the model eagerly
@@ -155,11 +160,19 @@ class Transformer(nn.Module):
         attention_mask: torch.Tensor | None = None,
         *,
         return_hidden: bool = False,
-    ) -> torch.Tensor:
+        targets: torch.Tensor | None = None,
+        head: HeadSettings | None = None,
+    ) -> torch.Tensor | TokenScores:
         """Logits `[B, S, vocab]` for dense `[B, S]` ids.
 
         `position_ids` may restart inside a row (packed documents); attention then stays
         within each document. `attention_mask` is 1 for real tokens, 0 for padding.
+
+        `targets` (`[B, S]` vocabulary ids, `IGNORE_INDEX` where no score is needed): instead
+        of logits, the `TokenScores` `[B, S]` of the chunked head (`astrai.model.head`, with
+        `head`'s settings; default `HeadSettings()`): per-token log-probs of the targets (and
+        entropy / label smoothing's term when asked), never the full logits; only the targeted
+        positions go through the head. Here, inside forward, so FSDP2's hooks apply.
         """
         if input_ids.dim() != 2:
             raise ValueError(
@@ -185,7 +198,21 @@ class Transformer(nn.Module):
             else:
                 x = layer(x, cos, sin, mask)
         x = self.norm(x)
+        if targets is not None:
+            return self.token_scores(x, targets, head if head is not None else HeadSettings())
         return x if return_hidden else self.lm_head(x)
+
+    def token_scores(
+        self, hidden: torch.Tensor, targets: torch.Tensor, head: HeadSettings
+    ) -> TokenScores:
+        """`TokenScores` `[B, S]` of final-normed `hidden` `[B, S, D]` at `targets` (see
+        `forward`), through `lm_head` (a LoRA-wrapped head included) and `vocab_shard`."""
+        if targets.shape != hidden.shape[:-1]:
+            raise ValueError(
+                f"targets: shape {tuple(targets.shape)} does not match the tokens "
+                f"{tuple(hidden.shape[:-1])}"
+            )
+        return head_scores(self.lm_head, hidden, targets, head, self.vocab_shard)
 
     def hidden_packed(
         self,

@@ -57,14 +57,21 @@ class CorpusNLL:
     def update(self, logits: Tensor, labels: Tensor) -> None:
         """Add a batch: ``logits [..., V]`` and ``labels [...]`` (already shifted, positions
         equal to ``ignore_index`` skipped). Plain cross entropy: no label smoothing."""
-        keep = labels != self.ignore_index
         nats = F.cross_entropy(
             logits.float().flatten(0, -2),
             labels.flatten(),
             ignore_index=self.ignore_index,
-            reduction="sum",
+            reduction="none",
         )
-        self.nats += float(nats)
+        self.update_nll(nats.view_as(labels), labels)
+
+    @torch.no_grad()
+    def update_nll(self, nll: Tensor, labels: Tensor) -> None:
+        """Add a batch from its per-token negative log-likelihoods ``nll [...]`` (what the
+        chunked LM head gives, no logits needed) at ``labels [...]``; positions equal to
+        ``ignore_index`` are skipped."""
+        keep = labels != self.ignore_index
+        self.nats += float(nll.detach().float()[keep].sum())
         self.tokens += int(keep.sum())
         if self.byte_lengths is not None:
             if self.byte_lengths.device != labels.device:
@@ -81,7 +88,8 @@ class ValidationCorpusMetrics:
     validation epoch, summed across DDP ranks before the division.
 
     Use as ``class MyModule(ValidationCorpusMetrics, LMModule)`` and call
-    ``self.tally_validation(logits, labels)`` in ``compute_loss`` (it does nothing outside
+    ``self.tally_validation(nll, labels)`` (per-token negative log-likelihoods, e.g. the
+    chunked head's ``-logp``) in ``compute_loss`` (it does nothing outside
     ``validation_step``), so validation still runs one forward per batch. Bytes come from
     the module's tokenizer (no tokenizer: ``val/ppl`` only). A DDP validation sampler that
     pads the last batch with repeated samples counts those twice, as ``val/loss`` does.
@@ -90,14 +98,14 @@ class ValidationCorpusMetrics:
     val_nll: CorpusNLL | None = None
     _tallying: bool = False
 
-    def tally_validation(self, logits: Tensor, labels: Tensor) -> None:
+    def tally_validation(self, nll: Tensor, labels: Tensor) -> None:
         if not self._tallying:
             return
         if self.val_nll is None:
             tok = self.tokenizer
             size = self.model.config.vocab_size
             self.val_nll = CorpusNLL(token_byte_lengths(tok, size) if tok is not None else None)
-        self.val_nll.update(logits.detach(), labels)
+        self.val_nll.update_nll(nll, labels)
 
     def validation_step(self, batch: Any, batch_idx: int) -> Any:
         self._tallying = True

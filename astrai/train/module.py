@@ -39,7 +39,14 @@ from torch.distributed.tensor import DTensor
 
 from astrai.data.datasets import IGNORE_INDEX
 from astrai.data.sampler import BatchConsumer
-from astrai.likelihood import token_logprobs
+from astrai.likelihood import (
+    DEFAULT_LOGITS_CHUNK_SIZE,
+    LogitsHead,
+    TokenScores,
+    logits_head,
+    scores_loss,
+    token_logprobs,
+)
 from astrai.model import (
     LoRAConfig,
     Transformer,
@@ -63,6 +70,7 @@ __all__ = [
     "grad_stats",
     "init_from_export",
     "lm_loss",
+    "scores_loss",
     "token_logprobs",
 ]
 
@@ -281,6 +289,11 @@ class LMModule(L.LightningModule, BatchConsumer, ABC):
             when the directory does not exist the run starts fresh with a warning.
         label_smoothing: token cross entropy's smoothing (`token_loss`, pretraining and
             SFT), in [0, 1); DPO reads its own `label_smoothing` (cDPO's label-noise rate).
+        logits_chunk_size: target tokens per chunk of the LM head (`astrai.model.head`: the
+            log-probs, losses and entropy of every strategy never hold the `[B, S, V]`
+            logits); None: the dense path (full logits). Read as `self.head`.
+        use_liger_kernel: TRL's name for Liger's fused linear losses; refused, naming the key,
+            before the model is built (`astrai.likelihood.check_liger_kernel` says why).
 
     Declared for the other rooms (read, never discovered): `batch_reuse` and
     `batch_lookahead` (`astrai.data.sampler.BatchConsumer`: how the data module hands out
@@ -305,10 +318,15 @@ class LMModule(L.LightningModule, BatchConsumer, ABC):
         check_grad_finite: bool = True,
         init_from: str | None = None,
         label_smoothing: float = 0.0,
+        logits_chunk_size: int | None = DEFAULT_LOGITS_CHUNK_SIZE,
+        use_liger_kernel: bool = False,
     ) -> None:
         smoothing = check_label_smoothing(label_smoothing)  # before the model is built
+        head = logits_head(logits_chunk_size, use_liger_kernel)
         super().__init__()
         self.label_smoothing = smoothing
+        # how every strategy scores tokens through the LM head: chunked, or the full logits
+        self.head: LogitsHead = head
         init_args: dict[str, Any] = {}
         for level in collect_init_args(inspect.currentframe(), [], classes=(LMModule,)):
             init_args.update(level)
@@ -363,9 +381,18 @@ class LMModule(L.LightningModule, BatchConsumer, ABC):
     def forward(self, input_ids: Tensor, **kwargs: Any) -> Tensor:
         return self.model(input_ids, **kwargs)
 
-    def token_loss(self, logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
-        """Mean cross entropy over labelled tokens (with `label_smoothing`) and their count."""
-        return lm_loss(logits, labels, label_smoothing=self.label_smoothing)
+    def token_loss(
+        self, input_ids: Tensor, labels: Tensor, **forward: Tensor | None
+    ) -> tuple[Tensor, Tensor, TokenScores]:
+        """Mean cross entropy of the policy over labelled tokens (with `label_smoothing`),
+        their count, and the per-token scores (through `self.head`: chunked or dense);
+        `forward`: the model's `position_ids` / `attention_mask`."""
+        smoothing = self.label_smoothing > 0
+        scores = self.head.scores(
+            self.model, input_ids, labels, label_smoothing=smoothing, **forward
+        )
+        loss, n = scores_loss(scores, labels, label_smoothing=self.label_smoothing)
+        return loss, n, scores
 
     def export_model(self) -> Transformer:
         """The model as it should be saved: LoRA adapters merged into a copy when present."""

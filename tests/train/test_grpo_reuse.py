@@ -64,8 +64,15 @@ def test_defaults_equal_a_plain_grpo_loop(prompt_setup):
     batch, G rollouts per prompt (the engine's old one-request-per-completion call, seeded
     rollout_seed + micro-steps so far * completions), group advantages, one AdamW step."""
     root, tok = prompt_setup
+    # the plain loop below takes log-probs from the full logits: the module's dense path
+    # (the chunked head equals it to 1e-6, not bit for bit: tests/train/test_logits_chunk_size.py)
     kw = dict(
-        loss_type="bnpo", kl_coef=0.1, rollout_seed=7, epsilon_high=0.28, rewards=[LENGTH_REWARD]
+        loss_type="bnpo",
+        kl_coef=0.1,
+        rollout_seed=7,
+        epsilon_high=0.28,
+        rewards=[LENGTH_REWARD],
+        logits_chunk_size=None,
     )
     module = make_grpo(root, tok, **kw)
     trainer = quiet_trainer(max_steps=3, limit_val_batches=0, use_distributed_sampler=False)

@@ -149,7 +149,7 @@ class CPOModule(LMModule):
         self.reduction = "mean" if loss_type in AVERAGED else "sum"
 
     def compute_loss(self, batch: Mapping[str, Any]) -> tuple[Tensor, dict[str, Tensor]]:
-        pc, pr = preference_logprobs(self.model, batch, self.reduction)
+        pc, pr = preference_logprobs(self.model, batch, self.reduction, head=self.head)
         loss, cr, rj = cpo_loss(
             pc,
             pr,

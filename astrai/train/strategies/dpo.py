@@ -42,6 +42,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Subset
 
+from astrai.likelihood import CHUNKED, LogitsHead
 from astrai.train.module import LMModule, ReferencePolicy
 from astrai.train.preference import (
     REDUCTIONS,
@@ -118,6 +119,7 @@ def precompute_reference(
     *,
     ld_alpha: float | None = None,
     padding_free: bool = False,
+    head: LogitsHead = CHUNKED,
 ) -> dict[str, tuple[float, float]]:
     """``{pair_key: (ref_chosen, ref_rejected)}`` over ``batches`` with ``model`` as reference
     (LD-weighted with ``ld_alpha``: the weights depend only on the pair's own lengths)."""
@@ -129,7 +131,7 @@ def precompute_reference(
             for batch in batches:
                 batch = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in batch.items()}
                 c, r = preference_logprobs(
-                    model, batch, reduction, ld_alpha=ld_alpha, padding_free=padding_free
+                    model, batch, reduction, ld_alpha=ld_alpha, padding_free=padding_free, head=head
                 )
                 for key, vc, vr in zip(batch_pair_keys(batch), c.tolist(), r.tolist()):
                     out[key] = (vc, vr)
@@ -256,6 +258,7 @@ class DPOModule(LMModule):
                     self.reduction,
                     ld_alpha=self.ld_alpha,
                     padding_free=self.padding_free,
+                    head=self.head,
                 )
         if self._ref_table is None:
             raise RuntimeError("DPO reference log-probs were not precomputed (on_fit_start)")
@@ -300,6 +303,7 @@ class DPOModule(LMModule):
                     self.reduction,
                     ld_alpha=self.ld_alpha,
                     padding_free=self.padding_free,
+                    head=self.head,
                 )
             )
             log.info(
@@ -347,7 +351,9 @@ class DPOModule(LMModule):
 
     # ------------------------------------------------------------------ loss
     def compute_loss(self, batch: dict[str, Any]) -> tuple[Tensor, dict[str, Tensor]]:
-        tok, mask = preference_token_logprobs(self.model, batch, padding_free=self.padding_free)
+        tok, mask = preference_token_logprobs(
+            self.model, batch, padding_free=self.padding_free, head=self.head
+        )
         pc, pr = reduce_preference(tok, mask, self.reduction, self.ld_alpha)
         rc, rr = self.reference_logprobs(batch)
         b = pc.shape[0]

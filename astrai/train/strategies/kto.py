@@ -36,7 +36,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from astrai.data.datasets import IGNORE_INDEX
-from astrai.train.module import LMModule, ReferencePolicy, token_logprobs
+from astrai.likelihood import CHUNKED, LogitsHead
+from astrai.train.module import LMModule, ReferencePolicy
 from astrai.train.preference import sequence_logprobs
 
 log = logging.getLogger(__name__)
@@ -47,23 +48,29 @@ LOSS_TYPES = ("kto", "apo_zero_unpaired")
 # ---------------------------------------------------------------------------- pure functions
 
 
-def completion_logprobs(model: nn.Module, batch: Mapping[str, Tensor], prefix: str = "") -> Tensor:
+def completion_logprobs(
+    model: nn.Module, batch: Mapping[str, Tensor], prefix: str = "", head: LogitsHead = CHUNKED
+) -> Tensor:
     """Summed log-probs ``[B]`` of the completion tokens of the ``prefix`` rows
-    (``""``: the matched pairs, ``"kl_"``: the mismatched ones) of an unpaired batch."""
+    (``""``: the matched pairs, ``"kl_"``: the mismatched ones) of an unpaired batch
+    (``head``: dense logits or the chunked head, which scores the completion tokens only)."""
     labels = batch[f"{prefix}labels"]
     mask = batch[f"{prefix}loss_mask"].bool() & (labels != IGNORE_INDEX)
     # right padding under a causal mask leaves the real tokens' logits unchanged
-    logits = model(batch[f"{prefix}input_ids"])
-    return sequence_logprobs(token_logprobs(logits, labels), mask, "sum")
+    targets = labels.masked_fill(~mask, IGNORE_INDEX)
+    scores = head.scores(model, batch[f"{prefix}input_ids"], targets)
+    return sequence_logprobs(scores.logp, mask, "sum")
 
 
-def matched_and_kl_logprobs(model: nn.Module, batch: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
+def matched_and_kl_logprobs(
+    model: nn.Module, batch: Mapping[str, Tensor], head: LogitsHead = CHUNKED
+) -> tuple[Tensor, Tensor]:
     """:func:`completion_logprobs` of the matched and of the mismatched rows in one ``[2B, S]``
     forward (the collate pads both to one length)."""
     both = {
         k: torch.cat([batch[k], batch[f"kl_{k}"]]) for k in ("input_ids", "labels", "loss_mask")
     }
-    seq = completion_logprobs(model, both)
+    seq = completion_logprobs(model, both, head=head)
     b = batch["input_ids"].shape[0]
     return seq[:b], seq[b:]
 
@@ -248,12 +255,12 @@ class KTOModule(LMModule):
             if self.uses_kl:
                 # the policy's KL forward goes first: the last policy forward (whose MoE
                 # router statistics LMModule reads) is the one with gradients
-                policy_kl = completion_logprobs(self.model, batch, "kl_")
-                ref, reference_kl = matched_and_kl_logprobs(reference, batch)
+                policy_kl = completion_logprobs(self.model, batch, "kl_", self.head)
+                ref, reference_kl = matched_and_kl_logprobs(reference, batch, self.head)
                 kl = kl_estimate(policy_kl, reference_kl.to(policy_kl.dtype))
             else:
-                ref = completion_logprobs(reference, batch)
-        policy = completion_logprobs(self.model, batch)
+                ref = completion_logprobs(reference, batch, head=self.head)
+        policy = completion_logprobs(self.model, batch, head=self.head)
         loss, chosen_rewards, rejected_rewards = kto_loss(
             policy,
             ref.to(policy.dtype),

@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from astrai.data.datasets import IGNORE_INDEX
-from astrai.train.module import LMModule, token_logprobs
+from astrai.likelihood import CHUNKED, LogitsHead
+from astrai.train.module import LMModule
 from astrai.train.preference import preference_metrics, response_nll, sequence_logprobs
 
 _LOG_HALF = -math.log(2.0)
@@ -63,16 +64,19 @@ def full_sequence_labels(batch: Mapping[str, Tensor], side: str) -> Tensor:
     return full.masked_fill(~real, IGNORE_INDEX)
 
 
-def orpo_logprobs(model: nn.Module, batch: Mapping[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+def orpo_logprobs(
+    model: nn.Module, batch: Mapping[str, Tensor], head: LogitsHead = CHUNKED
+) -> tuple[Tensor, Tensor, Tensor]:
     """``(pi_c [B], pi_r [B], nll)`` in one ``[2B, S]`` forward: the length-averaged response
-    log-probs and the chosen sequences' mean cross entropy over all their tokens."""
+    log-probs and the chosen sequences' mean cross entropy over all their tokens (``head``:
+    dense logits or the chunked head)."""
     b = batch["chosen_input_ids"].shape[0]
     ids = torch.cat([batch["chosen_input_ids"], batch["rejected_input_ids"]])
     labels = torch.cat([batch["chosen_labels"], batch["rejected_labels"]])
     response = torch.cat([batch["chosen_loss_mask"], batch["rejected_loss_mask"]]).bool()
     full = torch.cat([full_sequence_labels(batch, s) for s in ("chosen", "rejected")])
     # right padding under a causal mask leaves the real tokens' logits unchanged
-    tok = token_logprobs(model(ids), full)
+    tok = head.scores(model, ids, full).logp
     seq = sequence_logprobs(tok, response & (labels != IGNORE_INDEX), "mean")
     return seq[:b], seq[b:], response_nll(tok[:b], full[:b] != IGNORE_INDEX)
 
@@ -102,7 +106,7 @@ class ORPOModule(LMModule):
         self.beta = float(beta)
 
     def compute_loss(self, batch: Mapping[str, Any]) -> tuple[Tensor, dict[str, Tensor]]:
-        pc, pr, nll = orpo_logprobs(self.model, batch)
+        pc, pr, nll = orpo_logprobs(self.model, batch, self.head)
         loss, log_odds = orpo_loss(pc, pr, nll, self.beta)
         metrics = preference_metrics(self.beta * pc.detach(), self.beta * pr.detach(), pc, pr)
         metrics["nll_loss"] = nll.detach()

@@ -20,11 +20,11 @@ class PretrainModule(ValidationCorpusMetrics, LMModule):
     entropy)."""
 
     def compute_loss(self, batch: dict[str, Any]) -> tuple[Tensor, dict[str, Tensor]]:
-        logits = self.model(
+        loss, n, scores = self.token_loss(
             batch["input_ids"],
+            batch["labels"],
             position_ids=batch.get("position_ids"),
             attention_mask=batch.get("attention_mask"),
         )
-        loss, n = self.token_loss(logits, batch["labels"])
-        self.tally_validation(logits, batch["labels"])
+        self.tally_validation(-scores.logp, batch["labels"])
         return loss, {"tokens": n.float()}

@@ -24,10 +24,10 @@ class SFTModule(LMModule):
         labels = batch["labels"]
         if "loss_mask" in batch:  # belt and braces: never learn from a masked position
             labels = labels.masked_fill(~batch["loss_mask"].bool(), IGNORE_INDEX)
-        logits = self.model(
+        loss, n, _ = self.token_loss(
             batch["input_ids"],
+            labels,
             position_ids=batch.get("position_ids"),
             attention_mask=batch.get("attention_mask"),
         )
-        loss, n = self.token_loss(logits, labels)
         return loss, {"assistant_tokens": n.float()}

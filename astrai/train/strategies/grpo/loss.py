@@ -84,23 +84,6 @@ def check_loss_options(
     return float(epsilon), high
 
 
-def token_entropy(logits: Tensor, mask: Tensor, chunk: int = 1024) -> Tensor:
-    """Entropy of each position's distribution ``[N, T, V] -> [N, T]`` (fp32, no gradient),
-    computed only where ``mask`` is set (0 elsewhere) and ``chunk`` positions at a time, so no
-    second ``[N, T, V]`` tensor exists."""
-    out = torch.zeros(mask.shape, dtype=torch.float32, device=logits.device)
-    where = mask.bool().nonzero(as_tuple=True)
-    with torch.no_grad():
-        rows = logits[where]
-        values = []
-        for start in range(0, rows.shape[0], chunk):
-            logp = torch.log_softmax(rows[start : start + chunk].float(), dim=-1)
-            values.append(-(logp.exp() * logp).sum(-1))
-        if values:
-            out[where] = torch.cat(values)
-    return out
-
-
 def high_entropy_mask(
     entropies: Tensor,
     mask: Tensor,

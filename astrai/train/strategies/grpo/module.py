@@ -30,7 +30,8 @@ from torch import Tensor
 
 from astrai.data.sampler import BatchReuse
 from astrai.inference import InferenceEngine, SamplingParams
-from astrai.train.module import LMModule, ReferencePolicy, token_logprobs
+from astrai.likelihood import TokenScores, next_token_targets
+from astrai.train.module import LMModule, ReferencePolicy
 from astrai.train.policy_engine import PolicyEngine
 from astrai.train.ranks import gather_over_ranks, sum_over_ranks
 from astrai.train.strategies.grpo.advantages import PER_TOKEN, compute_advantages
@@ -48,7 +49,7 @@ from astrai.train.strategies.grpo.generation import (
     generation_of,
     per_completion,
 )
-from astrai.train.strategies.grpo.loss import grpo_loss, high_entropy_mask, token_entropy
+from astrai.train.strategies.grpo.loss import grpo_loss, high_entropy_mask
 from astrai.train.strategies.grpo.options import GRPOOptions
 from astrai.train.strategies.grpo.reference import (
     load_reference_state,
@@ -233,11 +234,24 @@ class GRPOModule(GlobalTokenNormaliser, RolloutModule, LMModule):
         return generation
 
     def _logp_of(self, rollouts: Rollouts) -> Tensor:
-        return token_logprobs(self._policy_logits(rollouts.input_ids), rollouts.input_ids[:, 1:])
+        return self._scores(self.model, rollouts).logp
 
-    def _policy_logits(self, input_ids: Tensor) -> Tensor:
-        """The policy's logits of the sampling distribution at every target position."""
-        return self._scaled(self.model(input_ids)[:, :-1])
+    def _scores(
+        self, model: torch.nn.Module, rollouts: Rollouts, entropy: bool = False
+    ) -> TokenScores:
+        """``model``'s log-probs (and entropy) of the sampling distribution (TRL: logits /
+        temperature) at the completion targets ``input_ids[:, 1:]`` (``[N, S-1]``, 0 off
+        ``rollouts.mask``), through the module's head: only completion tokens are scored,
+        chunk by chunk, never the full logits (``strategy.logits_chunk_size``)."""
+        targets = next_token_targets(rollouts.input_ids, rollouts.mask)
+        out = self.head.scores(
+            model,
+            rollouts.input_ids,
+            targets,
+            temperature=self.options.temperature,
+            entropy=entropy,
+        )
+        return TokenScores(out.logp[:, :-1], out.entropy[:, :-1] if entropy else None)
 
     def _generation_for(self, batch: Mapping[str, Any]) -> Generation:
         """The current generation batch, or a new one when it has served all its steps."""
@@ -265,16 +279,13 @@ class GRPOModule(GlobalTokenNormaliser, RolloutModule, LMModule):
         )
         r, mask = part.rollouts, part.loss_mask
         self.flops_per_batch = self.flops_per_token * r.input_ids.numel()
-        targets = r.input_ids[:, 1:]
-        logits = self._policy_logits(r.input_ids)
-        logp = token_logprobs(logits, targets)
-        entropy = token_entropy(logits, r.mask)
+        logp, entropy, _ = self._scores(self.model, r, entropy=True)
         keep = None
         if self.options.top_entropy_quantile < 1.0:
             keep = high_entropy_mask(
                 entropy, mask, self.options.top_entropy_quantile, gather_over_ranks(self._trainer)
             )
-        ref_logp = self._reference_logp(generation, index, r.input_ids, targets)
+        ref_logp = self._reference_logp(generation, index, r)
         # dapo under a trainer: the gradient is that of sum / max_new_tokens, rescaled to the
         # window's global token count in `optimizer_step`; the value is this batch's mean.
         deferred = self.loss_type == "dapo" and self._trainer is not None and self.training
@@ -307,7 +318,7 @@ class GRPOModule(GlobalTokenNormaliser, RolloutModule, LMModule):
         return loss, metrics
 
     def _reference_logp(
-        self, generation: Generation, index: int, input_ids: Tensor, targets: Tensor
+        self, generation: Generation, index: int, rollouts: Rollouts
     ) -> Tensor | None:
         """The reference's log-probs of slice ``index``, computed at its first use and kept
         for the other iterations (as TRL computes them once per generation)."""
@@ -317,17 +328,10 @@ class GRPOModule(GlobalTokenNormaliser, RolloutModule, LMModule):
         if cached is not None:
             return cached.to(self.device)
         with torch.no_grad():
-            ref_logits = self.reference.on(self.device)(input_ids)
-            ref_logp = token_logprobs(self._scaled(ref_logits[:, :-1]), targets)
+            ref_logp = self._scores(self.reference.on(self.device), rollouts).logp
         if self.options.num_iterations > 1:
             generation.ref_logp[index] = ref_logp
         return ref_logp
-
-    def _scaled(self, logits: Tensor) -> Tensor:
-        """Logits of the sampling distribution (TRL: ``logits / temperature``)."""
-        return (
-            logits if self.options.temperature == 1.0 else logits.float() / self.options.temperature
-        )
 
     # ------------------------------------------------------------------ hooks
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> Any:
