@@ -233,11 +233,12 @@ class GRPOModule(GlobalTokenNormaliser, RolloutModule, LMModule):
         return generation
 
     def _logp_of(self, rollouts: Rollouts) -> Tensor:
-        return token_logprobs(self._policy_logits(rollouts.input_ids), rollouts.input_ids[:, 1:])
+        return token_logprobs(self._policy_logits(rollouts), rollouts.input_ids[:, 1:])
 
-    def _policy_logits(self, input_ids: Tensor) -> Tensor:
-        """The policy's logits of the sampling distribution at every target position."""
-        return self._scaled(self.model(input_ids)[:, :-1])
+    def _policy_logits(self, rollouts: Rollouts) -> Tensor:
+        """The policy's logits of the sampling distribution at every target position (the
+        forward in the rollouts' layout: padded, or packed padding-free)."""
+        return self._scaled(rollouts.forward(self.model)[:, :-1])
 
     def _generation_for(self, batch: Mapping[str, Any]) -> Generation:
         """The current generation batch, or a new one when it has served all its steps."""
@@ -262,11 +263,12 @@ class GRPOModule(GlobalTokenNormaliser, RolloutModule, LMModule):
             pad_id=pad if pad is not None else 0,
             device=self.device,
             mask_truncated=self.options.mask_truncated_completions,
+            packing=self.options.packing,
         )
         r, mask = part.rollouts, part.loss_mask
         self.flops_per_batch = self.flops_per_token * r.input_ids.numel()
         targets = r.input_ids[:, 1:]
-        logits = self._policy_logits(r.input_ids)
+        logits = self._policy_logits(r)
         logp = token_logprobs(logits, targets)
         entropy = token_entropy(logits, r.mask)
         keep = None
@@ -274,7 +276,7 @@ class GRPOModule(GlobalTokenNormaliser, RolloutModule, LMModule):
             keep = high_entropy_mask(
                 entropy, mask, self.options.top_entropy_quantile, gather_over_ranks(self._trainer)
             )
-        ref_logp = self._reference_logp(generation, index, r.input_ids, targets)
+        ref_logp = self._reference_logp(generation, index, r, targets)
         # dapo under a trainer: the gradient is that of sum / max_new_tokens, rescaled to the
         # window's global token count in `optimizer_step`; the value is this batch's mean.
         deferred = self.loss_type == "dapo" and self._trainer is not None and self.training
@@ -307,7 +309,7 @@ class GRPOModule(GlobalTokenNormaliser, RolloutModule, LMModule):
         return loss, metrics
 
     def _reference_logp(
-        self, generation: Generation, index: int, input_ids: Tensor, targets: Tensor
+        self, generation: Generation, index: int, rollouts: Rollouts, targets: Tensor
     ) -> Tensor | None:
         """The reference's log-probs of slice ``index``, computed at its first use and kept
         for the other iterations (as TRL computes them once per generation)."""
@@ -317,7 +319,7 @@ class GRPOModule(GlobalTokenNormaliser, RolloutModule, LMModule):
         if cached is not None:
             return cached.to(self.device)
         with torch.no_grad():
-            ref_logits = self.reference.on(self.device)(input_ids)
+            ref_logits = rollouts.forward(self.reference.on(self.device))
             ref_logp = token_logprobs(self._scaled(ref_logits[:, :-1]), targets)
         if self.options.num_iterations > 1:
             generation.ref_logp[index] = ref_logp
