@@ -146,3 +146,59 @@ def test_bad_packing_settings_are_refused_before_the_model_is_built(prompt_setup
 
     with pytest.raises(ValueError, match=f"^GRPO {key}"):
         make_grpo(root, tok, model=model, max_new_tokens=30, **options)
+
+
+def _fit(root, tok, **options):
+    """Two optimizer steps under Lightning (2 accumulated micro-steps each, one generation
+    batch of 2 prompts split into 2 slices and trained on twice): the final weights."""
+    from train_helpers import quiet_trainer
+
+    from astrai.data import AstraiDataModule, PromptDataset
+
+    module = make_grpo(
+        root,
+        tok,
+        max_new_tokens=30,
+        steps_per_generation=2,
+        num_iterations=2,
+        optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=1.0),
+        **options,
+    )
+
+    def fake_generate(prompt_list, *, seed, params):
+        g = torch.Generator().manual_seed(seed)
+        out = []
+        for _ in prompt_list:
+            for i in torch.randint(0, len(TEXTS), (params.n,), generator=g).tolist():
+                ids = tok.encode(TEXTS[i])
+                out.append(FakeResult(ids, (-2 * torch.rand(len(ids), generator=g)).tolist()))
+        return out
+
+    module.live_source.generate = fake_generate
+    start = {k: v.clone() for k, v in module.model.state_dict().items()}
+    dm = AstraiDataModule(train=PromptDataset(str(root / "prompts.h5")), batch_size=1, seed=0)
+    trainer = quiet_trainer(
+        max_steps=2, accumulate_grad_batches=2, limit_val_batches=0, use_distributed_sampler=False
+    )
+    trainer.fit(module, datamodule=dm)
+    end = module.model.state_dict()
+    assert max((end[k] - v).abs().max() for k, v in start.items()) > 1e-3  # it trained
+    return {k: v.clone() for k, v in end.items()}
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_padding_free_training_under_lightning_equals_padded(prompt_setup, loss_type):
+    """Accumulation, the dapo count over the optimizer step and the reference cache under a
+    trainer: the weights after two SGD steps are the padded run's."""
+    root, tok = prompt_setup
+    padded = _fit(root, tok, loss_type=loss_type)
+    packed = _fit(
+        root,
+        tok,
+        loss_type=loss_type,
+        padding_free=True,
+        use_dynamic_bsz=True,
+        ppo_max_token_len_per_gpu=80,
+    )
+    for name, value in padded.items():
+        torch.testing.assert_close(packed[name], value, atol=1e-6, rtol=0, msg=name)
