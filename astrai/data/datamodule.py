@@ -37,7 +37,9 @@ from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, Dataset
 
 from astrai.data.cache import PreparedSource, prepared_source
+from astrai.data.datasets import PretrainDataset, SFTDataset
 from astrai.data.fingerprint import DataChangedError, data_changes, dataset_fingerprint
+from astrai.data.flatten import PaddingFree
 from astrai.data.sampler import BatchConsumer, BatchReuse, ResumableSampler
 from astrai.data.seeded import SeededSamples
 from astrai.data.storage.h5 import DamagedDataError
@@ -128,6 +130,9 @@ class AstraiDataModule(L.LightningDataModule):
         allow_changed_data: resume even when a split's files differ from the ones the
             checkpoint was trained on (a warning instead of :class:`DataChangedError`); the
             saved position then indexes into the new data, which must have as many samples.
+        padding_free: pretrain and SFT batches as one row of their samples' real tokens,
+            position ids restarting per sample and document (TRL's name;
+            :mod:`astrai.data.flatten`): no pad token is computed, same loss.
     """
 
     def __init__(
@@ -147,10 +152,14 @@ class AstraiDataModule(L.LightningDataModule):
         prefetch_factor: int | None = None,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         allow_changed_data: bool = False,
+        padding_free: bool = False,
     ) -> None:
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"AstraiDataModule: batch_size must be >= 1, got {batch_size}")
+        if not isinstance(padding_free, bool):
+            raise ValueError(f"data.padding_free must be true or false, got {padding_free!r}")
+        self.padding_free = padding_free
         self.specs = {split: _own(spec) for split, spec in zip(SPLITS, (train, val, test))}
         self.prepared: dict[str, PreparedSource] = {}
         self.tokenizer_dir: Path | None = None
@@ -242,6 +251,17 @@ class AstraiDataModule(L.LightningDataModule):
         if stage == "fit":  # hash the files now, not at the first checkpoint mid-training
             self.data_fingerprint()
         self._check_data()
+        self._check_padding_free()
+
+    def _check_padding_free(self) -> None:
+        if not self.padding_free:
+            return
+        for split, ds in self.datasets.items():
+            if ds is not None and not isinstance(ds, PretrainDataset | SFTDataset):
+                raise ValueError(
+                    f"data.padding_free flattens pretrain and SFT batches; data.{split} is a "
+                    f"{type(ds).__name__} (preference strategies: strategy.padding_free)"
+                )
 
     @staticmethod
     def _build(split: str, spec: Any) -> Dataset | None:
@@ -267,7 +287,10 @@ class AstraiDataModule(L.LightningDataModule):
         return ds
 
     def _collate(self, ds: Dataset) -> Callable[[list[Any]], Any] | None:
-        return self.collate_fn or getattr(ds, "collate", None)
+        collate = self.collate_fn or getattr(ds, "collate", None)
+        if self.padding_free and collate is not None:
+            return PaddingFree(collate)
+        return collate
 
     def _rank_world(self) -> tuple[int, int]:
         trainer = self._trainer_or_none()

@@ -16,6 +16,7 @@ from astrai.extension import KVCache, apply_rotary_emb, apply_rotary_qk, attenti
 from astrai.extension.linear import last_level_cache_bytes, prepack_weight
 from astrai.extension.lora import LoRALayer
 from astrai.model.config import ModelConfig
+from astrai.model.documents import DocumentSpans, training_attention
 
 
 class Linear(nn.Linear):
@@ -405,17 +406,17 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        attn_mask: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | DocumentSpans | None = None,
     ) -> torch.Tensor:
-        """Dense `[B, S, H]` path; `attn_mask` is a boolean `[B, 1, S, S]` or None for causal."""
+        """Dense `[B, S, H]` path; `attn_mask` is a boolean `[B, 1, S, S]`, the spans of packed
+        documents, or None for causal (`astrai.model.documents`)."""
         b, s, _ = x.shape
         q, k, v = self.project(x, cos, sin)
-        out = F.scaled_dot_product_attention(
+        out = training_attention(
             q.transpose(1, 2),
             k.transpose(1, 2),
             v.transpose(1, 2),
-            attn_mask=attn_mask,
-            is_causal=attn_mask is None,
+            attn_mask,
             scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )

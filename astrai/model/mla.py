@@ -14,12 +14,12 @@ interleaved rotary weights are de-interleaved once at import (astrai/model/hf_de
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from astrai.extension import KVCache, apply_rotary_emb
 from astrai.extension.mla import latent_attention
 from astrai.model.config import ModelConfig
+from astrai.model.documents import DocumentSpans, training_attention
 from astrai.model.layers import Attention, Linear, RMSNorm
 from astrai.model.mla_config import mla_softmax_scale
 
@@ -96,7 +96,7 @@ class MLAttention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        attn_mask: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | DocumentSpans | None = None,
     ) -> torch.Tensor:
         """Dense `[B, S, H]` path (training): the latent is decompressed into per-head K/V."""
         b, s, _ = x.shape
@@ -107,13 +107,8 @@ class MLAttention(nn.Module):
         k_pe = k_pe.unsqueeze(-2).expand(b, s, self.num_heads, self.rope_dim)
         q = torch.cat((q_nope, q_pe), dim=-1)
         k = torch.cat((k_nope, k_pe), dim=-1)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            attn_mask=attn_mask,
-            is_causal=attn_mask is None,
-            scale=self.scale,
+        out = training_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask, scale=self.scale
         )
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 

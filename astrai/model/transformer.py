@@ -11,6 +11,7 @@ from torch.utils.checkpoint import checkpoint
 
 from astrai.extension import KVCache
 from astrai.model.config import ModelConfig
+from astrai.model.documents import DocumentSpans
 from astrai.model.head import HeadSettings, TokenScores, head_scores
 from astrai.model.layers import Linear, RMSNorm, RotaryEmbedding
 from astrai.model.mla import make_attention
@@ -34,7 +35,7 @@ class DecoderBlock(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        attn_mask: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | DocumentSpans | None = None,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -48,8 +49,10 @@ class DecoderBlock(nn.Module):
 
 def document_mask(
     position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None
-) -> torch.Tensor | None:
-    """Boolean `[B, 1, S, S]` mask for packed documents and/or padding; None when causal suffices.
+) -> torch.Tensor | DocumentSpans | None:
+    """How a training forward attends: None when causal suffices, the spans of packed
+    documents when position ids restart and nothing is padded (a padding-free batch: no
+    `[S, S]` mask, `astrai.model.documents`), else a boolean `[B, 1, S, S]` mask.
 
     A new document starts wherever a position id is not its predecessor plus one, so tokens
     never attend across the boundary of packed documents. Padding keys are masked; every
@@ -64,16 +67,23 @@ def document_mask(
     padded = attention_mask is not None and not bool(attention_mask.all())
     if starts is None and not padded:
         return None
-    ref = position_ids if position_ids is not None else attention_mask
-    s = ref.shape[-1]
-    causal = torch.ones(s, s, dtype=torch.bool, device=ref.device).tril()
-    mask = causal.expand(ref.shape[0], s, s).clone()
+    if not padded:
+        return DocumentSpans.from_starts(starts)
+    return padded_mask(starts, attention_mask)
+
+
+def padded_mask(starts: torch.Tensor | None, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The boolean `[B, 1, S, S]` mask of a padded batch (`starts`: where packed documents
+    begin, or None)."""
+    s = attention_mask.shape[-1]
+    device = attention_mask.device
+    causal = torch.ones(s, s, dtype=torch.bool, device=device).tril()
+    mask = causal.expand(attention_mask.shape[0], s, s).clone()
     if starts is not None:
         doc = starts.cumsum(-1)
         mask &= doc[:, :, None] == doc[:, None, :]
-    if padded:
-        mask &= attention_mask.bool()[:, None, :]
-        mask |= torch.eye(s, dtype=torch.bool, device=ref.device)
+    mask &= attention_mask.bool()[:, None, :]
+    mask |= torch.eye(s, dtype=torch.bool, device=device)
     return mask[:, None]
 
 

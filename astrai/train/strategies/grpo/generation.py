@@ -11,13 +11,14 @@ the checkpoint, so a run interrupted between two uses resumes bit for bit.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from astrai.train.strategies.grpo.packing import PADDED, PaddedRows, RowLayout, RowPacking
 from astrai.train.strategies.grpo.sampling import Samples
 
 
@@ -27,12 +28,25 @@ class Rollouts:
 
     ``input_ids`` ``[N, S]``; ``mask`` / ``old_logp`` are ``[N, S-1]`` aligned with the
     *targets* ``input_ids[:, 1:]``: 1 (and the rollout log-prob) on completion tokens.
+    ``rows``: how a forward lays the sequences out (right-padded, or packed padding-free:
+    :mod:`~astrai.train.strategies.grpo.packing`); :meth:`forward` runs a model that way.
     """
 
     input_ids: Tensor
     mask: Tensor
     old_logp: Tensor
     completion_lengths: Tensor
+    rows: RowLayout = field(default_factory=PaddedRows)
+
+    def forward(
+        self,
+        model: Callable[..., Any],
+        per_token: Mapping[str, Tensor] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """``model(input_ids, **per_token, **kwargs)``'s outputs ``[N, S, ...]`` (0 on padding),
+        computed in ``rows``' layout; ``per_token`` tensors are ``[N, S]`` like the ids."""
+        return self.rows.apply(model, self.input_ids, per_token or {}, kwargs)
 
 
 def build_rollouts(
@@ -42,11 +56,13 @@ def build_rollouts(
     pad_id: int = 0,
     device: torch.device | str | None = None,
     action_masks: Sequence[Sequence[int] | None] | None = None,
+    packing: RowPacking = PADDED,
 ) -> Rollouts:
     """Concatenate each prompt with its completion and align the rollout log-probs with the
     shifted targets: completion token ``k`` of a prompt of length ``p`` is target ``p - 1 + k``.
     ``action_masks`` (multi-turn episodes): 1 on the model's own completion tokens, 0 on the
-    environment's and the chat template's, which then carry no loss (None: every token)."""
+    environment's and the chat template's, which then carry no loss (None: every token).
+    ``packing``: the forward's layout of the sequences (default right-padded)."""
     if not (len(prompts) == len(completions) == len(logprobs)):
         raise ValueError("build_rollouts: prompts, completions and logprobs differ in length")
     lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
@@ -81,7 +97,7 @@ def build_rollouts(
     lens = torch.tensor([len(c) for c in completions], dtype=torch.float32)
     if device is not None:
         ids, mask, old, lens = ids.to(device), mask.to(device), old.to(device), lens.to(device)
-    return Rollouts(ids, mask, old, lens)
+    return Rollouts(ids, mask, old, lens, packing.layout(lengths, s))
 
 
 @dataclass
@@ -151,7 +167,13 @@ class Generation:
         return index
 
     def slice(
-        self, index: int, *, pad_id: int, device: torch.device, mask_truncated: bool
+        self,
+        index: int,
+        *,
+        pad_id: int,
+        device: torch.device,
+        mask_truncated: bool,
+        packing: RowPacking = PADDED,
     ) -> Slice:
         start, end = self.bounds[index]
         rows = range(start, end)
@@ -165,6 +187,7 @@ class Generation:
             action_masks=None
             if self.action_masks is None
             else [self.action_masks[i] for i in rows],
+            packing=packing,
         )
         truncated = torch.tensor([self.truncated[i] for i in rows], device=device)
         loss_mask = (

@@ -242,15 +242,22 @@ class GRPOModule(GlobalTokenNormaliser, RolloutModule, LMModule):
         """``model``'s log-probs (and entropy) of the sampling distribution (TRL: logits /
         temperature) at the completion targets ``input_ids[:, 1:]`` (``[N, S-1]``, 0 off
         ``rollouts.mask``), through the module's head: only completion tokens are scored,
-        chunk by chunk, never the full logits (``strategy.logits_chunk_size``)."""
+        chunk by chunk, never the full logits (``strategy.logits_chunk_size``), in the
+        rollouts' layout (``padding_free``: packed rows)."""
         targets = next_token_targets(rollouts.input_ids, rollouts.mask)
-        out = self.head.scores(
-            model,
-            rollouts.input_ids,
-            targets,
-            temperature=self.options.temperature,
-            entropy=entropy,
-        )
+
+        def score(input_ids: Tensor, targets: Tensor, **forward: Tensor) -> TokenScores:
+            return self.head.scores(
+                model,
+                input_ids,
+                targets,
+                temperature=self.options.temperature,
+                entropy=entropy,
+                **forward,
+            )
+
+        # in the rollouts' layout (padded, or packed padding-free rows), scattered back
+        out = rollouts.forward(score, per_token={"targets": targets})
         return TokenScores(out.logp[:, :-1], out.entropy[:, :-1] if entropy else None)
 
     def _generation_for(self, batch: Mapping[str, Any]) -> Generation:
@@ -276,6 +283,7 @@ class GRPOModule(GlobalTokenNormaliser, RolloutModule, LMModule):
             pad_id=pad if pad is not None else 0,
             device=self.device,
             mask_truncated=self.options.mask_truncated_completions,
+            packing=self.options.packing,
         )
         r, mask = part.rollouts, part.loss_mask
         self.flops_per_batch = self.flops_per_token * r.input_ids.numel()

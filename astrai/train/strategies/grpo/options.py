@@ -19,6 +19,7 @@ from astrai.inference import SamplingParams
 from astrai.train.strategies.grpo.advantages import check_advantage_options
 from astrai.train.strategies.grpo.async_source import AsyncRollouts
 from astrai.train.strategies.grpo.loss import check_loss_options
+from astrai.train.strategies.grpo.packing import DEFAULT_TOKEN_BUDGET, RowPacking
 from astrai.train.strategies.grpo.reference import check_sync_options
 from astrai.train.strategies.grpo.rewards import WeightedReward, parse_rewards, plain_config
 from astrai.train.strategies.grpo.sampling import environment_factory, rollout_sampling
@@ -74,6 +75,11 @@ class GRPOOptions:
         max_turns: the model's turns per episode at most (with ``environment``).
         async_rollouts: ``{max_staleness: K, ...}`` samples the next ``K`` generation batches
             on a generator thread while the trainer trains; None: synchronous.
+        padding_free: each micro-step's sequences packed into rows with restarting position
+            ids, no pad token computed (TRL's name; same loss and gradients as padded).
+        use_dynamic_bsz, ppo_max_token_len_per_gpu: verl's names: the packed rows hold at
+            most that many tokens per forward (needs ``padding_free``;
+            :mod:`~astrai.train.strategies.grpo.packing`).
     """
 
     num_generations: int = 8
@@ -105,6 +111,9 @@ class GRPOOptions:
     environment: Callable[[], Any] | None = None
     max_turns: int = 4
     async_rollouts: AsyncRollouts | None = None
+    padding_free: bool = False
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = DEFAULT_TOKEN_BUDGET
 
     @classmethod
     def parse(
@@ -139,6 +148,9 @@ class GRPOOptions:
         environment: Any = None,
         max_turns: int = 4,
         async_rollouts: Any = None,
+        padding_free: bool = False,
+        use_dynamic_bsz: bool = False,
+        ppo_max_token_len_per_gpu: int = DEFAULT_TOKEN_BUDGET,
     ) -> GRPOOptions:
         """The options as the YAML gives them, checked; every error names its key."""
         if num_generations < 2:
@@ -166,6 +178,12 @@ class GRPOOptions:
         rewards = plain_config(rewards)
         reward_items = [] if make_env is not None and not rewards else parse_rewards(rewards)
         sampling = rollout_sampling(max_new_tokens, temperature, top_p, top_k)
+        packing = RowPacking.parse(
+            padding_free,
+            use_dynamic_bsz,
+            ppo_max_token_len_per_gpu,
+            max_new_tokens=sampling.max_tokens,
+        )
         return cls(
             num_generations=int(num_generations),
             max_new_tokens=sampling.max_tokens,
@@ -196,6 +214,9 @@ class GRPOOptions:
             environment=make_env,
             max_turns=int(max_turns),
             async_rollouts=AsyncRollouts.parse(plain_config(async_rollouts)),
+            padding_free=packing.padding_free,
+            use_dynamic_bsz=packing.use_dynamic_bsz,
+            ppo_max_token_len_per_gpu=packing.ppo_max_token_len_per_gpu,
         )
 
     @classmethod
@@ -210,6 +231,11 @@ class GRPOOptions:
         """The rollouts' sampling: ``G`` completions per prompt, scaled log-probs."""
         params = rollout_sampling(self.max_new_tokens, self.temperature, self.top_p, self.top_k)
         return dataclasses.replace(params, n=self.num_generations)
+
+    @property
+    def packing(self) -> RowPacking:
+        """The training forwards' layout (padded, or packed by token budget)."""
+        return RowPacking(self.padding_free, self.use_dynamic_bsz, self.ppo_max_token_len_per_gpu)
 
     @property
     def val_sampling(self) -> SamplingParams:
