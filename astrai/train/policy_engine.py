@@ -7,7 +7,10 @@ pool, one set of LoRA slot hooks on the model), held by the module's :class:`Pol
 ``max_batch_size``, ``max_seq_len``) before the first use; the engine is built once, lazily,
 at the largest size anyone asked for. After the build a larger need is a configuration error,
 never a silent second engine. :meth:`PolicyEngine.sync` is the one versioned weight path:
-the engine's policy version follows the optimizer step and never goes back.
+the engine's policy version follows the optimizer step and never goes back. An engine built
+with ``enable_sleep_mode`` sleeps through each optimizer step (:meth:`PolicyEngine.sleep`,
+called by ``LMModule.on_before_optimizer_step``: its KV pool and packed copies are the
+optimizer's meanwhile) and wakes at its next use (:attr:`PolicyEngine.engine`).
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ class PolicyEngine:
         self.sizes: dict[str, int] = {}  # what the engine was built with
         self._engine: InferenceEngine | None = None
         self.builds = 0  # engines built over this owner's life (one per fit)
+        self.sleeping = False  # put to sleep by `sleep`, woken at the next use
 
     @property
     def built(self) -> bool:
@@ -108,7 +112,7 @@ class PolicyEngine:
 
     @property
     def engine(self) -> InferenceEngine:
-        """The engine on the live weights (built at the first call)."""
+        """The engine on the live weights (built at the first call; woken if asleep)."""
         if self._engine is None:
             model, tokenizer = self.live()
             factory = self.factory
@@ -125,6 +129,7 @@ class PolicyEngine:
                 ", ".join(n.who for n in self.needs) or "the module",
                 self.sizes,
             )
+        self.wake_up()
         return self._engine
 
     def sync(self, step: int, load: Callable[[], Any] | None = None) -> InferenceEngine:
@@ -141,3 +146,24 @@ class PolicyEngine:
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = None
+        self.sleeping = False
+
+    # ------------------------------------------------------------------ sleep
+    def sleep(self) -> None:
+        """Put the built engine to sleep (level 1: KV pool, packs, decode graphs freed) when
+        it was built with ``enable_sleep_mode``; else, or when not built, nothing. Called
+        before every optimizer step; :attr:`engine` wakes it at the next use."""
+        engine = self._engine
+        if engine is None or self.sleeping or not engine.sleep_mode.enabled:
+            return
+        engine.sleep(level=1)
+        self.sleeping = True
+        log.debug("policy engine asleep for the optimizer step")
+
+    def wake_up(self) -> None:
+        """Wake the engine :meth:`sleep` put to sleep (its pool and packs taken back, packs
+        from the current weights); awake: nothing."""
+        if self.sleeping and self._engine is not None:
+            self._engine.wake_up()
+            log.debug("policy engine awake")
+        self.sleeping = False
