@@ -8,14 +8,15 @@ memory is the optimizer's.
 
 Level 1, the only level: the KV pool's storage (the engine's and a draft model's), the
 captured CUDA graphs (their memory pool; they hold the addresses of what is freed) and the
-packed projection copies (`astrai.model.packed`) are freed; on CUDA the allocator's cache is
-emptied so the memory is the device's again. The model's weights stay: they are the
-trainer's live parameters. The prefix cache is emptied (its pages die with the pool). Wake-up
-allocates the pool again at the same size (zeroed, as a fresh engine's), rebuilds the packs
-from the weights of that moment and captures the graphs again: the next generation is that
-of an engine that never slept. (vLLM's level 2 also discards the weights, for an engine with
-its own copy; astrai's engine generates with the trainer's parameters, so there is none to
-discard: refused.)
+packed projection copies (`astrai.model.packed`) are freed, and handed back to the device
+(`return_freed_memory`: CUDA's cache emptied, glibc's heap trimmed on the CPU). The model's
+weights stay: they are the trainer's live parameters. The prefix cache is emptied (its pages
+die with the pool). Wake-up allocates the pool again at the same size (zeroed, as a fresh
+engine's), rebuilds the packs from the weights of that moment and captures the graphs again:
+the next generation is that of an engine that never slept. vLLM's level 2 also discards the
+weights, for an engine with its own copy; astrai's engine generates with the model it was
+given (in training the trainer's parameters), so there is none to discard: refused (an
+engine fed a gathered copy under FSDP2 could discard that copy's storage as its level 2).
 
 Requests while asleep: `submit` queues them and they run after `wake_up` (the loop thread,
 stopped by `sleep`, restarts then); `run_batch` and `score`, which run on the calling thread,
@@ -24,6 +25,8 @@ raise `EngineSleeping`. Weight updates (`update_weights`) are allowed: they touc
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -50,6 +53,18 @@ class Graphs(Protocol):
     def release_graphs(self) -> bool: ...
 
     def capture_graphs(self) -> None: ...
+
+
+def return_freed_memory(device: torch.device) -> None:
+    """Hand what was freed back to the device: CUDA's caching allocator empties its cache; on
+    the CPU glibc's `malloc_trim` returns the heap's free pages (the packs' many small
+    tensors stay in the process's heap otherwise; measured: astrai-30m's 158 MiB of packs
+    left the RSS only with it). Elsewhere (another C library) nothing."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        return
+    with contextlib.suppress(AttributeError, OSError):  # AttributeError: not glibc
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 class SleepMode:
@@ -108,8 +123,7 @@ class SleepMode:
             raise RuntimeError("cannot sleep while requests hold KV; let them finish first")
         self.had_graphs = self.graphs.release_graphs()  # before what they point into goes
         freed = sum(pool.release() for pool in self.pools) + self.packs.release()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        return_freed_memory(self.device)
         self.level, self.restart_loop = level, restart_loop
         self.sleeps += 1
         self.freed_bytes = freed

@@ -182,3 +182,19 @@ def test_a_draft_models_kv_sleeps_too(model, tokenizer, tmp_path):
         got = eng.run_batch(ps, max_tokens=9, temperature=0.0, ignore_eos=True)
         assert eng.get_stats()["spec_accepted_tokens"] > 0
     assert got == expected
+
+
+def test_metrics_show_the_sleep(model, tokenizer):
+    """`/metrics` (astrai.serve.metrics) exposes the pool's bytes and the sleep."""
+    from astrai.serve.metrics import EngineCollector
+
+    def gauges(eng: InferenceEngine) -> dict[str, float]:
+        return {m.name: m.samples[0].value for m in EngineCollector(eng).collect() if m.samples}
+
+    with engine(model, tokenizer, "contiguous") as eng:
+        awake = gauges(eng)
+        eng.sleep()
+        asleep = gauges(eng)
+    assert awake["astrai_kv_cache_allocated_bytes"] == eng.pool.storage.nbytes[0] * 2
+    assert awake["astrai_engine_sleeping"] == 0
+    assert asleep["astrai_kv_cache_allocated_bytes"] == 0 and asleep["astrai_engine_sleeping"] == 1
