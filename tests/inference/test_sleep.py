@@ -198,3 +198,32 @@ def test_metrics_show_the_sleep(model, tokenizer):
     assert awake["astrai_kv_cache_allocated_bytes"] == eng.pool.storage.nbytes[0] * 2
     assert awake["astrai_engine_sleeping"] == 0
     assert asleep["astrai_kv_cache_allocated_bytes"] == 0 and asleep["astrai_engine_sleeping"] == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_on_cuda_the_graphs_are_captured_again_and_the_memory_given_back(model, tokenizer, mode):
+    """CUDA graphs hold the addresses of the pool and the packs: the woken engine captures them
+    again and decodes what a never-slept one does; asleep, the device holds less by the pool."""
+    gpu_model = type(model)(model.config).to("cuda")
+    gpu_model.load_state_dict(model.state_dict())
+    with engine(gpu_model, tokenizer, mode) as awake:
+        assert awake.cuda_graph_enabled
+        expected = [rollouts(awake, cycle) for cycle in range(2)]
+    with engine(gpu_model, tokenizer, mode) as sleeper:
+        got = []
+        for cycle in range(2):
+            got.append(rollouts(sleeper, cycle))
+            torch.cuda.synchronize()
+            held = torch.cuda.memory_reserved()
+            sleeper.sleep()
+            assert sleeper.graph_runner is None
+            kv = sum(sleeper.pool.storage.nbytes)
+            assert torch.cuda.memory_reserved() <= held - kv  # handed back, not cached
+            sleeper.wake_up()
+            assert sleeper.cuda_graph_enabled
+
+    def tokens(runs: list) -> list:
+        return [[greedy, [ids for ids, _ in sampled]] for greedy, sampled in runs]
+
+    assert tokens(got) == tokens(expected)
