@@ -7,10 +7,7 @@ pool, one set of LoRA slot hooks on the model), held by the module's :class:`Pol
 ``max_batch_size``, ``max_seq_len``) before the first use; the engine is built once, lazily,
 at the largest size anyone asked for. After the build a larger need is a configuration error,
 never a silent second engine. :meth:`PolicyEngine.sync` is the one versioned weight path:
-the engine's policy version follows the optimizer step and never goes back. An engine built
-with ``enable_sleep_mode`` sleeps through each optimizer step (:meth:`PolicyEngine.sleep`,
-called by ``LMModule.on_before_optimizer_step``: its KV pool and packed copies are the
-optimizer's meanwhile) and wakes at its next use (:attr:`PolicyEngine.engine`).
+the engine's policy version follows the optimizer step and never goes back.
 """
 
 from __future__ import annotations
@@ -112,7 +109,7 @@ class PolicyEngine:
 
     @property
     def engine(self) -> InferenceEngine:
-        """The engine on the live weights (built at the first call; woken if asleep)."""
+        """The engine on the live weights (built at the first call)."""
         if self._engine is None:
             model, tokenizer = self.live()
             factory = self.factory
@@ -152,7 +149,9 @@ class PolicyEngine:
     def sleep(self) -> None:
         """Put the built engine to sleep (level 1: KV pool, packs, decode graphs freed) when
         it was built with ``enable_sleep_mode``; else, or when not built, nothing. Called
-        before every optimizer step; :attr:`engine` wakes it at the next use."""
+        before every optimizer step (``LMModule.on_before_optimizer_step``: the memory is the
+        optimizer's meanwhile); every use of :attr:`engine` (and so :meth:`sync`) wakes it
+        first (:meth:`wake_up`)."""
         engine = self._engine
         if engine is None or self.sleeping or not engine.sleep_mode.enabled:
             return
