@@ -247,10 +247,15 @@ def test_the_owner_sleeps_only_an_engine_built_for_it():
     engine = engines.engine
     engines.sleep()
     engines.sleep()  # once per step
-    assert engines.sleeping and engine.calls == ["sleep1"]
+    assert engines.slept is engine and engine.calls == ["sleep1"]
     assert engines.sync(1) is engine and engine.calls == ["sleep1", "wake"]
-    assert not engines.sleeping
+    assert engines.slept is None
+    engines.sleep()
+    engines.close()  # closed asleep: a fresh engine sleeps and wakes as the first did
+    fresh = engines.engine
+    engines.sleep()
+    assert fresh is not engine and fresh.calls == ["sleep1"] and engines.slept is fresh
     off = owner(functools.partial(Sleepy, enable_sleep_mode=False))
     built = off.engine
     off.sleep()
-    assert built.calls == [] and not off.sleeping
+    assert built.calls == [] and off.slept is None
