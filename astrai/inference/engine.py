@@ -291,20 +291,24 @@ class InferenceEngine:
         nothing. Meanwhile `submit` queues (run after the wake-up) and `run_batch` / `score`
         raise `EngineSleeping` (`astrai.inference.sleep`)."""
         self.sleep_mode.check(level)
+        if self.loop.closed:
+            raise EngineNotReady("the engine has been shut down")
         if self.sleep_mode.asleep:
             return
         restart = self.loop.halt()
         try:
             self.sleep_mode.enter(level, restart)
         except BaseException:
-            if restart and not self.loop.closed:
+            if restart:
                 self.loop.start()
             raise
 
     def wake_up(self) -> None:
         """Take back what `sleep` freed (the pool as before, packs from the current weights,
-        the graphs captured again) and restart the loop if it ran; awake: nothing."""
-        if self.sleep_mode.asleep and self.sleep_mode.leave() and not self.loop.closed:
+        the graphs captured again) and restart the loop if it ran; awake or shut down: nothing."""
+        if self.loop.closed or not self.sleep_mode.asleep:
+            return
+        if self.sleep_mode.leave():
             self.loop.start()
 
     def _awake(self, what: str) -> None:

@@ -100,6 +100,10 @@ def test_another_engines_packs_survive_a_sleep(model, tokenizer):
             eng.wake_up()
             eng.sleep()
         assert all(p is not None for p in packs_of(model))  # shutdown asleep: not twice
+        eng.wake_up()  # shut down: nothing taken back
+        assert eng.get_stats()["kv_allocated_bytes"] == 0
+        with pytest.raises(EngineNotReady, match="shut down"):
+            eng.sleep()
     finally:
         release_projections(model)
     assert all(p is None for p in packs_of(model))
