@@ -237,6 +237,10 @@ class DraftModelProposer(Proposer):
             self._drop(task)
 
     @property
+    def kv_pools(self) -> tuple[PagePool, ...]:
+        return (self.pool,)
+
+    @property
     def rows_in_use(self) -> int:
         """Pool rows held by requests (0 once every request has finished, after `close`)."""
         return len(self._states)

@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from astrai.extension import BackendUnavailable, selected_backend
 from astrai.inference.adapters import AdapterInfo, EngineAdapters, LoRASettings, NoAdapters
 from astrai.inference.batch import BatchResult, batch_output, group_tasks, prompt_groups, single
+from astrai.inference.engine_options import check_sleep_mode
 from astrai.inference.errors import EngineNotReady, RequestRejected
 from astrai.inference.grammar import grammar_compiler
 from astrai.inference.graph import DecodeGraphRunner
@@ -40,11 +41,12 @@ from astrai.inference.scoring import (
     score_result,
     score_tasks,
 )
+from astrai.inference.sleep import EngineSleeping, SleepMode
 from astrai.inference.speculative import Proposer, SpeculativeConfig
 from astrai.inference.structured import StructuredOutput
 from astrai.inference.task import Rejection, Task
 from astrai.model import Transformer
-from astrai.model.packed import pack_projections, prepack_rows, release_projections
+from astrai.model.packed import NoPacks, ProjectionPacks, prepack_rows
 from astrai.tokenizer import AutoTokenizer
 
 logger = logging.getLogger(__name__)
@@ -52,6 +54,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "BatchResult",
     "EngineNotReady",
+    "EngineSleeping",
     "GenerateResult",
     "InferenceEngine",
     "RequestRejected",
@@ -76,6 +79,9 @@ class InferenceEngine:
     `astrai.model.packed` sizes (False saves that memory). `lora` (`LoRASettings`): serve LoRA
     adapters, one per request (`SamplingParams.adapter`; `astrai.inference.adapters`).
     `speculative` (`SpeculativeConfig`): speculative decoding (`astrai.inference.speculative`).
+    `enable_sleep_mode` (vLLM's name): `sleep()` frees the KV pool, the packs and the decode
+    graphs while the engine is not needed (a trainer's optimizer step), `wake_up()` takes them
+    back (`astrai.inference.sleep`).
     """
 
     def __init__(
@@ -99,8 +105,10 @@ class InferenceEngine:
         packed_projections: bool = True,
         lora: LoRASettings | Mapping[str, Any] | None = None,
         speculative: SpeculativeConfig | Mapping[str, Any] | None = None,
+        enable_sleep_mode: bool = False,
         start: bool = True,
     ) -> None:
+        check_sleep_mode(enable_sleep_mode)  # before anything is allocated
         # No .eval() here: GRPO shares the live policy module, whose mode Lightning owns. The
         # model has no dropout; the runner runs it under inference_mode.
         self.model = model
@@ -111,8 +119,10 @@ class InferenceEngine:
                 f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {cfg.vocab_size}"
             )
         self.packed_projections = bool(packed_projections)  # before a pool sized by free memory
+        self.packs: ProjectionPacks = NoPacks()
         if self.packed_projections:
-            pack_projections(model, prepack_rows(max_batch_size))
+            self.packs = ProjectionPacks(model, prepack_rows(max_batch_size))
+        self.packs.hold()
         self.pool = kv_pool(
             model,
             max_batch_size=max_batch_size,
@@ -147,6 +157,13 @@ class InferenceEngine:
             grammar=grammar_compiler(tokenizer),
             adapters=slots,
             proposer=self.proposer,
+        )
+        self.sleep_mode = SleepMode(
+            enable_sleep_mode,
+            pools=(self.pool, *self.proposer.kv_pools),
+            graphs=self.runner,
+            packs=self.packs,
+            device=self.pool.device,
         )
         self.loop = EngineLoop(self.step, self.scheduler, self.handoff)
         if start:
@@ -200,7 +217,11 @@ class InferenceEngine:
         return not self.loop.closed and self.running and self.scheduler.failure is None
 
     def start(self) -> None:
-        """Start the background loop (a restart after a crash accepts requests again)."""
+        """Start the background loop (a restart after a crash accepts requests again); while
+        asleep, at the wake-up."""
+        if self.sleep_mode.asleep:
+            self.sleep_mode.restart_loop = True
+            return
         self.loop.start()
 
     def stop(self, timeout: float | None = 30.0) -> None:
@@ -241,8 +262,7 @@ class InferenceEngine:
         if self.loop.closed:
             return
         self.loop.close()
-        if self.packed_projections:
-            release_projections(self.model)  # the last engine on this model drops the packs
+        self.packs.release()  # the last engine on this model drops the packs (not twice)
         self.adapters.close()  # LoRA slots' hooks
         self.proposer.close()  # a draft model's KV rows
 
@@ -257,7 +277,43 @@ class InferenceEngine:
         preemptions, finished_requests by reason, speculation's `spec_*`), current load
         (active_tasks, waiting_queue, kv_usage), the prefix cache's hit rate, `ttft_seconds` /
         `itl_seconds` histograms with recent p50 / p99: what `/metrics` exposes."""
-        return {**self.scheduler.stats(), "ready": self.ready}
+        return {**self.scheduler.stats(), **self.sleep_mode.stats(), "ready": self.ready}
+
+    # ------------------------------------------------------------------ sleep
+    @property
+    def is_sleeping(self) -> bool:
+        return self.sleep_mode.asleep
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV pool, the packed projections and the decode graphs (level 1; on CUDA
+        the allocator's cache is emptied) until `wake_up`; the weights stay. Needs
+        `enable_sleep_mode`; waits for the loop's running requests; a second call does
+        nothing. Meanwhile `submit` queues (run after the wake-up) and `run_batch` / `score`
+        raise `EngineSleeping` (`astrai.inference.sleep`)."""
+        self.sleep_mode.check(level)
+        if self.loop.closed:
+            raise EngineNotReady("the engine has been shut down")
+        if self.sleep_mode.asleep:
+            return
+        restart = self.loop.halt()
+        try:
+            self.sleep_mode.enter(level, restart)
+        except BaseException:
+            if restart:
+                self.loop.start()
+            raise
+
+    def wake_up(self) -> None:
+        """Take back what `sleep` freed (the pool as before, packs from the current weights,
+        the graphs captured again) and restart the loop if it ran; awake or shut down: nothing."""
+        if self.loop.closed or not self.sleep_mode.asleep:
+            return
+        if self.sleep_mode.leave():
+            self.loop.start()
+
+    def _awake(self, what: str) -> None:
+        if self.sleep_mode.asleep:
+            raise EngineSleeping(f"{what} on a sleeping engine: call wake_up() first")
 
     # ------------------------------------------------------------------ submission
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
@@ -422,6 +478,7 @@ class InferenceEngine:
         ValueError before anything runs. The background loop is paused for the call. RL
         wants `logprobs_mode="scaled"` (its trainer's forward divides by the temperature too).
         """
+        self._awake("run_batch")
         params = params_from(params, sampling).validate(vocab_size=self.vocab_size)
         groups = prompt_groups(
             prompt_ids_list, params, structured, self._checked, selected_backend()
@@ -453,6 +510,7 @@ class InferenceEngine:
         runs first and the others reuse the whole KV pages of its context before the last
         context token.
         """
+        self._awake("score")
         base = score_params(params, top_logprobs)
         self.adapters.resolve(base.adapter)  # AdapterNotFound before any work, as submit's
         pairs = check_score_requests(

@@ -1,6 +1,7 @@
-"""The `engine` group's optional blocks (`engine.lora`, `engine.speculative`) checked before a
-command loads its model, by the classes the engine reads them with: `serve` and `generate`
-fail in a second with one line naming the key instead of after minutes of loading."""
+"""The `engine` group's optional blocks (`engine.lora`, `engine.speculative`) and
+`engine.enable_sleep_mode` checked before a command loads its model, by the classes the engine
+reads them with: `serve` and `generate` fail in a second with one line naming the key instead
+of after minutes of loading."""
 
 from __future__ import annotations
 
@@ -13,12 +14,25 @@ if TYPE_CHECKING:
     from astrai.inference.speculative import SpeculativeConfig
 
 
+def check_sleep_mode(enabled: Any) -> bool:
+    """`enable_sleep_mode` as a bool (`astrai.inference.sleep`); anything else is a ValueError
+    naming the key."""
+    if not isinstance(enabled, bool):
+        raise ValueError(f"enable_sleep_mode must be true or false, got {enabled!r}")
+    return enabled
+
+
 def check_engine_blocks(engine: Mapping[str, Any]) -> SpeculativeConfig | None:
-    """Check `engine["lora"]` and `engine["speculative"]` (and a draft model's directory); a
-    bad one is a SystemExit naming the key. Returns the speculative setting (None: off)."""
+    """Check `engine["lora"]`, `engine["speculative"]` (and a draft model's directory) and
+    `engine["enable_sleep_mode"]`; a bad one is a SystemExit naming the key. Returns the
+    speculative setting (None: off)."""
     from astrai.inference.adapters import LoRASettings
     from astrai.inference.speculative import SpeculativeConfig
 
+    try:
+        check_sleep_mode(engine.get("enable_sleep_mode", False))
+    except ValueError as err:
+        raise SystemExit(f"engine.{err}") from None
     try:
         LoRASettings.of(engine.get("lora"))
         spec = SpeculativeConfig.of(engine.get("speculative"))

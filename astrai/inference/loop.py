@@ -86,10 +86,8 @@ class EngineLoop:
                 self.scheduler.fail_all(f"{type(err).__name__}: {err}")
                 return
 
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """The thread stopped for the block (after finishing the work it has) and restarted
-        after it, unless the engine was shut down meanwhile."""
+    def halt(self) -> bool:
+        """Stop the thread after the work it has; whether it was running."""
         was_running = self.running
         if was_running:
             while self.scheduler.has_work():
@@ -97,6 +95,13 @@ class EngineLoop:
                 if not self.running:
                     break
             self.stop()
+        return was_running
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """The thread stopped for the block (after finishing the work it has) and restarted
+        after it, unless the engine was shut down meanwhile."""
+        was_running = self.halt()
         try:
             yield
         finally:

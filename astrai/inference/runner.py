@@ -82,7 +82,8 @@ class ModelRunner:
         self.device = pool.device
         self.workspace: InferenceWorkspace | None = None
         self.graph_runner: DecodeGraphRunner | None = None
-        self._build_graphs(decode_graphs, min(max_batch_size, pool.max_batch_size))
+        self.graph_batch = min(max_batch_size, pool.max_batch_size)
+        self._build_graphs(decode_graphs, self.graph_batch)
         # Last step's samples on the device, while the decoding rows may feed them next.
         self._last_sampled: torch.Tensor | None = None
         # Seeded requests' generators, alive as long as their task: a request's draws stay
@@ -132,6 +133,21 @@ class ModelRunner:
     @property
     def cuda_graph_enabled(self) -> bool:
         return isinstance(self.graph_runner, CUDAGraphRunner)
+
+    def release_graphs(self) -> bool:
+        """Drop the captured CUDA graphs (and their memory pool) before the engine's sleep
+        frees the KV buffers and packs whose addresses they hold; True if there were any
+        (`capture_graphs` then captures them again). The CPU stand-in reads the buffers
+        through the pool, so it stays."""
+        self._last_sampled = None
+        if not self.cuda_graph_enabled:
+            return False
+        self.graph_runner = self.workspace = None
+        return True
+
+    def capture_graphs(self) -> None:
+        """Capture the decode graphs again, over the buffers at their current addresses."""
+        self._build_graphs(True, self.graph_batch)
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepOutput:

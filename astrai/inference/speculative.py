@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from astrai.inference.params import check_choice, is_int
 
 if TYPE_CHECKING:
+    from astrai.inference.cache import PagePool
     from astrai.inference.task import Task
 
 SPEC_METHODS = ("ngram", "draft_model")
@@ -95,6 +96,11 @@ class Proposer(ABC):
 
     def close(self) -> None:  # noqa: B027
         """Free what the proposer holds (the engine stops)."""
+
+    @property
+    def kv_pools(self) -> tuple[PagePool, ...]:
+        """The KV pools the proposer holds (a draft model's), which the engine's sleep frees."""
+        return ()
 
 
 class NoProposer(Proposer):

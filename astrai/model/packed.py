@@ -125,3 +125,42 @@ def release_projections(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, Linear):
             module.pack = None
+
+
+class ProjectionPacks:
+    """One engine's hold on its model's packs: taken when the engine starts (`hold`), given
+    up at its sleep and its shutdown (`release`), taken again at its wake-up, when the last
+    user had dropped them, rebuilt from the weights of that moment. Holding twice or releasing
+    twice changes nothing, so a shutdown after a sleep leaves other engines' packs alone."""
+
+    def __init__(self, model: nn.Module, rows: int | None) -> None:
+        self.model = model
+        self.rows = rows
+        self.held = False
+        self.nbytes = 0  # what the packs held at the last `hold`
+
+    def hold(self) -> int:
+        """Take the packs (`pack_projections`); the bytes they hold."""
+        if not self.held:
+            self.nbytes = pack_projections(self.model, self.rows)
+            self.held = True
+        return self.nbytes
+
+    def release(self) -> int:
+        """Give them up (`release_projections`: the last user drops them); the bytes they
+        held (0 if this engine held none)."""
+        if not self.held:
+            return 0
+        release_projections(self.model)
+        self.held = False
+        return self.nbytes
+
+
+class NoPacks(ProjectionPacks):
+    """`packed_projections=False`: the projections run one by one; nothing to hold."""
+
+    def __init__(self) -> None:
+        super().__init__(nn.Module(), None)
+
+    def hold(self) -> int:
+        return 0

@@ -54,6 +54,11 @@ _GAUGES = {
         "Fraction of KV slots held by requests (paged: pages in use; contiguous: rows in use).",
     ),
     "kv_capacity_tokens": ("kv_cache_capacity_tokens", "KV slots of the pool, in tokens."),
+    "kv_allocated_bytes": (
+        "kv_cache_allocated_bytes",
+        "Bytes the KV pool's storage holds now (0 while the engine sleeps).",
+    ),
+    "is_sleeping": ("engine_sleeping", "1 while the engine sleeps (engine.enable_sleep_mode)."),
     "spec_mean_accepted_length": (
         "spec_decode_mean_accepted_length",
         "Tokens a request gains per verification: 1 + accepted proposals / verifications.",

@@ -474,7 +474,9 @@ class LMModule(L.LightningModule, BatchConsumer, ABC):
         after unscaling): `train/grad_norm` (total L2), `train/grad_max` (largest absolute
         element) and `train/grad_nonfinite` (count of NaN/inf elements). Then, with
         `check_grad_finite`, stop on a non-finite norm (not under fp16 precision, whose
-        GradScaler skips such steps by design)."""
+        GradScaler skips such steps by design). The policy engine sleeps through the step
+        (``engine.enable_sleep_mode``: `sleep_engine_for_step`)."""
+        self.sleep_engine_for_step()
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         if not grads:
             return
@@ -484,6 +486,11 @@ class LMModule(L.LightningModule, BatchConsumer, ABC):
         precision = str(getattr(self._trainer, "precision", ""))
         if self.check_grad_finite and not precision.startswith("16"):
             self._check_finite(torch.tensor(stats["grad_norm"]), "the gradient norm")
+
+    def sleep_engine_for_step(self) -> None:
+        """The policy engine's memory (KV pool, packs) is the optimizer's until its next use
+        (`PolicyEngine.sleep`: only an engine built with ``enable_sleep_mode``)."""
+        self.policy_engine.sleep()
 
     # ------------------------------------------------------------------ exact resume
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

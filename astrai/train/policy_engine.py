@@ -66,6 +66,7 @@ class PolicyEngine:
         self.sizes: dict[str, int] = {}  # what the engine was built with
         self._engine: InferenceEngine | None = None
         self.builds = 0  # engines built over this owner's life (one per fit)
+        self.slept: InferenceEngine | None = None  # the engine `sleep` put to sleep
 
     @property
     def built(self) -> bool:
@@ -96,6 +97,28 @@ class PolicyEngine:
                     "declare engine needs before the first use (e.g. in the callback's setup)"
                 )
 
+    # ------------------------------------------------------------------ sleep
+    def sleep(self) -> None:
+        """Put the built engine to sleep (level 1: KV pool, packs, decode graphs freed) when
+        it was built with ``enable_sleep_mode``; else, or when not built, nothing. Called
+        before every optimizer step (``LMModule.on_before_optimizer_step``: the memory is the
+        optimizer's meanwhile); every use of :attr:`engine` (and so :meth:`sync`) wakes it
+        first (:meth:`wake_up`)."""
+        engine = self._engine
+        if engine is None or self.slept is engine or not engine.sleep_mode.enabled:
+            return
+        engine.sleep(level=1)
+        self.slept = engine
+        log.debug("policy engine asleep for the optimizer step")
+
+    def wake_up(self) -> None:
+        """Wake the engine :meth:`sleep` put to sleep (its pool and packs taken back, packs
+        from the current weights); awake, or closed since: nothing."""
+        if self.slept is not None and self.slept is self._engine:
+            self.slept.wake_up()
+            log.debug("policy engine awake")
+        self.slept = None
+
     def merged_sizes(self) -> dict[str, int]:
         """The largest size of each kind any user (or the factory itself) asked for."""
         sizes = dict(factory_sizes(self.factory))
@@ -125,6 +148,7 @@ class PolicyEngine:
                 ", ".join(n.who for n in self.needs) or "the module",
                 self.sizes,
             )
+        self.wake_up()
         return self._engine
 
     def sync(self, step: int, load: Callable[[], Any] | None = None) -> InferenceEngine:

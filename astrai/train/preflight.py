@@ -136,6 +136,7 @@ def problems(cfg: DictConfig, *, run_dir: Path | None = None, hardware: bool = T
     found += _resume_problems(cfg, run_dir)
     found += _logger_problems(cfg)
     found += _serve_policy_problems(cfg)
+    found += _engine_problems(cfg)
     if not any(p.startswith(("model", "tokenizer")) for p in inputs):
         found += _vocab_problems(cfg)
     if not any(p.startswith("data.train") for p in inputs):
@@ -154,6 +155,20 @@ def _serve_policy_problems(cfg: DictConfig) -> list[str]:
     from astrai.train.serve_policy import serve_policy_problems
 
     return serve_policy_problems(OmegaConf.to_container(block, resolve=True))  # type: ignore[arg-type]
+
+
+def _engine_problems(cfg: DictConfig) -> list[str]:
+    """The run's engine groups (GRPO's rollout engine, the evaluation callback's): their
+    `enable_sleep_mode`, which the engine reads only at its first use."""
+    from astrai.inference.engine_options import check_sleep_mode
+
+    found = []
+    for key in ("strategy.engine", "callbacks.eval.engine"):
+        try:
+            check_sleep_mode(OmegaConf.select(cfg, f"{key}.enable_sleep_mode", default=False))
+        except ValueError as err:
+            found.append(f"{key}.{err}")
+    return found
 
 
 # ---------------------------------------------------------------------- hardware

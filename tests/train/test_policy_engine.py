@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -155,3 +156,106 @@ def test_grpo_with_evaluation_holds_one_engine_and_one_kv_pool(
     assert seen["pools"] == 1
     if lora:
         assert seen["hooks"] and all(seen["hooks"])  # the one engine's slots on every module
+
+
+# ---------------------------------------------------------------------- sleep mode
+def _rollouts_and_steps(where: Path, data_dir: Path, extra: list[str], monkeypatch) -> dict:
+    """tiny_grpo with evaluation in this process: every rollout's token ids, and, from inside
+    each optimizer step (a step post-hook: after the update, before any later hook), whether
+    the run's engine slept and the KV bytes its pool held."""
+    from astrai.inference import InferenceEngine
+    from astrai.train.strategies.grpo.module import GRPOModule
+
+    seen: dict[str, Any] = {"engines": [], "rollouts": [], "steps": []}
+    engine_init, run_batch = InferenceEngine.__init__, InferenceEngine.run_batch
+
+    def count_engine(self, *a, **k):
+        engine_init(self, *a, **k)
+        seen["engines"].append(self)
+
+    def record(self, *a, **k):
+        out = run_batch(self, *a, **k)
+        seen["rollouts"].append([r[0] if isinstance(r, tuple) else r for r in out])
+        return out
+
+    def in_step(optimizer, args, kwargs):
+        (engine,) = seen["engines"]
+        seen["steps"].append((engine.is_sleeping, engine.get_stats()["kv_allocated_bytes"]))
+
+    def probe(self):
+        self.trainer.optimizers[0].register_step_post_hook(in_step)
+
+    monkeypatch.setattr(InferenceEngine, "__init__", count_engine)
+    monkeypatch.setattr(InferenceEngine, "run_batch", record)
+    monkeypatch.setattr(GRPOModule, "on_train_start", probe)
+    train_run(where, data_dir, ["trainer.max_steps=3", *extra], base=FLAGSHIP)
+    seen["pool_bytes"] = seen["engines"][0].pool.storage.nbytes
+    return seen
+
+
+@pytest.mark.parametrize("cache", ["paged", "contiguous"])
+def test_a_sleeping_engine_rolls_out_the_same_tokens_and_frees_its_pool_in_the_step(
+    tmp_path, data_dir, monkeypatch, cache
+):
+    """GRPO with evaluation, 3 optimizer steps: with ``enable_sleep_mode`` the engine is asleep
+    inside every optimizer step with no KV allocated, and every rollout and evaluation is
+    token-identical to the same run's without sleep mode."""
+    mode = [f"strategy.engine.cache_mode={cache}"]
+    awake = _rollouts_and_steps(tmp_path / "awake", data_dir, mode, monkeypatch)
+    monkeypatch.undo()
+    sleepy = _rollouts_and_steps(
+        tmp_path / "sleepy",
+        data_dir,
+        [*mode, "strategy.engine.enable_sleep_mode=true"],
+        monkeypatch,
+    )
+    size = sum(awake["pool_bytes"])
+    assert size > 0 and sum(sleepy["pool_bytes"]) == size
+    assert awake["steps"] == [(False, size)] * 3
+    assert sleepy["steps"] == [(True, 0)] * 3  # released, by the engine's own accounting
+    assert len(sleepy["rollouts"]) == len(awake["rollouts"]) >= 6  # rollouts and evaluations
+    assert sleepy["rollouts"] == awake["rollouts"]
+    (engine,) = sleepy["engines"]
+    assert engine.get_stats()["sleep_count"] == 3
+
+
+def test_a_bad_sleep_setting_is_refused_before_the_run_naming_the_key():
+    from astrai.train import preflight
+    from astrai.train.runner import compose
+
+    found = preflight.problems(compose([*FLAGSHIP, "strategy.engine.enable_sleep_mode=yes"]))
+    assert [p for p in found if p.startswith("strategy.engine.enable_sleep_mode")], found
+    found = preflight.problems(compose([*FLAGSHIP, "callbacks.eval.engine.enable_sleep_mode=1"]))
+    assert [p for p in found if p.startswith("callbacks.eval.engine.enable_sleep_mode")], found
+
+
+def test_the_owner_sleeps_only_an_engine_built_for_it():
+    class Sleepy(FakeEngine):
+        def __init__(self, *a: Any, enable_sleep_mode: bool = True, **k: Any) -> None:
+            super().__init__(*a, **k)
+            self.sleep_mode = SimpleNamespace(enabled=enable_sleep_mode)
+            self.calls: list[str] = []
+
+        def sleep(self, level: int = 1) -> None:
+            self.calls.append(f"sleep{level}")
+
+        def wake_up(self) -> None:
+            self.calls.append("wake")
+
+    engines = owner(Sleepy)
+    engines.sleep()  # not built: nothing
+    engine = engines.engine
+    engines.sleep()
+    engines.sleep()  # once per step
+    assert engines.slept is engine and engine.calls == ["sleep1"]
+    assert engines.sync(1) is engine and engine.calls == ["sleep1", "wake"]
+    assert engines.slept is None
+    engines.sleep()
+    engines.close()  # closed asleep: a fresh engine sleeps and wakes as the first did
+    fresh = engines.engine
+    engines.sleep()
+    assert fresh is not engine and fresh.calls == ["sleep1"] and engines.slept is fresh
+    off = owner(functools.partial(Sleepy, enable_sleep_mode=False))
+    built = off.engine
+    off.sleep()
+    assert built.calls == [] and off.slept is None

@@ -55,6 +55,32 @@ class KVStorage:
             v_shape = (*shape[:-1], v_dim)
             self.k_buffer = torch.zeros(shape, dtype=dtype, device=device)
             self.v_buffer = torch.zeros(v_shape, dtype=dtype, device=device)
+        # each buffer's storage size: what `restore` allocates again after a `release`
+        self.nbytes = tuple(b.untyped_storage().nbytes() for b in (self.k_buffer, self.v_buffer))
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes `k_buffer` and `v_buffer` hold now (0 while released)."""
+        return sum(b.untyped_storage().nbytes() for b in (self.k_buffer, self.v_buffer))
+
+    def release(self) -> int:
+        """Free both buffers' memory, keeping the tensors (their shapes, views and every
+        reference to them): the storages shrink to nothing, as FSDP frees a gathered
+        parameter. Returns the bytes freed. Reading the KV before `restore` is an error."""
+        freed = self.allocated_bytes
+        for buffer in (self.k_buffer, self.v_buffer):
+            buffer.untyped_storage().resize_(0)
+        return freed
+
+    def restore(self) -> None:
+        """Allocate the buffers again, zeroed, as a fresh pool's (`release` undone). On a GPU
+        the new memory may sit at other addresses: captured graphs must be captured again."""
+        for buffer, nbytes in zip((self.k_buffer, self.v_buffer), self.nbytes):
+            storage = buffer.untyped_storage()
+            if storage.nbytes() != nbytes:
+                storage.resize_(nbytes)
+                with torch.no_grad():
+                    buffer.zero_()
 
     @staticmethod
     def bytes_per_token(
@@ -304,6 +330,31 @@ class PagePool:
     def invalidate_prefix_cache(self) -> None:
         self.prefix.reset()
 
+    # ------------------------------------------------------------------ sleep
+    @property
+    def kv_allocated_bytes(self) -> int:
+        """Bytes the KV storage holds now: its full size, or 0 while released."""
+        return self.storage.allocated_bytes
+
+    @property
+    def released(self) -> bool:
+        return self.kv_allocated_bytes < sum(self.storage.nbytes)
+
+    def release(self) -> int:
+        """Free the KV storage (the engine's sleep): the prefix cache forgets its pages,
+        whose contents die with it; no request may hold KV. Returns the bytes freed."""
+        self.prefix.reset()
+        if not self.all_free():
+            raise RuntimeError(
+                "cannot release the KV pool while requests hold KV; let them finish first"
+            )
+        return self.storage.release()
+
+    def resume(self) -> None:
+        """Allocate the KV storage again (zeroed, the same size): the pool of a fresh start,
+        with an empty prefix cache."""
+        self.storage.restore()
+
     # ------------------------------------------------------------------ per-step view
     def bind_tasks(self, rows: list[int], seq_lens: list[int], q_lens: list[int]) -> KVCache:
         """The `KVCache` for one forward: request `i` writes its last `q_lens[i]` positions."""
@@ -344,6 +395,7 @@ class PagePool:
             "kv_capacity_tokens": self.capacity_tokens,
             "kv_used_tokens": self.used_tokens,
             "kv_usage": self.used_tokens / max(self.capacity_tokens, 1),
+            "kv_allocated_bytes": self.kv_allocated_bytes,
             **self.prefix.stats(),
         }
 
