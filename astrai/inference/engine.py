@@ -258,13 +258,15 @@ class InferenceEngine:
 
     # ------------------------------------------------------------------ lifecycle
     def shutdown(self) -> None:
-        """Stop the loop and end every open stream (finish reason `cancelled`)."""
+        """Stop the loop, end every open stream (finish reason `cancelled`) and give the KV
+        pools and decode graphs back to the device (an engine built next finds them free)."""
         if self.loop.closed:
             return
         self.loop.close()
         self.packs.release()  # the last engine on this model drops the packs (not twice)
         self.adapters.close()  # LoRA slots' hooks
         self.proposer.close()  # a draft model's KV rows
+        self.sleep_mode.close()  # the KV pools and graphs go back to the device
 
     def __enter__(self) -> InferenceEngine:
         return self

@@ -147,6 +147,16 @@ class SleepMode:
         logger.debug("engine awake: %.1f MiB taken back", self.freed_bytes / 2**20)
         return restart
 
+    def close(self) -> int:
+        """At the engine's shutdown: the graphs and the KV pools go back to the device for
+        good, asleep or not (a benchmark builds one engine after another, each pool sized
+        from the free memory: on a GPU the fourth found 1.5 GB free without this). Returns
+        the bytes freed."""
+        self.graphs.release_graphs()
+        freed = sum(pool.close() for pool in self.pools)
+        return_freed_memory(self.device)
+        return freed
+
     def stats(self) -> dict[str, Any]:
         """`is_sleeping`, `sleep_count` (the pool's `kv_allocated_bytes` is in its stats)."""
         return {"is_sleeping": self.asleep, "sleep_count": self.sleeps}

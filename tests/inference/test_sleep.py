@@ -31,9 +31,7 @@ def engine(model, tokenizer, mode: str, **kw) -> InferenceEngine:
         start=False,
         max_batch_size=4,
         max_seq_len=64,
-        enable_sleep_mode=True,
-        **MODES[mode],
-        **kw,
+        **{"enable_sleep_mode": True, **MODES[mode], **kw},
     )
 
 
@@ -231,3 +229,17 @@ def test_on_cuda_the_graphs_are_captured_again_and_the_memory_given_back(model, 
         return [[greedy, [ids for ids, _ in sampled]] for greedy, sampled in runs]
 
     assert tokens(got) == tokens(expected)
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("sleep_mode", [False, True])
+def test_shutdown_gives_the_kv_pool_back(model, tokenizer, mode, sleep_mode):
+    # An engine built after another finds the memory free (on a GPU the engine benchmark's
+    # fourth engine, each pool sized from free memory, ran out of memory without this).
+    eng = engine(model, tokenizer, mode, enable_sleep_mode=sleep_mode)
+    eng.run_batch(prompts(3), max_tokens=4, temperature=0.0)
+    assert eng.get_stats()["kv_allocated_bytes"] > 0
+    eng.shutdown()
+    assert eng.get_stats()["kv_allocated_bytes"] == 0
+    assert eng.pool.k_buffer.untyped_storage().nbytes() == 0
+    eng.shutdown()  # a second shutdown changes nothing
