@@ -39,6 +39,7 @@ from astrai.data.builtin import is_builtin
 from astrai.tokenizer import AutoTokenizer
 from astrai.train import wandb_run
 from astrai.train.checkpoint import checkpoint_problem, newest_complete, remove_stale_temps
+from astrai.train.memory_plan_config import log_plan
 from astrai.train.tokenizer_setup import prepare_tokenizer
 
 log = logging.getLogger(__name__)
@@ -371,6 +372,7 @@ def train(cfg: DictConfig) -> float | None:
         log.info("ckpt_path=%s: resuming from %s", cfg.get("ckpt_path"), ckpt)
     elif str(cfg.get("ckpt_path")) == "auto":
         log.info("ckpt_path=auto: no checkpoint under %s; starting from scratch", log_dir)
+    log_plan(cfg)  # the per-device memory plan, before the tokenizer, data or model load
     output_dir.mkdir(parents=True, exist_ok=True)
     datamodule, module = build_run(cfg)
 
