@@ -79,6 +79,11 @@ class Layout:
         return self.world_size if self.fully_sharded else self.tensor_parallel
 
     @property
+    def residual_bytes(self) -> int:
+        """The residual stream's dtype: the weights' as computed with (embedding output)."""
+        return self.shard_bytes if self.fully_sharded and self.shard_bytes else self.master_bytes
+
+    @property
     def engine_bytes(self) -> int:
         """The rollout engine's dtype: the live fp32 parameters it shares (one replica), or the
         dtype of the full copy FSDP2 gathers for it (`param_dtype`)."""
@@ -324,18 +329,21 @@ def kv_bytes_per_token(cfg: ModelConfig, nbytes: int) -> int:
 
 
 def layer_activation_bytes(cfg: ModelConfig, layout: Layout) -> int:
-    """Bytes one token leaves saved for backward in one decoder block (mean over blocks):
-    the residual stream's tensors (block input, both norms' inputs and outputs: 4 x hidden in
-    the parameters' dtype) and the matmuls' (the norms' outputs cast for them, q, k, v, the
-    attention output, gate, up, the activation and the product: compute dtype). Tensor
-    parallelism splits the head- and intermediate-wide ones."""
-    res = layout.shard_bytes if layout.fully_sharded and layout.shard_bytes else layout.master_bytes
-    comp = layout.compute_bytes
+    """Bytes one token leaves saved for backward in one decoder block (mean over blocks), as
+    autograd keeps them (counted with `saved_tensors_hooks` in tests/train/test_memory_plan.py):
+    the residual stream's (both norms' inputs and outputs: 4 x hidden, in the residual's
+    dtype; under autocast also the norms' outputs cast for the projections), the attention's
+    (q and k as projected, normed with qk-norm, and rotated; v; the attention output and its
+    copy into o_proj: compute dtype) and the MLP's (gate, up, the activation and the product).
+    Tensor parallelism splits the head- and intermediate-wide ones."""
+    res, comp = layout.residual_bytes, layout.compute_bytes
     tp, h = layout.tensor_parallel, cfg.hidden_size
     q, kv = _attention_widths(cfg)
     mlp = sum(_mlp_width(cfg, i) for i in range(cfg.num_hidden_layers)) / cfg.num_hidden_layers
-    wide = (2 * q + 2 * kv + 4 * mlp) / tp
-    return int(res * 4 * h + comp * (2 * h + wide))
+    norm = int(cfg.qk_norm)
+    wide = ((4 + norm) * q + (3 + norm) * kv + 4 * mlp) / tp
+    casts = 2 * h if res != comp else 0
+    return int(res * 4 * h + comp * (casts + wide))
 
 
 # ---------------------------------------------------------------------- the plan
@@ -378,11 +386,13 @@ def plan_memory(
     compute = _compute_copies(cfg, layout)
     tokens = work.micro_batch_tokens
     per_layer = layer_activation_bytes(cfg, layout)
-    res = layout.shard_bytes if layout.fully_sharded and layout.shard_bytes else master
+    res = layout.residual_bytes
+    final_norm = 2 * res * cfg.hidden_size  # its input and output, for the head
     if work.gradient_checkpointing:  # block inputs kept, one block recomputed at a time
-        activations = tokens * (cfg.num_hidden_layers * res * cfg.hidden_size + per_layer)
+        blocks = cfg.num_hidden_layers * res * cfg.hidden_size + per_layer
     else:
-        activations = tokens * cfg.num_hidden_layers * per_layer
+        blocks = cfg.num_hidden_layers * per_layer
+    activations = tokens * (blocks + final_norm)
     chunk = min(work.logits_chunk_size or tokens, tokens)
     logits = chunk * (cfg.vocab_size // layout.tensor_parallel) * 4 * LOGITS_COPIES
     return MemoryPlan(

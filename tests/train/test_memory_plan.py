@@ -82,8 +82,10 @@ def test_fsdp2_rows_are_the_hand_arithmetic() -> None:
     assert plan.engine_packs == L * h * (q + 2 * kv + 2 * inter) * 2  # q/k/v + gate/up
     assert plan.kv_pool == 4096 * L * 2 * (SMALL.num_key_value_heads * SMALL.head_dim) * 2
     # activations: block inputs (bf16 residual under param_dtype) + one block recomputed
-    layer = 2 * 4 * h + 2 * (2 * h + 2 * q + 2 * kv + 4 * inter)
-    assert plan.activations == 8 * 512 * (L * 2 * h + layer)
+    # (its norms; q and k projected, qk-normed and rotated; v; the attention output and its
+    # copy; the MLP's four) + the final norm's input and output
+    layer = 2 * 4 * h + 2 * (5 * q + 4 * kv + 4 * inter)
+    assert plan.activations == 8 * 512 * (L * 2 * h + layer + 2 * 2 * h)
     assert plan.logits == 128 * V * 4 * LOGITS_COPIES  # one chunk of the head
     # gathered in bf16: the root (embedding, head, final norm) + 2 blocks + a block's gradient
     block = (n - 2 * V * h - h) // L
@@ -122,11 +124,49 @@ def test_ddp_replica_dense_head_without_checkpointing() -> None:
     assert plan.reference == 0
     assert plan.engine_weights == 0  # the engine generates with the live fp32 weights
     assert plan.kv_pool == 4096 * L * 2 * SMALL.num_key_value_heads * SMALL.head_dim * 4  # fp32
-    layer = 4 * 4 * h + 2 * (2 * h + 2 * q + 2 * kv + 4 * inter)  # fp32 residual stream
-    assert plan.activations == 2048 * L * layer
+    # an fp32 residual stream; autocast's bf16 casts of both norms' outputs
+    layer = 4 * 4 * h + 2 * (2 * h + 5 * q + 4 * kv + 4 * inter)
+    assert plan.activations == 2048 * (L * layer + 2 * 4 * h)
     assert plan.logits == 2048 * V * 4 * LOGITS_COPIES  # the dense [tokens, vocab]
     assert plan.compute_weights == (n - V * h) * 2  # autocast's bf16 casts (not the embedding)
     assert plan.runtime == GPU_RUNTIME
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_activations_are_what_autograd_saves(checkpointing: bool) -> None:
+    """The activation row against the bytes autograd keeps for backward in a real forward
+    (`saved_tensors_hooks`, each storage once, the weights left out): fp32, one process. With
+    checkpointing the forward keeps the block inputs; the plan adds the block recomputed in
+    backward, which is not alive yet."""
+    import torch
+
+    from astrai.model import Transformer
+    from astrai.train.memory_plan import layer_activation_bytes
+
+    cfg = dataclasses.replace(SMALL, hidden_size=128, intermediate_size=352, num_hidden_layers=4)
+    cfg = ModelConfig.from_dict(cfg.to_dict())
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    model.gradient_checkpointing = checkpointing
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    ids = torch.randint(0, cfg.vocab_size, (2, 64))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(ids, return_hidden=True)
+    layout = Layout()
+    work = Workload(micro_batch_tokens=ids.numel(), gradient_checkpointing=checkpointing)
+    planned = plan_memory(cfg, layout, work).activations
+    if checkpointing:
+        planned -= ids.numel() * layer_activation_bytes(cfg, layout)
+    measured = sum(saved.values())
+    assert planned <= measured <= 1.1 * planned, (measured, planned)
 
 
 def test_tensor_parallel_splits_weights_and_the_wide_activations() -> None:
