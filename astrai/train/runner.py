@@ -1,7 +1,8 @@
 """What `python -m astrai.train` does with its Hydra config, step by step.
 
 1. Check every input path (data, model, tokenizer) so a typo fails before any model is built
-   (`python -m astrai.train` has already run all of `astrai.train.preflight`'s checks).
+   (`python -m astrai.train` has already run all of `astrai.train.preflight`'s checks), and
+   log the per-device memory plan (`astrai.train.memory_plan_config`; `plan_only=true`: only that).
 2. Tokenizer: an existing directory, or trained once from `tokenizer.train` and cached under
    `${paths.data_dir}/tokenizers/<hash>` (`astrai.train.tokenizer_setup`).
 3. Data: the datamodule is connected to the tokenizer and `${paths.data_dir}`
@@ -357,6 +358,9 @@ def train(cfg: DictConfig) -> float | None:
 
     from astrai.train.callbacks import ExportCallback, InterruptCheckpoint, WandbRunState
 
+    if cfg.get("plan_only"):  # (the entry point stops before this, in preflight)
+        log_plan(cfg)
+        return None
     check_inputs(cfg)
     paths = cfg.paths
     output_dir, log_dir = Path(paths.output_dir), Path(paths.log_dir)

@@ -266,6 +266,14 @@ def test_the_run_logs_the_plan_before_anything_loads(
     assert "memory plan per device" in text and "weights (fp32)" in text
 
 
+def test_plan_only_in_process_trains_nothing(tmp_path: Path, caplog) -> None:
+    cfg = _grpo_8b("plan_only=true", f"paths.output_dir={tmp_path / 'run'}")
+    with caplog.at_level(logging.INFO):
+        assert runner.train(cfg) is None
+    assert "memory plan per device" in caplog.text
+    assert not (tmp_path / "run").exists()
+
+
 def test_plan_only_logs_the_plan_and_leaves_no_run_folder(tmp_path: Path) -> None:
     run = tmp_path / "run"
     args = ["experiment=grpo_8b", "model=qwen3-8b", "plan_only=true", f"hydra.run.dir={run}"]
