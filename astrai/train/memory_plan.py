@@ -13,11 +13,14 @@ Three phases, each a sum of what is alive then; the peak is the largest:
 - rollout: weights, optimizer state, reference, the engine's weights, packs and KV pool, and
   its decode workspace (gradients are freed after each step: `zero_grad(set_to_none=True)`);
 - update (forward and backward of one micro-batch): weights, gradients, optimizer state,
-  reference, the engine (its KV pool and packs released while it sleeps:
-  `engine.enable_sleep_mode`), compute copies of the weights, activations and the LM head's
-  logits (dense `[tokens, vocab]`, or one chunk of `strategy.logits_chunk_size` tokens);
+  reference, the engine whole (it generated this micro-step's rollouts and sleeps only at
+  the optimizer step), compute copies of the weights, activations of one forward (the
+  micro-batch, or one packed row of `ppo_max_token_len_per_gpu` tokens with GRPO's
+  `use_dynamic_bsz`) and the LM head's logits (dense `[tokens, vocab]`, or one chunk of
+  `strategy.logits_chunk_size` tokens);
 - step (the optimizer): weights, gradients, optimizer state and its temporaries, reference,
-  the engine as in the update.
+  the engine (its KV pool and packs released while it sleeps: `engine.enable_sleep_mode`,
+  which `LMModule.on_before_optimizer_step` puts to sleep until the next rollout).
 """
 
 from __future__ import annotations
@@ -106,13 +109,15 @@ class EngineShape:
 
 @dataclass(frozen=True)
 class Workload:
-    """What one optimizer step runs: tokens of one micro-batch (rows x padded length), the LM
-    head's chunk (None: dense), checkpointing, the optimizer's state per parameter (AdamW 2,
+    """What one optimizer step runs: tokens of one micro-batch (rows x padded length) and of
+    one forward (`forward_tokens`, None: the micro-batch at once), the LM head's chunk (None:
+    dense), checkpointing, the optimizer's state per parameter (AdamW 2,
     SGD with momentum 1; Muon: `optimizer_states` on the hidden matrices, 2 on the rest), its
     fused kernel (no temporaries), the reference's bytes per value (None: no reference) and
     the engine (None: no rollouts)."""
 
     micro_batch_tokens: int
+    forward_tokens: int | None = None
     logits_chunk_size: int | None = DEFAULT_LOGITS_CHUNK
     gradient_checkpointing: bool = False
     optimizer: str = "AdamW"
@@ -174,7 +179,7 @@ class MemoryPlan:
             + self.optimizer
             + self.reference
             + self.engine_weights
-            + self._awake()
+            + self.sleeping
             + self.compute_weights
             + self.activations
             + self.logits
@@ -205,7 +210,7 @@ class MemoryPlan:
         """(what, bytes, when) for each non-zero row, in the table's order."""
         lay, work = self.layout, self.workload
         split = f", 1/{lay.shards}" if lay.shards > 1 else ""
-        engine_when = "rollout" if self.sleep else "always"
+        engine_when = "rollout, update" if self.sleep else "always"
         states = work.optimizer if work else "optimizer"
         out = [
             (f"weights ({_dtype(lay.master_bytes)}{split})", self.weights, "always"),
@@ -218,7 +223,7 @@ class MemoryPlan:
             ("engine KV pool", self.kv_pool, engine_when),
             ("engine decode workspace", self.rollout_workspace, "rollout"),
             ("compute copies of the weights", self.compute_weights, "update"),
-            ("activations (one micro-batch)", self.activations, "update"),
+            ("activations (one forward)", self.activations, "update"),
             ("LM head logits", self.logits, "update"),
             ("GPU runtime allowance", self.runtime, "always"),
         ]
@@ -253,12 +258,16 @@ class MemoryPlan:
         parts = [self.model, where]
         if work is not None:
             parts.append(f"micro-batch {work.micro_batch_tokens:,} tokens")
+            if work.forward_tokens and work.forward_tokens < work.micro_batch_tokens:
+                parts.append(f"forwards of {work.forward_tokens:,} tokens")
             chunk = work.logits_chunk_size
             parts.append(f"LM head in chunks of {chunk:,} tokens" if chunk else "dense LM head")
             if work.gradient_checkpointing:
                 parts.append("gradient checkpointing")
             if work.engine is not None:
-                parts.append("engine sleeps in the update" if self.sleep else "engine awake")
+                parts.append(
+                    "engine asleep in the optimizer step" if self.sleep else "engine awake"
+                )
         return "; ".join(p for p in parts if p)
 
     def as_dict(self) -> dict[str, int]:
@@ -384,7 +393,7 @@ def plan_memory(
         workspace = prefill + logits_rows * cfg.vocab_size * 4 * 2  # fp32 logits + softmax
 
     compute = _compute_copies(cfg, layout)
-    tokens = work.micro_batch_tokens
+    tokens = min(work.forward_tokens or work.micro_batch_tokens, work.micro_batch_tokens)
     per_layer = layer_activation_bytes(cfg, layout)
     res = layout.residual_bytes
     final_norm = 2 * res * cfg.hidden_size  # its input and output, for the head
@@ -457,7 +466,12 @@ def _ways_down(plan: MemoryPlan) -> list[str]:
         ways.append("strategy.gradient_checkpointing=true")
     if work.logits_chunk_size is None:
         ways.append("strategy.logits_chunk_size=1024")
-    if work.engine is not None and not plan.sleep:
+    if work.engine is not None and work.forward_tokens is None:
+        ways.append(
+            "packed forwards by token budget (strategy.padding_free=true "
+            "strategy.use_dynamic_bsz=true strategy.ppo_max_token_len_per_gpu=16384)"
+        )
+    if work.engine is not None and not plan.sleep and plan.step == plan.peak:
         ways.append("strategy.engine.enable_sleep_mode=true")
     ways.append("a smaller data.batch_size")
     if work.engine is not None:

@@ -6,7 +6,8 @@ Keys read (each with the default the run itself would use): the model's shape
 `trainer.strategy` (FSDP2's `param_dtype`, `reshard_after_forward`, `activation_checkpointing`,
 `tensor_parallel_size`); `optim._target_` and `optim.fused`; `strategy.gradient_checkpointing`,
 `strategy.reference_dtype` / `kl_coef` / `reference`, `strategy.logits_chunk_size` (absent:
-the chunked path's default, null: dense), GRPO's `num_generations`, `max_new_tokens` and its
+the chunked path's default, null: dense), GRPO's `num_generations`, `max_new_tokens`,
+`padding_free` / `use_dynamic_bsz` / `ppo_max_token_len_per_gpu` (absent: off) and its
 `engine` (`kv_tokens` or `memory_fraction`, `max_batch_size`, `max_seq_len`,
 `enable_sleep_mode`); `data.batch_size` and the sequence length of `data.train`; and
 `device_memory_gib` (else CUDA's own, when there is a GPU).
@@ -180,6 +181,16 @@ def micro_batch_tokens(cfg: DictConfig, model: ModelConfig) -> int:
     return rows * _sequence_length(cfg, model)
 
 
+def forward_tokens(cfg: DictConfig) -> int | None:
+    """Tokens of one forward when GRPO packs its micro-batch into rows by token budget
+    (`padding_free` with `use_dynamic_bsz`: rows of `ppo_max_token_len_per_gpu`, each
+    recomputed in its backward); None: the micro-batch in one forward."""
+    strategy = cfg.get("strategy") or {}
+    if not (strategy.get("padding_free", False) and strategy.get("use_dynamic_bsz", False)):
+        return None
+    return int(strategy.get("ppo_max_token_len_per_gpu", 16384))
+
+
 def _optimizer(cfg: DictConfig) -> dict[str, Any]:
     target = str(_select(cfg, "optim._target_", "")).rsplit(".", 1)[-1]
     fused = bool(_select(cfg, "optim.fused", False))
@@ -219,6 +230,7 @@ def workload_of(cfg: DictConfig, model: ModelConfig, capacity: int | None) -> Wo
     )
     return Workload(
         micro_batch_tokens=micro_batch_tokens(cfg, model),
+        forward_tokens=forward_tokens(cfg),
         logits_chunk_size=int(chunk) if chunk is not None else None,
         gradient_checkpointing=checkpointing,
         reference_bytes=_reference_bytes(cfg, layout),

@@ -5,7 +5,9 @@ regenerated.
 experiment=grpo_8b's workload (gradient checkpointing, bf16-mixed, a bf16 reference, a
 65,536-token KV pool, AdamW) with its micro-batch (one group of 16 rollouts x 4,096 tokens)
 and with 8,192 tokens, for several model shapes and layouts, on 1 x 24 GiB, 1 x 80 GiB and
-8 x 80 GiB devices.
+8 x 80 GiB devices. "budget": GRPO's packed forwards of at most 16,384 tokens
+(`padding_free`, `use_dynamic_bsz`, `ppo_max_token_len_per_gpu`); "sleep": the engine's KV
+pool and packs released for the optimizer step.
 """
 
 from __future__ import annotations
@@ -35,13 +37,14 @@ SHAPES: dict[str, ModelConfig] = {
     ),
     "Qwen3-8B (grpo_8b)": preset("qwen3-8b"),
 }
-#: layout name -> (FSDP2, LM head chunk (None: dense), engine sleep)
-LAYOUTS: dict[str, tuple[bool, int | None, bool]] = {
-    "DDP, dense head": (False, None, False),
-    "DDP, chunked head + sleep": (False, 1024, True),
-    "FSDP2, dense head": (True, None, False),
-    "FSDP2, chunked head": (True, 1024, False),
-    "FSDP2, chunked head + sleep": (True, 1024, True),
+#: layout name -> (FSDP2, LM head chunk (None: dense), GRPO token budget per forward, sleep)
+LAYOUTS: dict[str, tuple[bool, int | None, int | None, bool]] = {
+    "DDP, dense head": (False, None, None, False),
+    "DDP, chunked head, budget, sleep": (False, 1024, 16384, True),
+    "FSDP2, dense head": (True, None, None, False),
+    "FSDP2, chunked head": (True, 1024, None, False),
+    "FSDP2, chunked head, budget": (True, 1024, 16384, False),
+    "FSDP2, chunked head, budget, sleep": (True, 1024, 16384, True),
 }
 DEVICES = ((1, 24), (1, 80), (8, 80))
 
@@ -55,9 +58,9 @@ def _recipe() -> tuple[Layout, Workload]:
 
 def plan(model: ModelConfig, layout: Layout, work: Workload, name: str, ranks: int) -> MemoryPlan:
     """One cell's plan: `layout` and `work` as the table's column and row name them."""
-    sharded, chunk, sleep = LAYOUTS[name]
+    sharded, chunk, budget, sleep = LAYOUTS[name]
     engine = dataclasses.replace(work.engine, sleep=sleep) if work.engine else None
-    work = dataclasses.replace(work, logits_chunk_size=chunk, engine=engine)
+    work = dataclasses.replace(work, logits_chunk_size=chunk, forward_tokens=budget, engine=engine)
     lay = dataclasses.replace(
         layout,
         world_size=ranks,
@@ -87,7 +90,7 @@ def markdown_table(
     ]
     for shape in shapes:
         model = SHAPES[shape]
-        for name, (sharded, _, _) in LAYOUTS.items():
+        for name, (sharded, *_) in LAYOUTS.items():
             cells = []
             for ranks, gib in DEVICES:
                 if sharded and ranks == 1:

@@ -102,16 +102,27 @@ def test_fsdp2_rows_are_the_hand_arithmetic() -> None:
     assert plan.peak == max(plan.rollout, plan.update, plan.step)
 
 
-def test_sleep_releases_the_kv_pool_and_packs_in_the_update_only() -> None:
+def test_sleep_releases_the_kv_pool_and_packs_for_the_optimizer_step() -> None:
+    """The engine sleeps from `on_before_optimizer_step` to its next use (the next rollout):
+    the forward and backward after a rollout still hold it."""
     layout = Layout(world_size=2, fully_sharded=True, shard_bytes=2, compute_bytes=2)
     awake = plan_memory(SMALL, layout, WORK)
     asleep_work = dataclasses.replace(WORK, engine=dataclasses.replace(ENGINE, sleep=True))
     asleep = plan_memory(SMALL, layout, asleep_work)
-    released = awake.kv_pool + awake.engine_packs
-    assert asleep.update == awake.update - released
-    assert asleep.step == awake.step - released
+    assert asleep.step == awake.step - awake.kv_pool - awake.engine_packs
+    assert asleep.update == awake.update
     assert asleep.rollout == awake.rollout  # rollouts need the engine whole
     assert asleep.engine_weights == awake.engine_weights  # its weights copy stays
+
+
+def test_a_token_budget_bounds_one_forwards_activations_and_logits() -> None:
+    layout = Layout(world_size=2, fully_sharded=True, shard_bytes=2, compute_bytes=2)
+    whole = plan_memory(SMALL, layout, dataclasses.replace(WORK, logits_chunk_size=None))
+    budget = 1024
+    work = dataclasses.replace(WORK, logits_chunk_size=None, forward_tokens=budget)
+    packed = plan_memory(SMALL, layout, work)
+    assert packed.activations * WORK.micro_batch_tokens == whole.activations * budget
+    assert packed.logits == budget * SMALL.vocab_size * 4 * LOGITS_COPIES
 
 
 def test_ddp_replica_dense_head_without_checkpointing() -> None:
@@ -218,10 +229,21 @@ def test_chunk_and_sleep_keys_with_their_defaults() -> None:
     awake = config_plan(_grpo_8b(chunked, "++strategy.engine.enable_sleep_mode=false"))
     asleep = config_plan(_grpo_8b(chunked, "++strategy.engine.enable_sleep_mode=true"))
     assert asleep.sleep and not awake.sleep
-    assert asleep.update == awake.update - awake.kv_pool - awake.engine_packs
-    # the recipe's claim (docs/scaling.md): on 8 x 80 GiB it fits with the chunked head and
-    # the engine asleep
-    assert asleep.fits(80 * GIB)
+    assert asleep.step == awake.step - awake.kv_pool - awake.engine_packs
+    assert awake.workload.forward_tokens is None  # padding_free / use_dynamic_bsz absent: off
+    budget = [
+        "++strategy.padding_free=true",
+        "++strategy.use_dynamic_bsz=true",
+        "++strategy.ppo_max_token_len_per_gpu=16384",
+    ]
+    after_merge = config_plan(
+        _grpo_8b(chunked, "++strategy.engine.enable_sleep_mode=true", *budget)
+    )
+    assert after_merge.workload.forward_tokens == 16384
+    # the recipe's claim (docs/scaling.md): on 8 x 80 GiB it fits once its `# after #46
+    # merge:` lines (chunked head, token budget, sleep) are in; with one whole micro-batch
+    # per forward it does not
+    assert after_merge.fits(80 * GIB) and not asleep.fits(80 * GIB)
 
 
 def test_kl_coef_zero_keeps_no_reference_and_ddp_keeps_a_replica() -> None:
@@ -291,4 +313,4 @@ def test_the_docs_table_comes_from_the_plan() -> None:
     from astrai.train.plan_table import markdown_table
 
     table = markdown_table(["Qwen3-8B (grpo_8b)"])
-    assert "| Qwen3-8B (grpo_8b) | 8.19B | FSDP2, chunked head + sleep | - | - |" in table
+    assert "| Qwen3-8B (grpo_8b) | 8.19B | FSDP2, chunked head, budget, sleep | - | - |" in table
