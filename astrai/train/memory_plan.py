@@ -88,10 +88,10 @@ class Layout:
 
     @property
     def engine_bytes(self) -> int:
-        """The rollout engine's dtype: the live fp32 parameters it shares (one replica), or the
-        dtype of the full copy FSDP2 gathers for it (`param_dtype`)."""
-        if self.fully_sharded and self.shard_bytes is not None:
-            return self.shard_bytes
+        """The rollout engine's dtype (its weights, packs and KV pool): the live parameters' it
+        shares (one replica), or, under FSDP2, that of the full copy gathered for it, which is
+        allocated in the shards' dtype (`astrai.train.engine_weights.plain_copy`): the master
+        dtype, whatever `param_dtype` computes in."""
         return self.master_bytes
 
 
@@ -391,6 +391,10 @@ def plan_memory(
         logits_rows = max(eng.max_batch_size, eng.logprob_chunk)
         prefill = eng.max_prefill_tokens * layer_activation_bytes(cfg, layout)
         workspace = prefill + logits_rows * cfg.vocab_size * 4 * 2  # fp32 logits + softmax
+        if layout.fully_sharded:  # the copy's refresh gathers one whole tensor at a time
+            workspace += (
+                cfg.vocab_size * cfg.hidden_size * layout.master_bytes // layout.tensor_parallel
+            )
 
     compute = _compute_copies(cfg, layout)
     tokens = min(work.forward_tokens or work.micro_batch_tokens, work.micro_batch_tokens)
@@ -469,10 +473,12 @@ def _ways_down(plan: MemoryPlan) -> list[str]:
     if work.engine is not None and work.forward_tokens is None:
         ways.append(
             "packed forwards by token budget (strategy.padding_free=true "
-            "strategy.use_dynamic_bsz=true strategy.ppo_max_token_len_per_gpu=16384)"
+            "strategy.use_dynamic_bsz=true strategy.ppo_max_token_len_per_gpu=8192)"
         )
     if work.engine is not None and not plan.sleep and plan.step == plan.peak:
         ways.append("strategy.engine.enable_sleep_mode=true")
+    if plan.engine_packs:
+        ways.append("strategy.engine.packed_projections=false")
     ways.append("a smaller data.batch_size")
     if work.engine is not None:
         ways.append("a smaller strategy.engine.kv_tokens")

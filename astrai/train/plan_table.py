@@ -3,9 +3,9 @@ fits where"), from the memory plan (`astrai.train.memory_plan`), so the docs can
 regenerated.
 
 experiment=grpo_8b's workload (gradient checkpointing, bf16-mixed, a bf16 reference, a
-65,536-token KV pool, AdamW) with its micro-batch (one group of 16 rollouts x 4,096 tokens)
-and with 8,192 tokens, for several model shapes and layouts, on 1 x 24 GiB, 1 x 80 GiB and
-8 x 80 GiB devices. "budget": GRPO's packed forwards of at most 16,384 tokens
+65,536-token KV pool without packed projections, AdamW, one group of 16 rollouts x 4,096
+tokens per micro-batch) for several model shapes and layouts, on 1 x 24 GiB, 1 x 80 GiB and
+8 x 80 GiB devices. "budget": GRPO's packed forwards of at most 8,192 tokens
 (`padding_free`, `use_dynamic_bsz`, `ppo_max_token_len_per_gpu`); "sleep": the engine's KV
 pool and packs released for the optimizer step.
 """
@@ -40,11 +40,11 @@ SHAPES: dict[str, ModelConfig] = {
 #: layout name -> (FSDP2, LM head chunk (None: dense), GRPO token budget per forward, sleep)
 LAYOUTS: dict[str, tuple[bool, int | None, int | None, bool]] = {
     "DDP, dense head": (False, None, None, False),
-    "DDP, chunked head, budget, sleep": (False, 1024, 16384, True),
+    "DDP, chunked head, budget, sleep": (False, 1024, 8192, True),
     "FSDP2, dense head": (True, None, None, False),
     "FSDP2, chunked head": (True, 1024, None, False),
-    "FSDP2, chunked head, budget": (True, 1024, 16384, False),
-    "FSDP2, chunked head, budget, sleep": (True, 1024, 16384, True),
+    "FSDP2, chunked head, budget": (True, 1024, 8192, False),
+    "FSDP2, chunked head, budget, sleep": (True, 1024, 8192, True),
 }
 DEVICES = ((1, 24), (1, 80), (8, 80))
 
@@ -75,14 +75,10 @@ def _cell(p: MemoryPlan, gib: int) -> str:
     return f"{p.peak / GIB:.0f} ({mark})"
 
 
-def markdown_table(
-    shapes: Sequence[str] = tuple(SHAPES), micro_batch_tokens: int | None = None
-) -> str:
+def markdown_table(shapes: Sequence[str] = tuple(SHAPES)) -> str:
     """Peak GiB per device (and whether it fits) per shape, layout and device set, for
-    grpo_8b's workload (`micro_batch_tokens`: another micro-batch size, e.g. a token budget)."""
+    grpo_8b's workload."""
     layout, work = _recipe()
-    if micro_batch_tokens is not None:
-        work = dataclasses.replace(work, micro_batch_tokens=micro_batch_tokens)
     head = [f"{n} x {g} GiB" for n, g in DEVICES]
     lines = [
         "| model | parameters | layout | " + " | ".join(head) + " |",
@@ -105,8 +101,4 @@ def markdown_table(
 if __name__ == "__main__":  # the table is the command's output (markdown on stdout)
     import sys
 
-    for tokens in (None, 8192):
-        size = "grpo_8b's: 16 rollouts x 4,096" if tokens is None else f"{tokens:,}"
-        sys.stdout.write(
-            f"\nmicro-batch tokens: {size}\n\n{markdown_table(micro_batch_tokens=tokens)}\n"
-        )
+    sys.stdout.write(markdown_table() + "\n")

@@ -78,9 +78,10 @@ def test_fsdp2_rows_are_the_hand_arithmetic() -> None:
     assert plan.optimizer == 2 * n * 4 // world  # AdamW's two fp32 moments, sharded
     assert plan.optimizer_temporaries == n * 4 // world  # foreach: one state-sized temporary
     assert plan.reference == n * 2 // world  # bf16, sharded
-    assert plan.engine_weights == n * 2  # the engine's full copy in param_dtype
-    assert plan.engine_packs == L * h * (q + 2 * kv + 2 * inter) * 2  # q/k/v + gate/up
-    assert plan.kv_pool == 4096 * L * 2 * (SMALL.num_key_value_heads * SMALL.head_dim) * 2
+    # the engine's full copy, allocated in the shards' dtype (fp32), and its packs and pool
+    assert plan.engine_weights == n * 4
+    assert plan.engine_packs == L * h * (q + 2 * kv + 2 * inter) * 4  # q/k/v + gate/up
+    assert plan.kv_pool == 4096 * L * 2 * (SMALL.num_key_value_heads * SMALL.head_dim) * 4
     # activations: block inputs (bf16 residual under param_dtype) + one block recomputed
     # (its norms; q and k projected, qk-normed and rotated; v; the attention output and its
     # copy; the MLP's four) + the final norm's input and output
@@ -212,7 +213,7 @@ def test_the_grpo_8b_config_is_read_as_its_keys_say() -> None:
     assert work.engine.kv_tokens == cfg.strategy.engine.kv_tokens == 16 * 4096
     assert work.engine.max_batch_size == 16
     n = model_shape(cfg.model).config.num_parameters()
-    assert plan.weights == n * 4 // 8 and plan.engine_weights == n * 2
+    assert plan.weights == n * 4 // 8 and plan.engine_weights == n * 4
 
 
 def test_chunk_and_sleep_keys_with_their_defaults() -> None:
@@ -234,12 +235,12 @@ def test_chunk_and_sleep_keys_with_their_defaults() -> None:
     budget = [
         "++strategy.padding_free=true",
         "++strategy.use_dynamic_bsz=true",
-        "++strategy.ppo_max_token_len_per_gpu=16384",
+        "++strategy.ppo_max_token_len_per_gpu=8192",
     ]
     after_merge = config_plan(
         _grpo_8b(chunked, "++strategy.engine.enable_sleep_mode=true", *budget)
     )
-    assert after_merge.workload.forward_tokens == 16384
+    assert after_merge.workload.forward_tokens == 8192
     # the recipe's claim (docs/scaling.md): on 8 x 80 GiB it fits once its `# after #46
     # merge:` lines (chunked head, token budget, sleep) are in; with one whole micro-batch
     # per forward it does not
