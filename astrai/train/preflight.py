@@ -9,6 +9,9 @@ check prints one message (no traceback), exits non-zero and leaves nothing on di
 advance: its base config is checked, and each job as it starts); the GPU check is skipped
 when a cluster launcher such as SLURM runs the jobs elsewhere. Tests and notebooks call `problems`.
 
+`plan_only=true` runs none of them: the callback logs the memory plan and stops
+(`astrai.train.memory_plan_config.plan_only`), as a plan is made for a machine you may not have.
+
 Checks (one line per problem, naming the key and the fix):
 - inputs: data sources, model.path, tokenizer.path (`runner.input_problems`);
 - hardware: a GPU trainer (accelerator gpu/cuda, FSDP) on a machine without CUDA, or more
