@@ -361,11 +361,10 @@ def plan_memory(
     layout: Layout,
     work: Workload,
     *,
-    capacity: int | None = None,
     name: str = "",
 ) -> MemoryPlan:
-    """The per-device plan of training `cfg` with `layout` and `work` (`capacity`: the
-    device's bytes, for an engine pool sized by `memory_fraction`)."""
+    """The per-device plan of training `cfg` with `layout` and `work` (`name`: the model, for
+    the table's header)."""
     n = cfg.num_parameters()
     shards = layout.shards
     master = layout.master_bytes

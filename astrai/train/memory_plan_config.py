@@ -253,7 +253,6 @@ def config_plan(cfg: DictConfig, capacity: int | None = None) -> MemoryPlan | No
         shape.config,
         layout_of(cfg),
         workload_of(cfg, shape.config, capacity),
-        capacity=capacity,
         name=name,
     )
 
