@@ -418,6 +418,23 @@ PRESETS: dict[str, dict[str, Any]] = {
         tie_word_embeddings=True,
         qk_norm=True,
     ),
+    # Qwen3-8B's shape (its published config.json; transformers' Qwen3Config defaults are a
+    # generic 32-layer model, not this one): ~8.19B parameters, untied head. experiment=grpo_8b
+    # plans and meta-builds with it; real weights load from an HF directory (model.path).
+    "qwen3-8b": dict(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        qk_norm=True,
+    ),
 }
 
 

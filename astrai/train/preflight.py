@@ -9,6 +9,9 @@ check prints one message (no traceback), exits non-zero and leaves nothing on di
 advance: its base config is checked, and each job as it starts); the GPU check is skipped
 when a cluster launcher such as SLURM runs the jobs elsewhere. Tests and notebooks call `problems`.
 
+`plan_only=true` runs none of them: the callback logs the memory plan and stops
+(`astrai.train.memory_plan_config.plan_only`), as a plan is made for a machine you may not have.
+
 Checks (one line per problem, naming the key and the fix):
 - inputs: data sources, model.path, tokenizer.path (`runner.input_problems`);
 - hardware: a GPU trainer (accelerator gpu/cuda, FSDP) on a machine without CUDA, or more
@@ -43,6 +46,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from astrai.train import runner, wandb_run
 from astrai.train.data_checks import data_problems
+from astrai.train.memory_plan_config import plan_only, world_size
+from astrai.train.model_shape import model_shape
 from astrai.train.sweep import job_configs, swept_overrides
 
 __all__ = ["PreflightCallback", "format_problems", "problems"]
@@ -70,6 +75,8 @@ class PreflightCallback(Callback):
     """Hydra callback: run every check before the run folder exists; exit with all problems."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if OmegaConf.select(config, "plan_only", default=False):  # the memory plan, and stop
+            raise SystemExit(plan_only(config))
         _exit_on_problems(config, Path(str(OmegaConf.select(config, "hydra.run.dir"))))
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
@@ -178,11 +185,7 @@ def _experiment(cfg: DictConfig) -> str:
 
 
 def _world_size(trainer: Any) -> int:
-    devices, nodes = trainer.get("devices", 1), trainer.get("num_nodes", 1)
-    devices = len(devices) if isinstance(devices, (list, tuple)) else devices
-    if not isinstance(devices, int) or devices < 1:  # "auto", -1: decided by Lightning
-        devices = 1
-    return devices * (nodes if isinstance(nodes, int) and nodes > 0 else 1)
+    return world_size(trainer)  # (astrai.train.memory_plan_config: the plan counts ranks too)
 
 
 def _hardware_problems(cfg: DictConfig) -> list[str]:
@@ -302,22 +305,8 @@ def _logger_problems(cfg: DictConfig) -> list[str]:
 # ---------------------------------------------------------------------- vocabulary
 def _model_vocab(cfg: DictConfig) -> tuple[int, str] | None:
     """The model's vocab_size from its config alone (no weights, no module), or None."""
-    model = cfg.get("model") or {}
-    target = str(model.get("_target_", ""))
-    fields = {k: v for k, v in OmegaConf.to_container(model, resolve=True).items()}
-    fields = {k: v for k, v in fields.items() if not k.startswith("_")}
-    if target == "astrai.model.preset_model":
-        from astrai.model.config import FACTORY_OPTIONS, preset  # torch-free
-
-        # the factory's own options (device, compile, ...) are not model config fields
-        name = fields.pop("name")
-        fields = {k: v for k, v in fields.items() if k not in FACTORY_OPTIONS}
-        return preset(name, **fields).vocab_size, f"model preset {name!r}"
-    if target == "astrai.model.pretrained_model" and fields.get("path"):
-        from astrai.model.hub import read_config
-
-        return read_config(fields["path"]).vocab_size, f"model directory {fields['path']}"
-    return None
+    shape = model_shape(cfg.get("model"))
+    return None if shape is None else (shape.config.vocab_size, shape.source)
 
 
 def _vocab_problems(cfg: DictConfig) -> list[str]:

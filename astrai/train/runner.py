@@ -1,7 +1,8 @@
 """What `python -m astrai.train` does with its Hydra config, step by step.
 
 1. Check every input path (data, model, tokenizer) so a typo fails before any model is built
-   (`python -m astrai.train` has already run all of `astrai.train.preflight`'s checks).
+   (`python -m astrai.train` has already run all of `astrai.train.preflight`'s checks), and
+   log the per-device memory plan (`astrai.train.memory_plan_config`; `plan_only=true`: only that).
 2. Tokenizer: an existing directory, or trained once from `tokenizer.train` and cached under
    `${paths.data_dir}/tokenizers/<hash>` (`astrai.train.tokenizer_setup`).
 3. Data: the datamodule is connected to the tokenizer and `${paths.data_dir}`
@@ -39,6 +40,7 @@ from astrai.data.builtin import is_builtin
 from astrai.tokenizer import AutoTokenizer
 from astrai.train import wandb_run
 from astrai.train.checkpoint import checkpoint_problem, newest_complete, remove_stale_temps
+from astrai.train.memory_plan_config import log_plan
 from astrai.train.tokenizer_setup import prepare_tokenizer
 
 log = logging.getLogger(__name__)
@@ -356,6 +358,9 @@ def train(cfg: DictConfig) -> float | None:
 
     from astrai.train.callbacks import ExportCallback, InterruptCheckpoint, WandbRunState
 
+    if cfg.get("plan_only"):  # (the entry point stops before this, in preflight)
+        log_plan(cfg)
+        return None
     check_inputs(cfg)
     paths = cfg.paths
     output_dir, log_dir = Path(paths.output_dir), Path(paths.log_dir)
@@ -371,6 +376,7 @@ def train(cfg: DictConfig) -> float | None:
         log.info("ckpt_path=%s: resuming from %s", cfg.get("ckpt_path"), ckpt)
     elif str(cfg.get("ckpt_path")) == "auto":
         log.info("ckpt_path=auto: no checkpoint under %s; starting from scratch", log_dir)
+    log_plan(cfg)  # the per-device memory plan, before the tokenizer, data or model load
     output_dir.mkdir(parents=True, exist_ok=True)
     datamodule, module = build_run(cfg)
 

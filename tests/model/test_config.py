@@ -122,3 +122,34 @@ def test_factory_options_are_the_preset_factorys_own():
 
     params = inspect.signature(preset_model).parameters.values()
     assert set(FACTORY_OPTIONS) == {p.name for p in params if p.kind is p.KEYWORD_ONLY}
+
+
+def test_qwen3_8b_preset_is_the_published_shape():
+    """The qwen3-8b preset equals what astrai reads from Qwen3-8B's published config.json (as
+    transformers writes it) and counts the parameters transformers' own Qwen3 model has
+    (built on the meta device: no weights)."""
+    transformers = pytest.importorskip("transformers")
+    from astrai.model.hub import config_from_hf
+
+    published = dict(  # Qwen3-8B's config.json: not transformers' Qwen3Config defaults
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
+    hf = transformers.Qwen3Config(**published)
+    ours = preset("qwen3-8b")
+    read = config_from_hf(hf.to_dict())
+    for field in (*published, "qk_norm", "attention_bias", "rope_scaling"):
+        assert getattr(read, field) == getattr(ours, field), field
+    with torch.device("meta"):
+        reference = transformers.Qwen3ForCausalLM(hf)
+    assert ours.num_parameters() == sum(p.numel() for p in reference.parameters())
+    assert 8.18e9 < ours.num_parameters() < 8.20e9
