@@ -225,13 +225,16 @@ def test_chunk_and_sleep_keys_with_their_defaults() -> None:
         assert plan.workload.logits_chunk_size == 1024
     dense = config_plan(_grpo_8b("++strategy.logits_chunk_size=null"))
     assert dense.workload.logits_chunk_size is None
-    assert dense.logits == dense.workload.micro_batch_tokens * 151936 * 4 * LOGITS_COPIES
+    # the recipe's forwards hold at most ppo_max_token_len_per_gpu tokens (use_dynamic_bsz)
+    assert dense.workload.forward_tokens == 8192
+    assert dense.logits == dense.workload.forward_tokens * 151936 * 4 * LOGITS_COPIES
     chunked = "++strategy.logits_chunk_size=1024"
-    awake = config_plan(_grpo_8b(chunked, "++strategy.engine.enable_sleep_mode=false"))
-    asleep = config_plan(_grpo_8b(chunked, "++strategy.engine.enable_sleep_mode=true"))
+    whole = ("++strategy.use_dynamic_bsz=false", "++strategy.padding_free=false")
+    awake = config_plan(_grpo_8b(chunked, "++strategy.engine.enable_sleep_mode=false", *whole))
+    asleep = config_plan(_grpo_8b(chunked, "++strategy.engine.enable_sleep_mode=true", *whole))
     assert asleep.sleep and not awake.sleep
     assert asleep.step == awake.step - awake.kv_pool - awake.engine_packs
-    assert awake.workload.forward_tokens is None  # padding_free / use_dynamic_bsz absent: off
+    assert awake.workload.forward_tokens is None  # padding_free / use_dynamic_bsz off
     budget = [
         "++strategy.padding_free=true",
         "++strategy.use_dynamic_bsz=true",
@@ -241,10 +244,10 @@ def test_chunk_and_sleep_keys_with_their_defaults() -> None:
         _grpo_8b(chunked, "++strategy.engine.enable_sleep_mode=true", *budget)
     )
     assert after_merge.workload.forward_tokens == 8192
-    # the recipe's claim (docs/scaling.md): on 8 x 80 GiB it fits once its `# after #46
-    # merge:` lines (chunked head, token budget, sleep) are in; with one whole micro-batch
-    # per forward it does not
+    # the recipe's claim (docs/scaling.md): on 8 x 80 GiB it fits with its chunked head,
+    # token budget and sleep; with one whole micro-batch per forward it does not
     assert after_merge.fits(80 * GIB) and not asleep.fits(80 * GIB)
+    assert config_plan(_grpo_8b()).peak == after_merge.peak  # the recipe as written
 
 
 def test_kl_coef_zero_keeps_no_reference_and_ddp_keeps_a_replica() -> None:
