@@ -6,6 +6,7 @@ names to modules, which are imported only when run.
 """
 
 BENCHMARKS: dict[str, str] = {
+    "chunked_loss": "astrai.bench.chunked_loss",
     "data": "astrai.bench.data",
     "engine": "astrai.bench.engine",
     "eval": "astrai.bench.eval",

@@ -58,7 +58,7 @@ class HeadSettings:
     """
 
     chunk_size: int = 1024
-    vocab_chunk_size: int = 8192
+    vocab_chunk_size: int = 2048
     temperature: float = 1.0
     entropy: bool = False
     label_smoothing: bool = False
@@ -109,6 +109,15 @@ def _logits(xs: tuple[Tensor, ...], ws: tuple[Tensor, ...], rows: slice, cols: s
     return out
 
 
+def _rescale(sums: Tensor, old: Tensor, new: Tensor) -> None:
+    """In place: ``(sum exp(z - old), sum exp(z - old) * (z - old))`` re-expressed relative to
+    ``new >= old`` (``old = -inf``: nothing summed yet)."""
+    scale = torch.exp(old - new)
+    shift = torch.where(torch.isfinite(old), old - new, 0.0)
+    sums[1] = scale * (sums[1] + sums[0] * shift)
+    sums[0] = scale * sums[0]
+
+
 class _Plan(NamedTuple):
     settings: HeadSettings
     shard: VocabShard
@@ -128,32 +137,37 @@ class _ChunkedHead(torch.autograd.Function):
         dev = targets.device
         local = targets - shard.start  # the target's row among the local head rows
         m = torch.full((n,), -torch.inf, dtype=dt, device=dev)
-        sums = torch.zeros(4, n, dtype=dt, device=dev)  # sum exp, sum exp * z, z_target, sum z
+        # per token, relative to its running max m: sum exp(z - m), sum exp(z - m) * (z - m)
+        # (the entropy's, O(1) terms: no cancellation), the target's logit, sum z
+        sums = torch.zeros(4, n, dtype=dt, device=dev)
         for r0, r1 in _blocks(n, s.chunk_size):
             rows = slice(r0, r1)
             for c0, c1 in _blocks(v_local, s.vocab_chunk_size):
-                z = _logits(xs, ws, rows, slice(c0, c1)).to(dt) / s.temperature
-                new = torch.maximum(m[rows], z.amax(-1))
-                scale = torch.exp(m[rows] - new)
-                e = torch.exp(z - new[:, None])
-                sums[0, rows] = sums[0, rows] * scale + e.sum(-1)
-                if s.entropy:
-                    sums[1, rows] = sums[1, rows] * scale + (e * z).sum(-1)
-                if s.label_smoothing:
-                    sums[3, rows] += z.sum(-1)
-                m[rows] = new
+                # at most two [tokens, vocab] blocks alive: the logits and their exponentials
+                z = _logits(xs, ws, rows, slice(c0, c1)).to(dt).div_(s.temperature)
                 col = local[rows] - c0
                 hit = (col >= 0) & (col < c1 - c0)
                 picked = z.gather(1, col.clamp(0, c1 - c0 - 1)[:, None])[:, 0]
                 sums[2, rows] += torch.where(hit, picked, 0.0)
+                if s.label_smoothing:
+                    sums[3, rows] += z.sum(-1)
+                new = torch.maximum(m[rows], z.amax(-1))
+                _rescale(sums[:2, rows], m[rows], new)
+                z = z.sub_(new[:, None])
+                e = torch.exp(z)
+                sums[0, rows] += e.sum(-1)
+                if s.entropy:  # sum of e * (z - m) without a third block
+                    sums[1, rows] += torch.bmm(e[:, None, :], z[:, :, None])[:, 0, 0]
+                del e, z
+                m[rows] = new
         top = shard.all_reduce_max(m)
-        sums[:2] *= torch.exp(m - top)
+        _rescale(sums[:2], m, top)
         counts = torch.full((1, n), float(v_local), dtype=dt, device=dev)
         total = shard.all_reduce_sum(torch.cat([sums, counts]))
         lse = top + torch.log(total[0])
         logp = total[2] - lse
         empty = logp.new_empty(0)
-        entropy = lse - total[1] / total[0] if s.entropy else empty
+        entropy = torch.log(total[0]) - total[1] / total[0] if s.entropy else empty
         smooth = lse - total[3] / total[4] if s.label_smoothing else empty
         ctx.plan = plan
         ctx.vocab = total[4]
@@ -195,15 +209,16 @@ class _ChunkedHead(torch.autograd.Function):
             ]
             for r0, r1 in _blocks(n, s.chunk_size):
                 rows = slice(r0, r1)
-                z = _logits(xs, ws, rows, cols).to(dt) / s.temperature
-                grad = torch.exp(z - lse[rows, None]) * coef[rows, None]
+                # one [tokens, vocab] block, updated in place into the logits' gradient
+                grad = _logits(xs, ws, rows, cols).to(dt).div_(s.temperature)
+                grad.sub_(lse[rows, None]).exp_().mul_(coef[rows, None])  # softmax * coef
                 if g_sm is not None:
-                    grad -= (g_sm[rows] / ctx.vocab[rows])[:, None]
+                    grad.sub_((g_sm[rows] / ctx.vocab[rows])[:, None])
                 col = local[rows] - c0
                 hit = (col >= 0) & (col < c1 - c0)
                 onehot = torch.where(hit, g_lp[rows], 0.0)[:, None]
                 grad.scatter_add_(1, col.clamp(0, c1 - c0 - 1)[:, None], onehot)
-                grad = (grad / s.temperature).to(xs[0].dtype)
+                grad = grad.div_(s.temperature).to(xs[0].dtype)
                 for i in range(k):
                     if gx[i] is not None:
                         gx[i][rows] += grad @ ws[i][cols]

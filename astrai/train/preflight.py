@@ -31,7 +31,8 @@ Checks (one line per problem, naming the key and the fix):
 - settings, once every check above passed (they import Lightning and torch, which the run
   imports next anyway; a config error elsewhere is reported without them): each `trainer`
   value against the type `lightning.Trainer` declares (`trainer.max_steps=abc`), and the
-  optimizer and schedule built on a two-parameter module (`optim.lr: Invalid learning rate`).
+  optimizer and schedule built on a two-parameter module (`optim.lr: Invalid learning rate`),
+  and the LM head's `strategy.logits_chunk_size` / `strategy.use_liger_kernel`.
 """
 
 from __future__ import annotations
@@ -149,8 +150,23 @@ def problems(cfg: DictConfig, *, run_dir: Path | None = None, hardware: bool = T
     if not any(p.startswith("data.train") for p in inputs):
         found += data_problems(cfg, _world_size(cfg.get("trainer") or {}))
     if not found:  # these import Lightning and torch, which the run imports next anyway
-        found += _trainer_problems(cfg) + _optim_problems(cfg)
+        found += _trainer_problems(cfg) + _optim_problems(cfg) + _head_problems(cfg)
     return found
+
+
+def _head_problems(cfg: DictConfig) -> list[str]:
+    """`strategy.logits_chunk_size` (an int >= 1, or null) and `strategy.use_liger_kernel`,
+    as the strategy checks them (`astrai.likelihood.logits_head`), before anything loads."""
+    strategy = cfg.get("strategy")
+    if not OmegaConf.is_dict(strategy) or "logits_chunk_size" not in strategy:
+        return []
+    from astrai.likelihood import logits_head
+
+    try:
+        logits_head(strategy.logits_chunk_size, bool(strategy.get("use_liger_kernel", False)))
+    except ValueError as err:
+        return [str(err)]
+    return []
 
 
 def _serve_policy_problems(cfg: DictConfig) -> list[str]:

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from astrai.data.datasets import IGNORE_INDEX
 from astrai.model import LoRAConfig, ModelConfig, Transformer, inject_lora
 from astrai.model.head import IGNORE_INDEX as HEAD_IGNORE
 from astrai.model.head import HeadSettings, chunked_token_scores
+from astrai.vocab import VocabShard
 from tests.chunk_parts import assert_close_1e6, assert_grads_close
 from tests.tiny_parts import TINY_SHAPE
 
@@ -169,3 +171,62 @@ def test_targets_of_another_shape_are_refused():
 def test_chunk_sizes_below_one_are_refused():
     with pytest.raises(ValueError, match="chunk sizes"):
         HeadSettings(chunk_size=0)
+
+
+# ---------------------------------------------------------------------- a vocabulary split
+class _Split(VocabShard):
+    """Half the head rows per process, reduced over gloo (what a vocabulary-parallel head
+    does over its tensor-parallel group)."""
+
+    def __init__(self, start: int) -> None:
+        self.start = start
+
+    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.clone()
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.clone()
+        dist.all_reduce(t)
+        return t
+
+
+def _split_case():
+    g = torch.Generator().manual_seed(7)
+    x, w = torch.randn(11, 6, generator=g), torch.randn(40, 6, generator=g)
+    return x, w, torch.randint(0, 40, (11,), generator=g), torch.randn(2, 11, generator=g)
+
+
+def _split_worker(rank: int, init: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
+    x, w, t, coef = _split_case()
+    x.requires_grad_(True)
+    local = w[rank * 20 : (rank + 1) * 20].clone().requires_grad_(True)
+    settings = HeadSettings(4, 6, 0.8, entropy=True, label_smoothing=True)
+    got = chunked_token_scores([x], [local], t, settings, _Split(rank * 20))
+    (got.logp * coef[0] + got.smooth * coef[1]).sum().backward()
+    torch.save(
+        {"scores": [s.detach() for s in got], "gx": x.grad, "gw": local.grad}, f"{out}/{rank}.pt"
+    )
+    dist.destroy_process_group()
+
+
+def test_a_vocabulary_split_over_two_processes_equals_the_whole(tmp_path):
+    """Every reduction goes through the VocabShard: two processes holding 20 head rows each
+    give the whole vocabulary's scores, the hidden's whole gradient and each its rows'."""
+    torch.multiprocessing.spawn(
+        _split_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True
+    )
+    x, w, t, coef = _split_case()
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    logp, full = _dense(x, w, t, 0.8)[1:]
+    smooth, entropy = -full.mean(-1), -(full.exp() * full).sum(-1)
+    (logp * coef[0] + smooth * coef[1]).sum().backward()
+    for rank in range(2):
+        got = torch.load(tmp_path / f"{rank}.pt")
+        for mine, ref in zip(got["scores"], (logp, entropy, smooth)):
+            assert_close_1e6(mine, ref.detach(), "scores")
+        assert_close_1e6(got["gx"], x.grad, "hidden gradient")
+        assert_close_1e6(got["gw"], w.grad[rank * 20 : (rank + 1) * 20], "head rows' gradient")

@@ -214,3 +214,20 @@ def test_liger_kernel_is_refused_here_naming_the_key():
 
     with pytest.raises(ValueError, match=r"strategy\.use_liger_kernel"):
         SFTModule(model=never, use_liger_kernel=True)
+
+
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("strategy.logits_chunk_size=0", "strategy.logits_chunk_size"),
+        ("strategy.use_liger_kernel=true", "strategy.use_liger_kernel"),
+    ],
+)
+def test_the_training_command_refuses_them_before_anything_loads(override, key):
+    """The preflight check (`python -m astrai.train`'s, before the tokenizer, data or model)."""
+    from astrai.train import preflight
+    from astrai.train.runner import compose
+
+    (found,) = preflight.problems(compose(["experiment=tiny_sft", override]))
+    assert found.startswith(key)
+    assert preflight.problems(compose(["experiment=tiny_sft"])) == []
