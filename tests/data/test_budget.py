@@ -156,7 +156,8 @@ def _samples(batch: dict[str, torch.Tensor]) -> list[int]:
     return batch["input_ids"][0][starts].tolist()
 
 
-def test_the_data_module_hands_over_budgeted_rows_and_resumes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("num_workers", [0, pytest.param(2, marks=pytest.mark.slow)])
+def test_the_data_module_hands_over_budgeted_rows_and_resumes(tmp_path, num_workers) -> None:
     path = _sft(tmp_path / "sft.h5")
     lengths = SFTDataset(str(path)).token_lengths()
     assert lengths.tolist() == [1 + (i * 7) % 20 + 1 for i in range(40)]
@@ -164,12 +165,12 @@ def test_the_data_module_hands_over_budgeted_rows_and_resumes(tmp_path: Path) ->
     assert all(shape[0] == 1 and shape[1] <= 50 for _, shape in reference)
     assert sorted(i for ids, _ in reference for i in ids) == list(range(40))
     assert len({len(ids) for ids, _ in reference}) > 1  # the number of samples varies
-    dm = _module(path)
+    dm = _module(path, num_workers=num_workers)
     it = iter(dm.train_dataloader())
-    head = [_samples(next(it)) for _ in range(3)]
+    head = [_samples(next(it)) for _ in range(3)]  # workers have prefetched further
     state = dm.state_dict()
     assert state["consumed"] == sum(len(ids) for ids in head)
-    resumed = _module(path)
+    resumed = _module(path, num_workers=num_workers)
     resumed.load_state_dict(state)
     loader = resumed.train_dataloader()
     assert len(loader) == len(reference)
