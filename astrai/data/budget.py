@@ -150,12 +150,16 @@ class TokenBudgetSampler(ResumableSampler):
             yield order[first:end].tolist()
 
     def __len__(self) -> int:
-        """Steps of this epoch: those taken before a resume (at the saved number of ranks)
-        plus the rest, so that a loop counting batches from the epoch start stays right."""
-        _, first_ends = self.cuts(0)
-        done = int(np.searchsorted(first_ends, self._resume_consumed, side="right"))
-        _, ends = self.cuts(self._resume_consumed)
-        return done // self._resume_world_size + self._steps(len(ends))
+        """At least the steps of any epoch: one sample per batch, ``ResumableSampler``'s count
+        per rank. The cuts of each epoch differ, so their steps do; Lightning reads the length
+        once (``num_training_batches``) and would end every epoch there, so it gets a bound
+        that no epoch reaches, and each epoch ends when its batches do (``is_last_batch``)."""
+        return self._per_rank(self.num_samples_total)
+
+    def steps(self) -> int:
+        """The steps every rank takes in the rest of the current epoch."""
+        _, ends = self.cuts(self.consumed)
+        return self._steps(len(ends))
 
     def consumed_after(self, start: int, batches: int, batch_size: int) -> int:
         """The position after every rank took ``batches`` batches from ``start``

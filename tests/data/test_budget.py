@@ -70,7 +70,8 @@ def test_one_epoch_every_sample_once_within_the_budget_and_equal_steps(world, dr
     order = samplers[0].epoch_order().tolist()
     expected = [[order[p] for p in b] for b in _greedy(LENGTHS[order].tolist(), BUDGET)]
     steps = len(batches) // world
-    assert all(len(s) == steps for s in samplers)  # the loop's count is what each rank takes
+    assert all(_samplers(world, drop_last=drop_last)[r].steps() == steps for r in range(world))
+    assert all(len(s) == (57 // world if drop_last else -(-57 // world)) for s in samplers)
     assert all(int(LENGTHS[b].sum()) <= BUDGET for b in batches)
     if drop_last:  # the last group short of `world` batches is left out, nothing repeats
         assert batches == expected[: len(expected) // world * world]
@@ -108,7 +109,6 @@ def test_resume_continues_with_the_first_unused_sample(before, after, budget_aft
     assert all(int(LENGTHS[b].sum()) <= budget_after for b in rest)
     if (before, BUDGET) == (after, budget_after):  # the uninterrupted run's very batches
         assert taken + rest == reference
-        assert all(len(s) == len(reference) // after for s in new)
 
 
 def test_a_position_saved_by_fixed_batches_is_continued_by_the_budget() -> None:
@@ -173,7 +173,7 @@ def test_the_data_module_hands_over_budgeted_rows_and_resumes(tmp_path, num_work
     resumed = _module(path, num_workers=num_workers)
     resumed.load_state_dict(state)
     loader = resumed.train_dataloader()
-    assert len(loader) == len(reference)
+    assert len(loader) == 40  # a bound no epoch reaches: one sample a batch (see __len__)
     assert head + [_samples(b) for b in loader] == [ids for ids, _ in reference]
 
 
