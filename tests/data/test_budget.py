@@ -111,6 +111,17 @@ def test_resume_continues_with_the_first_unused_sample(before, after, budget_aft
         assert taken + rest == reference
 
 
+def test_the_length_bounds_every_epoch_whose_steps_vary() -> None:
+    """Each epoch's cuts differ; Lightning reads the length once and stops an epoch there, so
+    it must bound them all."""
+    s = TokenBudgetSampler(LENGTHS, 50, seed=3)
+    counts = []
+    for epoch in range(6):
+        s.set_epoch(epoch)
+        counts.append(len(list(s)))
+    assert len(set(counts)) > 1 and max(counts) <= len(s) == 57
+
+
 def test_a_position_saved_by_fixed_batches_is_continued_by_the_budget() -> None:
     [budget] = _samplers(1)
     budget.load_state_dict({"epoch": 0, "consumed": 10, "seed": 3, "num_samples": 57})
