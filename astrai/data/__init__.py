@@ -16,6 +16,7 @@ import importlib
 from typing import Any
 
 _EXPORTS: dict[str, tuple[str, ...]] = {
+    "budget": ("TokenBudgetSampler",),
     "datamodule": ("AstraiDataModule",),
     "datasets": (
         "IGNORE_INDEX",

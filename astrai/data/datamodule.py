@@ -36,6 +36,7 @@ from hydra.utils import get_class, instantiate
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, Dataset
 
+from astrai.data.budget import DEFAULT_MAX_TOKENS, training_batches
 from astrai.data.cache import PreparedSource, prepared_source
 from astrai.data.datasets import PretrainDataset, SFTDataset
 from astrai.data.fingerprint import DataChangedError, data_changes, dataset_fingerprint
@@ -133,6 +134,9 @@ class AstraiDataModule(L.LightningDataModule):
         padding_free: pretrain and SFT batches as one row of their samples' real tokens,
             position ids restarting per sample and document (TRL's name;
             :mod:`astrai.data.flatten`): no pad token is computed, same loss.
+        use_dynamic_bsz, max_token_len_per_gpu: training batches of whole samples holding at
+            most ``max_token_len_per_gpu`` tokens each (verl's names; needs ``padding_free``;
+            :mod:`astrai.data.budget`) instead of ``batch_size`` samples.
     """
 
     def __init__(
@@ -153,6 +157,8 @@ class AstraiDataModule(L.LightningDataModule):
         collate_fn: Callable[[list[Any]], Any] | None = None,
         allow_changed_data: bool = False,
         padding_free: bool = False,
+        use_dynamic_bsz: bool = False,
+        max_token_len_per_gpu: int = DEFAULT_MAX_TOKENS,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -160,6 +166,7 @@ class AstraiDataModule(L.LightningDataModule):
         if not isinstance(padding_free, bool):
             raise ValueError(f"data.padding_free must be true or false, got {padding_free!r}")
         self.padding_free = padding_free
+        self.batching = training_batches(padding_free, use_dynamic_bsz, max_token_len_per_gpu)
         self.specs = {split: _own(spec) for split, spec in zip(SPLITS, (train, val, test))}
         self.prepared: dict[str, PreparedSource] = {}
         self.tokenizer_dir: Path | None = None
@@ -252,6 +259,7 @@ class AstraiDataModule(L.LightningDataModule):
             self.data_fingerprint()
         self._check_data()
         self._check_padding_free()
+        self.batching.check(self.datasets.get("train"))
 
     def _check_padding_free(self) -> None:
         if not self.padding_free:
@@ -327,8 +335,8 @@ class AstraiDataModule(L.LightningDataModule):
         s = self.sampler
         if s is None or s.rank != rank or s.world_size != world:
             state = self._position() if s is not None else None
-            s = ResumableSampler(
-                len(ds),
+            s = self.batching.sampler(
+                ds,
                 seed=self.seed,
                 shuffle=self.shuffle,
                 rank=rank,
@@ -348,10 +356,10 @@ class AstraiDataModule(L.LightningDataModule):
         consumer = self._consumer()
         self._set_reuse(consumer.batch_reuse)
         loader = _TrainLoader(
-            SeededSamples(ds, self.seed),
-            batch_size=self.batch_size * self.reuse.group,
+            **self.batching.loader_options(
+                SeededSamples(ds, self.seed), self.batch_size, self.drop_last, self.reuse
+            ),
             sampler=self.train_sampler(),
-            drop_last=self.drop_last,
             collate_fn=self._collate(ds),
             datamodule=self,
             repeat=self.reuse.repeat,
@@ -502,9 +510,8 @@ class AstraiDataModule(L.LightningDataModule):
         if self._iter_epoch == s.epoch:
             steps = self.repeats_done + self._delivered_batches
             batches, repeats = divmod(steps, reuse.repeat)
-            per_rank = batches * self.batch_size * reuse.group
-            consumed = self._start_consumed + per_rank * s.world_size
-            state["consumed"] = min(consumed, s.num_samples_total)
+            per_batch = self.batch_size * reuse.group
+            state["consumed"] = s.consumed_after(self._start_consumed, batches, per_batch)
         if reuse != BatchReuse() or repeats:
             state["reuse"] = [reuse.group, reuse.repeat]
             state["repeats"] = repeats

@@ -126,6 +126,10 @@ class PretrainDataset(_StorageDataset):
     def __len__(self) -> int:
         return self._len
 
+    def token_lengths(self) -> np.ndarray:
+        """Tokens of each sample as the model sees it: ``window_size`` for every window."""
+        return np.full(self._len, self.window_size, dtype=np.int64)
+
     def window_start(self, index: int) -> int:
         if index < 0:
             index += self._len
@@ -182,6 +186,14 @@ class SFTDataset(_StorageDataset):
         self.max_length = max_length
         self.has_positions = "position_ids" in self.storage.keys
         self.collate = functools.partial(collate_lm, pad_id=self.pad_id)
+
+    def token_lengths(self) -> np.ndarray:
+        """Tokens of each sample as the model sees it (after ``max_length`` and the shift),
+        from the storage's document offsets: no document is read."""
+        stored = np.diff(self.storage.offsets("input_ids"))
+        if self.max_length is not None:
+            stored = np.minimum(stored, self.max_length + 1)
+        return np.maximum(stored - 1, 0).astype(np.int64)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         ids = self._doc("input_ids", index)

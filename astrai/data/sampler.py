@@ -117,6 +117,11 @@ class ResumableSampler(DistributedSampler):
         before = self._resume_consumed // self._resume_world_size
         return before + self._per_rank(self.num_samples_total - self._resume_consumed)
 
+    def consumed_after(self, start: int, batches: int, batch_size: int) -> int:
+        """The epoch's position after every rank took ``batches`` loader batches of
+        ``batch_size`` samples from position ``start``."""
+        return min(start + batches * batch_size * self.world_size, self.num_samples_total)
+
     def set_epoch(self, epoch: int) -> None:
         """Lightning's call at every epoch start, with its own epoch count: start that epoch
         from its beginning; a no-op when already in it (mid-epoch resume).

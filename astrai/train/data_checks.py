@@ -6,6 +6,8 @@ files tell in seconds, before a tokenizer is trained, data prepared or a model b
   (byte-level BPE: a token covers one byte or more) for corpora and for SFT records packed
   into windows (`prepare.pack`: many records make one sample, so a file of many short chats
   can still give fewer samples than one batch);
+- settings: `data.use_dynamic_bsz` and `data.max_token_len_per_gpu` (verl's token budget,
+  with `data.padding_free`), as the data module refuses them;
 - syntax: every line of a JSONL file the run prepares is JSON (files up to
   `JSONL_CHECK_BYTES`), so a broken line fails here, naming file and line, not during
   preparation once the run folder and the model exist (`prepare.skip_bad_lines=true` skips
@@ -29,6 +31,7 @@ from astrai.data.storage import DataError, JsonStorage
 __all__ = [
     "JSONL_CHECK_BYTES",
     "RECORD_SLACK_TOKENS",
+    "batching_problems",
     "data_problems",
     "jsonl_problems",
     "packed_windows_bound",
@@ -121,11 +124,12 @@ def data_problems(cfg: DictConfig, world: int) -> list[str]:
     """The training split's size (one batch per device of `world`), and every split's JSONL
     syntax."""
     data = cfg.get("data") or {}
-    found = jsonl_problems(data)
+    found = [*batching_problems(data), *jsonl_problems(data)]
     spec = data.get("train")
     if spec is None:
         return found
-    batch = int(data.get("batch_size", 1))
+    # with use_dynamic_bsz a batch holds what the token budget allows: one sample at least
+    batch = 1 if data.get("use_dynamic_bsz") is True else int(data.get("batch_size", 1))
     need = batch * world if data.get("drop_last", False) else world
     try:
         bound = sample_bound(spec, need)
@@ -149,6 +153,21 @@ def data_problems(cfg: DictConfig, world: int) -> list[str]:
         f"data.drop_last={data.get('drop_last')}): no training step would run; lower "
         f"data.batch_size or give more data{hint}",
     ]
+
+
+def batching_problems(data: Any) -> list[str]:
+    """`data.padding_free`, `data.use_dynamic_bsz` and `data.max_token_len_per_gpu`, checked
+    as the data module checks them (`astrai.data.budget.training_batches`)."""
+    keys = ("padding_free", "use_dynamic_bsz", "max_token_len_per_gpu")
+    if not data or not any(key in data for key in keys[1:]):
+        return []
+    from astrai.data.budget import training_batches  # torch: only for configs that set them
+
+    try:
+        training_batches(**{key: data.get(key) for key in keys if key in data})
+    except ValueError as err:
+        return [str(err)]
+    return []
 
 
 def jsonl_problems(data: Any) -> list[str]:
