@@ -127,7 +127,7 @@ def test_full_state_round_trip_and_key_check() -> None:
     assert _same(a, b)
     state = full_cpu_state(a)
     state.pop("norm.weight")
-    with pytest.raises(ValueError, match="norm.weight"):
+    with pytest.raises(ValueError, match=r"norm\.weight"):
         load_full_state(b, state)
 
 
