@@ -3,7 +3,9 @@
 ``serve_policy.port=8000`` on any training run starts `astrai.serve`'s app (same routes,
 errors and metrics as ``python -m astrai.serve``) on rank 0, over the engine the run already
 has: the module's policy engine (``LMModule.policy_engine``, which GRPO's rollouts and the
-evaluation callback use too; this callback declares its sizes in ``setup``). Every OpenAI response and chunk carries ``system_fingerprint:
+evaluation callback use too; this callback declares its sizes in ``setup``; under
+``trainer=fsdp2`` it runs on full weights gathered from the shards, a gather the other ranks
+join at each window: rank 0 broadcasts at every batch end whether it serves). Every OpenAI response and chunk carries ``system_fingerprint:
 "policy-step-<N>"``, the policy version (GRPO's: the optimizer step count) whose weights
 computed it.
 

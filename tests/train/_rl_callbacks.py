@@ -55,3 +55,67 @@ class StepRecord(Callback):
             }
             with open(self.path / f"rollouts.rank{rank}.jsonl", "a") as fh:
                 fh.write(json.dumps(row) + "\n")
+
+
+class ServeProbe(Callback):
+    """On rank 0, before each optimizer step of `steps`, sends one greedy completion request
+    to the run's live policy server (`serve_policy.port=0`) and waits until the gate holds
+    it; after the step (the server answered it at the batch end) appends the answer to
+    `<path>/served.jsonl`: its text, token log-probs and system fingerprint."""
+
+    def __init__(self, path: str, steps: list[int]) -> None:
+        self.path = Path(path)
+        self.steps = set(steps)
+        self.pending: Any = None
+
+    @staticmethod
+    def _server(trainer: Any) -> Any:
+        from astrai.train.serve_policy import PolicyServer
+
+        return next(c for c in trainer.callbacks if isinstance(c, PolicyServer))
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, i: int) -> None:
+        if not trainer.is_global_zero or trainer.global_step + 1 not in self.steps:
+            return
+        import threading
+        from concurrent.futures import Future
+
+        import httpx
+
+        server = self._server(trainer)
+        body = {
+            "model": server.model_name,
+            "prompt": "12+7=",
+            "max_tokens": 6,
+            "temperature": 0.0,
+            "logprobs": 1,
+        }
+        future: Future = Future()
+
+        def ask() -> None:
+            try:
+                future.set_result(
+                    httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+                )
+            except BaseException as err:
+                future.set_exception(err)
+
+        threading.Thread(target=ask, daemon=True).start()
+        assert server.gate.wait_for_waiting(1, timeout=60), "the request never reached the gate"
+        self.pending = future
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, *args: Any) -> None:
+        if self.pending is None:
+            return
+        reply = self.pending.result(timeout=120).json()
+        self.pending = None
+        choice = reply["choices"][0]
+        row = {
+            "step": trainer.global_step,
+            "text": choice["text"],
+            "logprobs": choice["logprobs"]["token_logprobs"],
+            "fingerprint": reply["system_fingerprint"],
+        }
+        self.path.mkdir(parents=True, exist_ok=True)
+        with open(self.path / "served.jsonl", "a") as fh:
+            fh.write(json.dumps(row) + "\n")

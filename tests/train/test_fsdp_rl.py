@@ -35,8 +35,12 @@ STEPS = 10
 TWO = ["trainer.accelerator=cpu", "trainer.devices=2"]
 # mu = 2 (a checkpoint can fall between the passes over a generation batch), a moving
 # reference (synced at steps 3, 6, 9: kept in the checkpoint), a checkpoint every step
+# the evaluation callback every 5 steps (greedy, on rank 0, through the gathered weights)
 GRPO = [
-    *TINY_GRPO_CLI,
+    *["callbacks=eval" if a == "callbacks=default" else a for a in TINY_GRPO_CLI],
+    "callbacks.eval.every_n_steps=5",
+    "callbacks.eval.suites.arithmetic.num_prompts=4",
+    "callbacks.eval.suites.arithmetic.max_tokens=8",
     "strategy.sync_interval=3",
     f"trainer.max_steps={STEPS}",
     "callbacks.model_checkpoint.every_n_train_steps=1",
@@ -91,14 +95,29 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
+def _eval_metrics(where: Path) -> dict[str, list[float]]:
+    """The evaluation callback's metrics (`eval/*`, its timing left out) in the CSV log."""
+    import csv
+
+    (metrics,) = (where / "run" / "csv").glob("*/metrics.csv")
+    with open(metrics) as fh:
+        rows = list(csv.DictReader(fh))
+    keys = [k for k in rows[0] if k.startswith("eval/") and not k.endswith("/seconds")]
+    return {k: [float(r[k]) for r in rows if r[k]] for k in keys}
+
+
 @pytest.fixture(scope="module")
 def grpo_runs(shared_build, data_dir: Path) -> dict[str, Path]:
-    """GRPO for 10 steps on 2 ranks of 2 prompts, under DDP and under FSDP2 (once)."""
-    args = [*GRPO, *TWO, "data.batch_size=2"]
+    """GRPO for 10 steps on 2 ranks of 2 prompts, under DDP and under FSDP2 (once), serving
+    the live policy: a greedy request before steps 3 and 8 (`_rl_callbacks.ServeProbe`)."""
+    args = [*GRPO, *TWO, "data.batch_size=2", "serve_policy.port=0"]
+    args += ["+callbacks.serve._target_=_rl_callbacks.ServeProbe", "+callbacks.serve.steps=[3,8]"]
     return {
         trainer: shared_build(
             f"fsdp-rl-grpo-{trainer}",
-            lambda where, t=trainer: _run(where, data_dir, [*args, f"trainer={t}"]),
+            lambda where, t=trainer: _run(
+                where, data_dir, [*args, f"trainer={t}", f"+callbacks.serve.path={where / 'rec'}"]
+            ),
         )
         for trainer in ("ddp", "fsdp2")
     }
@@ -122,6 +141,26 @@ def test_grpo_under_fsdp2_equals_ddp(grpo_runs: dict[str, Path]) -> None:
                 torch.testing.assert_close(torch.tensor(y), torch.tensor(x), rtol=0, atol=1e-5)
     off = _max_diff(_weights(fsdp), _weights(ddp))
     assert off <= 1e-5, f"FSDP2 vs DDP: final weights max |difference| {off:.2e}"
+
+
+def test_evaluation_and_the_live_policy_server_under_fsdp2_equal_ddp(
+    grpo_runs: dict[str, Path],
+) -> None:
+    """Rank 0 evaluates and serves on its gathered copy while rank 1 joins the gathers: the
+    same metrics (steps 0, 5, 10) and the same answers as on DDP's live model."""
+    ddp, fsdp = grpo_runs["ddp"], grpo_runs["fsdp2"]
+    ea, eb = _eval_metrics(ddp), _eval_metrics(fsdp)
+    assert "eval/arithmetic/exact_match" in ea and len(ea["eval/arithmetic/exact_match"]) == 3
+    assert ea == eb
+    sa, sb = (
+        [json.loads(line) for line in (w / "rec" / "served.jsonl").read_text().splitlines()]
+        for w in (ddp, fsdp)
+    )
+    assert [r["step"] for r in sa] == [r["step"] for r in sb] == [3, 8]
+    assert [r["fingerprint"] for r in sb] == ["policy-step-3", "policy-step-8"]
+    for x, y in zip(sa, sb):
+        assert x["text"] == y["text"]
+        torch.testing.assert_close(torch.tensor(y["logprobs"]), torch.tensor(x["logprobs"]))
 
 
 def test_grpo_under_fsdp2_killed_anywhere_resumes_bit_identical(

@@ -415,10 +415,11 @@ class GRPOModule(GlobalTokenNormaliser, RolloutModule, LMModule):
             if total > 0:
                 self.log("train/gen_time_frac", self._gen_seconds / total, batch_size=1)
                 self.log("train/trainer_idle_frac", self.idle_seconds / total, batch_size=1)
-        # New weights after an optimizer step: bump the policy version (drops prefix-cache
-        # pages computed with the old weights).
-        if self.policy_engine.built:
-            self.policy_engine.sync(int(self.global_step))
+        # New weights after an optimizer step: bump the policy version of a built engine
+        # (drops prefix-cache pages computed with the old weights). `join`, not "sync if
+        # built": under FSDP2 the refresh is a collective, and whether this rank has built
+        # the engine yet (rank 0's evaluation builds it early) must not decide it.
+        self.policy_engine.join(int(self.global_step))
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
         """Greedy completions (or episodes) for the val prompts; the reward is the metric."""
