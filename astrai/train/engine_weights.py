@@ -81,9 +81,17 @@ def _tensors(model: nn.Module) -> Iterable[tuple[str, Tensor]]:
 
 
 def full_cpu_state(module: nn.Module) -> dict[str, Tensor]:
-    """``module``'s state dict as whole CPU tensors, tensor by tensor (a sharded one is
-    gathered: a collective every rank runs; the result is what rank 0 writes)."""
-    return {k: _full(v.detach()).cpu().clone() for k, v in module.state_dict().items()}
+    """``module``'s state dict as whole CPU tensors, tensor by tensor. A sharded one is
+    gathered (a collective every rank runs) and kept on rank 0 only, which writes the
+    checkpoint: the other ranks' dicts leave it out, so no rank but one holds a whole
+    copy in CPU memory."""
+    out: dict[str, Tensor] = {}
+    for key, value in module.state_dict().items():
+        full = _full(value.detach())
+        if not isinstance(value, DTensor) or torch.distributed.get_rank() == 0:
+            out[key] = full.cpu().clone()
+        del full
+    return out
 
 
 @torch.no_grad()
