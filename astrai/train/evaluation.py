@@ -12,7 +12,10 @@ metrics go to every logger as ``eval/<suite>/<metric>`` scalars, with ``eval/<su
 as a table when a W&B logger is attached, and always to ``<run dir>/eval_samples.jsonl``.
 
 Evaluation happens on global rank 0 only, under a forked RNG, so it changes neither the
-training randomness (exact resume stays bit-identical) nor the other ranks' work.
+training randomness (exact resume stays bit-identical) nor the other ranks' work. Under
+``trainer=fsdp2`` the engine runs on full weights gathered from the shards, a collective:
+the other ranks take part in that gather at the same point (``PolicyEngine.join``) and go
+on, while rank 0 evaluates on its gathered copy.
 """
 
 from __future__ import annotations
@@ -142,7 +145,11 @@ class EvalCallback(Callback):
         """Run every suite once at the current step and log it (rank 0 only)."""
         step = int(trainer.global_step)
         self.last_step = step
-        if not trainer.is_global_zero or not self._usable(trainer, pl_module):
+        if not self._usable(trainer, pl_module):
+            return {}
+        if not trainer.is_global_zero:  # the weight gather of rank 0's sync (FSDP2) needs us
+            if isinstance(pl_module, LMModule):
+                pl_module.policy_engine.join(step)
             return {}
         log.info("evaluating %s at step %d", ", ".join(self.suites), step)  # can take minutes
         engine = self.engine_owner(pl_module).sync(step)

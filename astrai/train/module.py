@@ -58,6 +58,7 @@ from astrai.model import (
 )
 from astrai.model.moe import inactive_expert_parameters
 from astrai.tokenizer import AutoTokenizer
+from astrai.train.engine_weights import GatheredWeights, ShardedCompanions
 from astrai.train.optim import OptimizerFactory, ScheduleFactory, adamw, configure_optimizers
 from astrai.train.policy_engine import PolicyEngine
 
@@ -131,7 +132,9 @@ class ReferencePolicy:
     does not move it; `on(device)` follows the policy on first use. Made in the strategy's
     `__init__`, before Lightning restores a checkpoint, so a resumed run keeps the *initial*
     policy as its reference. A reference that moves (GRPO's `sync_interval`) is saved in the
-    checkpoint by its strategy (`astrai.train.strategies.grpo.reference`).
+    checkpoint by its strategy (`astrai.train.strategies.grpo.reference`). Under
+    `trainer=fsdp2` the strategy shards it as it shards the policy (`shard`): its forward
+    gathers each unit's shards in turn, so no rank holds the whole reference.
     """
 
     def __init__(self, policy: nn.Module, dtype: str | torch.dtype | None = None) -> None:
@@ -147,6 +150,10 @@ class ReferencePolicy:
         if next(self.model.parameters()).device != device:
             self.model.to(device)
         return self.model
+
+    def shard(self, shard: Callable[[nn.Module], None]) -> None:
+        """Shard the frozen model with the policy's mesh (`shard`: the strategy's)."""
+        shard(self.model)
 
 
 # ---------------------------------------------------------------------- losses
@@ -266,7 +273,7 @@ def _from_safe(states: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-class LMModule(L.LightningModule, BatchConsumer, ABC):
+class LMModule(L.LightningModule, BatchConsumer, ShardedCompanions, ABC):
     """Base LightningModule for language-model training strategies (the shape of
     lightning-hydra-template's `MNISTLitModule(net, optimizer, scheduler)`).
 
@@ -367,6 +374,14 @@ class LMModule(L.LightningModule, BatchConsumer, ABC):
     def live_policy(self) -> tuple[Transformer, AutoTokenizer | None]:
         """The live policy and its tokenizer (what the policy engine is built on)."""
         return self.model, self.tokenizer
+
+    def shard_companions(self, shard: Callable[[nn.Module], None]) -> None:
+        """`trainer=fsdp2` sharded the policy: shard the frozen reference the same way, and
+        run the policy engine on full weights gathered from the shards
+        (`astrai.train.engine_weights`)."""
+        if self.reference is not None:
+            self.reference.shard(shard)
+        self.policy_engine.use_weights(GatheredWeights(self.lora_config))
 
     def teardown(self, stage: str) -> None:
         super().teardown(stage)

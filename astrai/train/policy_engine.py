@@ -7,7 +7,11 @@ pool, one set of LoRA slot hooks on the model), held by the module's :class:`Pol
 ``max_batch_size``, ``max_seq_len``) before the first use; the engine is built once, lazily,
 at the largest size anyone asked for. After the build a larger need is a configuration error,
 never a silent second engine. :meth:`PolicyEngine.sync` is the one versioned weight path:
-the engine's policy version follows the optimizer step and never goes back.
+the engine's policy version follows the optimizer step and never goes back. What the engine
+runs on is :attr:`PolicyEngine.weights` (:mod:`astrai.train.engine_weights`): the live model
+(DDP, one process) or, under FSDP2, a full copy gathered from the shards per policy version,
+a collective in which ranks that do not use the engine take part through
+:meth:`PolicyEngine.join`.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from astrai.train.engine_weights import EngineWeights, LiveWeights
 
 if TYPE_CHECKING:
     from astrai.inference import InferenceEngine
@@ -53,15 +59,18 @@ class PolicyEngine:
         live: returns ``(model, tokenizer)``, the live policy, read at the build.
         factory: the engine factory, called as ``factory(model, tokenizer, start=False,
             **sizes)``; None: the first factory a user declares, else ``InferenceEngine``.
+        weights: what the engine runs on (:meth:`use_weights`); None: the live model.
     """
 
     def __init__(
         self,
         live: Callable[[], tuple[Any, Any]],
         factory: EngineFactory | None = None,
+        weights: EngineWeights | None = None,
     ) -> None:
         self.live = live
         self.factory = factory
+        self.weights: EngineWeights = weights or LiveWeights()
         self.needs: list[EngineNeed] = []
         self.sizes: dict[str, int] = {}  # what the engine was built with
         self._engine: InferenceEngine | None = None
@@ -71,6 +80,12 @@ class PolicyEngine:
     @property
     def built(self) -> bool:
         return self._engine is not None
+
+    def use_weights(self, weights: EngineWeights) -> None:
+        """Choose what the engine runs on (the strategy's set-up), before it is built."""
+        if self.built:
+            raise RuntimeError("PolicyEngine.use_weights: the engine is already built")
+        self.weights = weights
 
     def need(
         self,
@@ -133,7 +148,8 @@ class PolicyEngine:
     def engine(self) -> InferenceEngine:
         """The engine on the live weights (built at the first call)."""
         if self._engine is None:
-            model, tokenizer = self.live()
+            live, tokenizer = self.live()
+            model = self.weights.engine_model(live)
             factory = self.factory
             if factory is None:
                 from astrai.inference import InferenceEngine
@@ -153,15 +169,32 @@ class PolicyEngine:
 
     def sync(self, step: int, load: Callable[[], Any] | None = None) -> InferenceEngine:
         """The engine with its policy version brought up to ``step`` (``load`` copies new
-        weights in first, where the engine's model is not the live one); never backwards,
-        so a second call at the same step changes nothing."""
+        weights in first, where the engine's model is a copy the caller keeps; by default
+        :attr:`weights` refresh it); never backwards, so a second call at the same step
+        changes nothing. Under FSDP2 every rank must call it or :meth:`join` here."""
         engine = self.engine
+        if load is None:
+            live, _ = self.live()
+            load = functools.partial(self.weights.refresh, live, int(step))
+            if step <= engine.policy_version:  # a fresh engine's copy is filled at its version
+                load()
         if step > engine.policy_version:
             engine.update_weights(load, version=int(step))
         return engine
+
+    def join(self, step: int) -> None:
+        """Take part in :meth:`sync`'s weight refresh of ``step`` without using the engine
+        (a rank where only rank 0 evaluates or serves): a no-op on the live weights; where
+        this rank has an engine (GRPO's), the same as :meth:`sync`."""
+        if self.built:
+            self.sync(step)
+            return
+        live, _ = self.live()
+        self.weights.refresh(live, int(step))
 
     def close(self) -> None:
         """Shut the engine down (a later use builds a fresh one, with the same needs)."""
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = None
+        self.weights.release()

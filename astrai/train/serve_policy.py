@@ -3,7 +3,9 @@
 ``serve_policy.port=8000`` on any training run starts `astrai.serve`'s app (same routes,
 errors and metrics as ``python -m astrai.serve``) on rank 0, over the engine the run already
 has: the module's policy engine (``LMModule.policy_engine``, which GRPO's rollouts and the
-evaluation callback use too; this callback declares its sizes in ``setup``). Every OpenAI response and chunk carries ``system_fingerprint:
+evaluation callback use too; this callback declares its sizes in ``setup``; under
+``trainer=fsdp2`` it runs on full weights gathered from the shards, a gather the other ranks
+join at each window: rank 0 broadcasts at every batch end whether it serves). Every OpenAI response and chunk carries ``system_fingerprint:
 "policy-step-<N>"``, the policy version (GRPO's: the optimizer step count) whose weights
 computed it.
 
@@ -277,6 +279,9 @@ class PolicyServer(Callback):
         self.engine: InferenceEngine | None = None
         self.owner: PolicyEngine | None = None  # the policy engine serving uses
         self.owns_engine = False  # True: a plain LightningModule's, built by this callback
+        # on the other ranks: the module's policy engine, which joins rank 0's weight
+        # refresh when rank 0 serves (a collective under FSDP2; nothing under DDP)
+        self.follower: PolicyEngine | None = None
         self.app: FastAPI | None = None
         self.server: ServerThread | None = None
         self.version: int | None = None  # the policy version being served (None: none yet)
@@ -301,7 +306,13 @@ class PolicyServer(Callback):
 
     # ------------------------------------------------------------------ lifecycle
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if not self.enabled or stage != "fit" or not trainer.is_global_zero:
+        if not self.enabled or stage != "fit":
+            return
+        if not trainer.is_global_zero:
+            from astrai.train.module import LMModule
+
+            if isinstance(pl_module, LMModule) and self._usable(trainer, pl_module):
+                self.follower = pl_module.policy_engine
             return
         # a port taken since the preflight fails now, before any step
         problems = serve_policy_problems(dataclasses.asdict(self.settings))
@@ -370,7 +381,7 @@ class PolicyServer(Callback):
         self.stop()
         if self.owner is not None and self.owns_engine:
             self.owner.close()
-        self.owner = None
+        self.owner = self.follower = None
         self.engine = None
 
     def stop(self) -> None:
@@ -391,7 +402,12 @@ class PolicyServer(Callback):
             return False
         from torch.distributed.tensor import DTensor
 
-        if any(isinstance(p, DTensor) for p in model.parameters()) or _lightning_fsdp(trainer):
+        from astrai.train.module import LMModule
+
+        # an LMModule's policy engine runs on weights gathered from FSDP2's shards; a plain
+        # module's sharded weights have no such path, nor Lightning's first FSDP API's
+        sharded = any(isinstance(p, DTensor) for p in model.parameters())
+        if (sharded and not isinstance(pl_module, LMModule)) or _lightning_fsdp(trainer):
             log.warning("serve_policy: not supported with FSDP (sharded weights); not serving")
             return False
         return True
@@ -417,12 +433,17 @@ class PolicyServer(Callback):
     # ------------------------------------------------------------------ a window
     def serve_waiting(self, trainer: L.Trainer) -> int:
         """Answer every request waiting now with the current weights, on this (the
-        training) thread's time; returns how many were admitted."""
+        training) thread's time; returns how many were admitted. On the other ranks: take
+        part in rank 0's weight refresh when it serves (under FSDP2 a collective)."""
+        if self.follower is not None:
+            if self.follower.weights.rank0_decides(False):
+                self.follower.join(int(trainer.global_step))
+            return 0
         engine = self.engine
-        if self.server is None or engine is None:
+        if self.server is None or engine is None or self.owner is None:
             return 0
         tickets = self.gate.take()
-        if not tickets:
+        if not self.owner.weights.rank0_decides(bool(tickets)):
             return 0
         started = time.perf_counter()
         engine = self.owner.sync(int(trainer.global_step))

@@ -38,6 +38,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
 from astrai.train.checkpoint import LIGHTNING_META
+from astrai.train.engine_weights import shard_companions
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +144,7 @@ class FullyShardStrategy(ModelParallelStrategy):
         for unit in units:
             fully_shard(unit, **options)
         fully_shard(model, **options)
+        shard_companions(pl_module, self.shard_modules, options)  # the reference, the engine
         if self.activation_checkpointing and hasattr(model, "gradient_checkpointing"):
             model.gradient_checkpointing = True
         log.info(

@@ -11,7 +11,12 @@ import torch
 from astrai.model import Transformer, preset, preset_model
 from astrai.train.optim import adamw, constant
 from astrai.train.preference import preference_logprobs, sequence_logprobs
-from astrai.train.strategies.dpo import batch_pair_keys, dpo_loss, precompute_reference
+from astrai.train.strategies.dpo import (
+    batch_pair_keys,
+    dpo_loss,
+    precompute_reference,
+    repeat_last,
+)
 
 
 def _sig(x: float) -> float:
@@ -362,3 +367,11 @@ def test_rpo_alpha_adds_the_nll_to_the_loss():
     assert l1.item() == pytest.approx(l0.item() + 0.5 * m1["nll_loss"].item(), abs=1e-5)
     with pytest.raises(ValueError, match="rpo_alpha"):
         DPOModule(model=factory, rpo_alpha=-1.0)
+
+
+def test_repeat_last_gives_every_rank_as_many_batches():
+    """The precomputation's forwards are collectives under FSDP2: a rank with fewer pairs
+    repeats its last batch (the same values again), a rank with none runs none."""
+    assert list(repeat_last(iter([1, 2]), 4)) == [1, 2, 2, 2]
+    assert list(repeat_last([1, 2, 3], 2)) == [1, 2, 3]
+    assert list(repeat_last([], 3)) == []

@@ -296,3 +296,12 @@ def test_corrected_loss_equals_trl(hf, loss_type, mode):
         use_bias_correction_kl=True, max_completion_length=6,
     )  # fmt: skip
     assert not torch.allclose(plain, ours)
+
+
+def test_refused_under_fsdp2_naming_the_key(prompt_setup):
+    """Its generator copies the live policy, which FSDP2 shards: refused when the strategy
+    shards the module (`shard_companions`), before any step."""
+    root, tok = prompt_setup
+    module = make_grpo(root, tok, **KW, async_rollouts={"max_staleness": 1})
+    with pytest.raises(ValueError, match=r"strategy\.async_rollouts.*trainer=fsdp2"):
+        module.shard_companions(lambda model: None)

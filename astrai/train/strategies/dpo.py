@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -138,6 +139,19 @@ def precompute_reference(
     finally:
         model.train(was_training)
     return out
+
+
+def repeat_last(batches: Iterable[Any], count: int) -> Iterator[Any]:
+    """``batches``, then its last one again until ``count`` were given: every rank runs as
+    many forwards (under FSDP2 each is a collective); a repeated batch gives the same
+    values again, so the table is unchanged."""
+    last, given = None, 0
+    for last in batches:
+        given += 1
+        yield last
+    while last is not None and given < count:
+        given += 1
+        yield last
 
 
 # ---------------------------------------------------------------------------- the module
@@ -295,10 +309,11 @@ class DPOModule(LMModule):
                 collate_fn=getattr(dm, "collate_fn", None) or ds.collate,
             )
             started = time.perf_counter()
+            most = math.ceil(math.ceil(len(ds) / world) / self.precompute_batch_size)
             table.update(
                 precompute_reference(
                     self.model,
-                    loader,
+                    repeat_last(loader, most),
                     self.device,
                     self.reduction,
                     ld_alpha=self.ld_alpha,

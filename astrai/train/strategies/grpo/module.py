@@ -62,6 +62,15 @@ from astrai.train.strategies.grpo.source import RolloutModule, RolloutSource
 log = logging.getLogger(__name__)
 
 
+def _over_ranks(state: Any) -> list[Any]:
+    """``state`` of every rank, in rank order (a collective under several processes)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return [state]
+    gathered: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, state)
+    return gathered
+
+
 class GRPOModule(GlobalTokenNormaliser, RolloutModule, LMModule):
     """GRPO on prompt batches (``prompt_ids`` + ``records``, see ``PromptDataset``).
 
@@ -128,6 +137,15 @@ class GRPOModule(GlobalTokenNormaliser, RolloutModule, LMModule):
         engine = PolicyEngine(lambda: (model, self.tokenizer), self.policy_engine.factory)
         engine.needs = list(self.policy_engine.needs)
         return self.engine_source(engine, self.live_source.params), engine
+
+    def shard_companions(self, shard: Callable[[torch.nn.Module], None]) -> None:
+        if self.options.async_rollouts is not None:  # its generator copies the live policy
+            raise ValueError(
+                "strategy.async_rollouts: not supported with trainer=fsdp2 (the generator "
+                "thread's copy of the policy is not fed from the shards); set "
+                "strategy.async_rollouts=null or use trainer=ddp"
+            )
+        super().shard_companions(shard)
 
     def wrap_source(self, wrap: Callable[[RolloutSource], RolloutSource]) -> None:
         self.source = wrap(self.source)
@@ -366,12 +384,14 @@ class GRPOModule(GlobalTokenNormaliser, RolloutModule, LMModule):
             checkpoint["grpo_reference"] = reference_state(self.reference.model, self._synced_step)
         if self.generation is not None and not self.generation.spent:  # mid-reuse
             checkpoint["grpo_generation"] = self.generation.state_dict()
+        # every rank's generation batch (its own prompts): a checkpoint is written by rank 0
+        checkpoint["grpo_generations"] = _over_ranks(checkpoint.get("grpo_generation"))
         # asynchronous: the queued batches' samples (the source waits for them)
         checkpoint.update(self.source.state_dict())
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
-        generation = checkpoint.get("grpo_generation")
+        generation = self._saved_generation(checkpoint)
         self.generation = Generation.from_state(generation) if generation is not None else None
         self.source.load_state_dict(checkpoint)
         saved = checkpoint.get("grpo_reference")
@@ -384,6 +404,22 @@ class GRPOModule(GlobalTokenNormaliser, RolloutModule, LMModule):
             else:
                 self._synced_step = load_reference_state(self.reference.model, saved)
 
+    def _saved_generation(self, checkpoint: Mapping[str, Any]) -> dict[str, Any] | None:
+        """This rank's generation batch of the checkpoint (older ones: rank 0's only)."""
+        states = checkpoint.get("grpo_generations")
+        if states is None:
+            return checkpoint.get("grpo_generation")
+        trainer = self._trainer
+        world = int(trainer.world_size) if trainer is not None else 1
+        if len(states) != world and any(s is not None for s in states):
+            raise RuntimeError(
+                f"GRPO: the checkpoint was written by {len(states)} rank(s) between the "
+                f"micro-steps of a generation batch; it resumes at {len(states)} rank(s) only "
+                "(resume at another number of ranks from a checkpoint at a generation "
+                "batch's end, e.g. with num_iterations=1 and steps_per_generation=1)"
+            )
+        return states[int(trainer.global_rank) if trainer is not None else 0] if states else None
+
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_end(outputs, batch, batch_idx)
         if self._batch_started is not None:
@@ -391,10 +427,11 @@ class GRPOModule(GlobalTokenNormaliser, RolloutModule, LMModule):
             if total > 0:
                 self.log("train/gen_time_frac", self._gen_seconds / total, batch_size=1)
                 self.log("train/trainer_idle_frac", self.idle_seconds / total, batch_size=1)
-        # New weights after an optimizer step: bump the policy version (drops prefix-cache
-        # pages computed with the old weights).
-        if self.policy_engine.built:
-            self.policy_engine.sync(int(self.global_step))
+        # New weights after an optimizer step: bump the policy version of a built engine
+        # (drops prefix-cache pages computed with the old weights). `join`, not "sync if
+        # built": under FSDP2 the refresh is a collective, and whether this rank has built
+        # the engine yet (rank 0's evaluation builds it early) must not decide it.
+        self.policy_engine.join(int(self.global_step))
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
         """Greedy completions (or episodes) for the val prompts; the reward is the metric."""

@@ -5,6 +5,10 @@ every ``sync_interval`` optimizer steps ``ref <- alpha * policy + (1 - alpha) * 
 (``alpha = 1``: a plain copy). The reference then changes during training, so it must travel
 in the checkpoint for a resumed run to be exact (:func:`reference_state` /
 :func:`load_reference_state`).
+
+Under ``trainer=fsdp2`` the reference and the policy are sharded alike (one mesh, one unit
+per block), so the move is a local operation on each rank's shards; the checkpoint keeps the
+reference whole (gathered tensor by tensor), so it loads at any number of ranks.
 """
 
 from __future__ import annotations
@@ -12,7 +16,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from astrai.train.engine_weights import full_cpu_state, load_full_state
 
 
 def check_sync_options(sync_interval: int, sync_alpha: float, kl_coef: float) -> None:
@@ -31,7 +38,8 @@ def check_sync_options(sync_interval: int, sync_alpha: float, kl_coef: float) ->
 def sync_reference(reference: nn.Module, policy: nn.Module, alpha: float = 1.0) -> None:
     """``reference <- alpha * policy + (1 - alpha) * reference``, in place, tensor by tensor
     (parameters and buffers; integer buffers are copied). Both must have the same state keys
-    (the reference is a copy of the policy, LoRA adapters included)."""
+    (the reference is a copy of the policy, LoRA adapters included) and, when sharded, the
+    same sharding: each rank moves its own shards."""
     ref_state = reference.state_dict()
     pol_state = policy.state_dict()
     if ref_state.keys() != pol_state.keys():
@@ -39,9 +47,9 @@ def sync_reference(reference: nn.Module, policy: nn.Module, alpha: float = 1.0) 
         raise ValueError(f"sync_reference: the models' state keys differ, e.g. {missing}")
     seen: set[int] = set()
     for name, ref in ref_state.items():
-        if ref.data_ptr() in seen:  # tied weights (embeddings and head): one tensor, once
+        if _storage(ref) in seen:  # tied weights (embeddings and head): one tensor, once
             continue
-        seen.add(ref.data_ptr())
+        seen.add(_storage(ref))
         src = pol_state[name].to(device=ref.device, dtype=ref.dtype)
         if alpha == 1.0 or not ref.is_floating_point():
             ref.copy_(src)
@@ -49,14 +57,19 @@ def sync_reference(reference: nn.Module, policy: nn.Module, alpha: float = 1.0) 
             ref.mul_(1.0 - alpha).add_(src, alpha=alpha)
 
 
+def _storage(t: Tensor) -> int:
+    return t.to_local().data_ptr() if isinstance(t, DTensor) else t.data_ptr()
+
+
 def reference_state(reference: nn.Module, synced_step: int) -> dict[str, Any]:
-    """What a checkpoint keeps of a moving reference: its weights (on the CPU) and the
-    optimizer step it was last synced at."""
-    weights = {k: v.detach().cpu().clone() for k, v in reference.state_dict().items()}
-    return {"state_dict": weights, "synced_step": int(synced_step)}
+    """What a checkpoint keeps of a moving reference: its whole weights (on the CPU; a
+    sharded reference is gathered, a collective every rank runs) and the optimizer step it
+    was last synced at."""
+    return {"state_dict": full_cpu_state(reference), "synced_step": int(synced_step)}
 
 
 def load_reference_state(reference: nn.Module, state: dict[str, Any]) -> int:
-    """Restore :func:`reference_state` into ``reference``; return its ``synced_step``."""
-    reference.load_state_dict(state["state_dict"])
+    """Restore :func:`reference_state` into ``reference`` (sharded or not, at any number of
+    ranks); return its ``synced_step``."""
+    load_full_state(reference, state["state_dict"])
     return int(state["synced_step"])
