@@ -138,6 +138,7 @@ def problems(cfg: DictConfig, *, run_dir: Path | None = None, hardware: bool = T
     found += _serve_policy_problems(cfg)
     if not any(p.startswith(("model", "tokenizer")) for p in inputs):
         found += _vocab_problems(cfg)
+        found += _tensor_parallel_problems(cfg)
     if not any(p.startswith("data.train") for p in inputs):
         found += data_problems(cfg, _world_size(cfg.get("trainer") or {}))
     if not found:  # these import Lightning and torch, which the run imports next anyway
@@ -287,6 +288,13 @@ def _logger_problems(cfg: DictConfig) -> list[str]:
 # ---------------------------------------------------------------------- vocabulary
 def _model_vocab(cfg: DictConfig) -> tuple[int, str] | None:
     """The model's vocab_size from its config alone (no weights, no module), or None."""
+    found = _model_config(cfg)
+    return None if found is None else (found[0].vocab_size, found[1])
+
+
+def _model_config(cfg: DictConfig) -> tuple[Any, str] | None:
+    """The model's `ModelConfig` from the config alone (no weights, no module) and where it
+    comes from, or None (a model factory this cannot read)."""
     model = cfg.get("model") or {}
     target = str(model.get("_target_", ""))
     fields = {k: v for k, v in OmegaConf.to_container(model, resolve=True).items()}
@@ -297,12 +305,32 @@ def _model_vocab(cfg: DictConfig) -> tuple[int, str] | None:
         # the factory's own options (device, compile, ...) are not model config fields
         name = fields.pop("name")
         fields = {k: v for k, v in fields.items() if k not in FACTORY_OPTIONS}
-        return preset(name, **fields).vocab_size, f"model preset {name!r}"
+        return preset(name, **fields), f"model preset {name!r}"
     if target == "astrai.model.pretrained_model" and fields.get("path"):
         from astrai.model.hub import read_config
 
-        return read_config(fields["path"]).vocab_size, f"model directory {fields['path']}"
+        return read_config(fields["path"]), f"model directory {fields['path']}"
     return None
+
+
+def _tensor_parallel_problems(cfg: DictConfig) -> list[str]:
+    """`trainer.strategy.tensor_parallel_size` against the model's heads, KV heads,
+    intermediate and vocabulary sizes and the number of processes, before anything loads."""
+    size = OmegaConf.select(cfg, "trainer.strategy.tensor_parallel_size", default=None)
+    if size is None or size == 1:
+        return []
+    from astrai.train.tensor_parallel import tensor_parallel_problems
+
+    try:
+        found = _model_config(cfg)
+    except Exception:  # a bad model config is named by _vocab_problems
+        return []
+    if found is None:
+        return []
+    trainer = cfg.get("trainer") or {}
+    known = isinstance(trainer.get("devices", 1), int | list)  # not "auto" or -1
+    world = _world_size(trainer) if known and trainer.get("devices", 1) != -1 else 0
+    return tensor_parallel_problems(found[0], size, world)
 
 
 def _vocab_problems(cfg: DictConfig) -> list[str]:
