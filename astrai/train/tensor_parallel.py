@@ -13,8 +13,9 @@ all-reduce); the LM head is column-parallel over the vocabulary (each rank holds
 a tied head shares the embedding's vocabulary-sharded weight):
 the chunked head (`strategy.logits_chunk_size`, `astrai.model.head`) reads the local rows and
 reduces over the vocabulary through :class:`VocabParallel`, so no process ever holds the full
-vocabulary's logits; the dense path (`logits_chunk_size: null`) gathers the logits
-(`[B, S, V]` on every rank, the reference). Sequence parallelism is not applied: norms and
+vocabulary's logits; the dense path (`logits_chunk_size: null`) gets the logits of the local
+rows (`[B, S, V/N]`, a DTensor sharded on the vocabulary) and `astrai.vocab_parallel`
+computes the log-softmax over the group. Sequence parallelism is not applied: norms and
 residuals are computed replicated on every tensor-parallel rank.
 
 FSDP2 then shards every parameter over the "data_parallel" dimension as without TP
@@ -180,8 +181,9 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
         mesh,
         {
             "embed_tokens": RowwiseParallel(input_layouts=Replicate()),
-            # Shard(0) of the weight; the dense path's logits gathered on every rank
-            "lm_head": ColwiseParallel(output_layouts=Replicate()),
+            # Shard(0) of the weight; the dense path's logits stay sharded on the vocabulary
+            # (a DTensor: astrai.vocab_parallel computes their scores)
+            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
             "norm": NormParallel(),
         },
     )

@@ -13,8 +13,12 @@ clipping threshold is below these steps' norms, so the clipped norm must be the 
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -120,6 +124,29 @@ def _assert_equal_runs(run: Path, ref: Path) -> str:
 
 
 # ---------------------------------------------------------------------- processes (slow)
+@pytest.mark.slow
+@pytest.mark.parametrize("tied", ["tied", "untied"])
+def test_split_model_scores_as_the_whole_one(tied: str) -> None:
+    """Per-token log-probs, entropy, smoothing term and every gradient of the split model
+    (both heads: the chunked one through VocabParallel, the dense one from vocabulary-sharded
+    logits) equal the unsplit model's (tests/train/_tp_worker.py)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "_tp_worker.py"), str(port), tied],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    for head, diff in found.items():
+        assert diff.pop("plain"), f"{head}: the scores must be plain tensors"
+        assert max(diff.values()) <= 1e-5, (head, diff)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("head", sorted(HEADS))
 def test_two_tensor_parallel_ranks_equal_one_process(
