@@ -11,6 +11,9 @@ to the LightningModule's `configure_model`. This subclass applies it itself, the
 head), over a one-dimensional data-parallel mesh of every rank. Gradients are
 reduce-scattered (averaged over ranks, as DDP does), so N ranks of batch B train exactly as
 one process of batch N x B does, up to the order of the floating-point sums.
+With `tensor_parallel_size=T` the mesh is (world / T) x T: the tensor-parallel plan
+(`astrai.train.tensor_parallel`) splits each matrix over T neighbouring ranks first, then
+FSDP2 shards over the data-parallel dimension (docs/scaling.md "Tensor parallelism").
 
 Checkpoints are `torch.distributed.checkpoint` folders (`last.ckpt/`: one shard file per
 rank, `.metadata`, and Lightning's `meta.pt` with loops, schedules and the data position),
