@@ -274,7 +274,7 @@ class AstraiDataModule(L.LightningDataModule):
         if trainer is None:
             return 0, 1
         # the data-parallel rank and size (tensor-parallel ranks read the same batches)
-        shard = trainer.distributed_sampler_kwargs
+        shard = trainer.distributed_sampler_kwargs if isinstance(trainer, L.Trainer) else None
         if shard:
             return int(shard["rank"]), int(shard["num_replicas"])
         return int(trainer.global_rank), int(trainer.world_size)
