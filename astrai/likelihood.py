@@ -15,9 +15,11 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from astrai.data.datasets import IGNORE_INDEX
 from astrai.model.head import HeadSettings, TokenScores
+from astrai.vocab_parallel import vocab_parallel_scores
 
 __all__ = [
     "CHUNKED",
@@ -110,6 +112,14 @@ class DenseHead:
         logits divided by ``temperature``; ``forward``: the model's other arguments
         (``position_ids``, ``attention_mask``)."""
         logits = model(input_ids, **forward)
+        if isinstance(logits, DTensor):  # tensor parallelism: each rank's vocabulary rows
+            return vocab_parallel_scores(
+                logits,
+                targets,
+                temperature=temperature,
+                entropy=entropy,
+                label_smoothing=label_smoothing,
+            )
         if temperature != 1.0:
             logits = logits.float() / temperature
         keep = targets != IGNORE_INDEX

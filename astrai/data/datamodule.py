@@ -304,6 +304,10 @@ class AstraiDataModule(L.LightningDataModule):
         trainer = self._trainer_or_none()
         if trainer is None:
             return 0, 1
+        # the data-parallel rank and size (tensor-parallel ranks read the same batches)
+        shard = trainer.distributed_sampler_kwargs if isinstance(trainer, L.Trainer) else None
+        if shard:
+            return int(shard["rank"]), int(shard["num_replicas"])
         return int(trainer.global_rank), int(trainer.world_size)
 
     def _trainer_or_none(self) -> Any:

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 _ONEDNN = (
     torch.backends.mkldnn.is_available()
@@ -123,6 +124,7 @@ def linear(
         and x.device.type == "cpu"
         and x.dtype == torch.float32
         and x.dim() >= 2
+        and not isinstance(x, DTensor)  # tensor parallelism: torch's sharding rules
         and not (small_on_aten and x.numel() * out_features <= ONEDNN_MIN_MACS)
     ):
         if prepacked is not None:

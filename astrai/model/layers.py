@@ -393,9 +393,11 @@ class Attention(nn.Module):
             q, k, v = packed(x)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.view(*lead, self.num_heads, self.head_dim)
-        k = k.view(*lead, self.num_kv_heads, self.head_dim)
-        v = v.view(*lead, self.num_kv_heads, self.head_dim)
+        # -1: the heads this process computes (all, or its share under tensor parallelism,
+        # whose column-parallel projections return the local heads only)
+        q = q.view(*lead, -1, self.head_dim)
+        k = k.view(*lead, -1, self.head_dim)
+        v = v.view(*lead, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary_qk(q, k, cos, sin)

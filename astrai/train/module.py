@@ -61,6 +61,7 @@ from astrai.tokenizer import AutoTokenizer
 from astrai.train.engine_weights import GatheredWeights, ShardedCompanions
 from astrai.train.optim import OptimizerFactory, ScheduleFactory, adamw, configure_optimizers
 from astrai.train.policy_engine import PolicyEngine
+from astrai.train.tensor_parallel import copies
 
 log = logging.getLogger(__name__)
 
@@ -193,25 +194,34 @@ def grad_stats(grads: list[Tensor]) -> dict[str, float]:
     (FSDP2's DTensors) are reduced over their ranks: every rank gets the whole gradient's
     values, and a non-finite norm stops all of them at once.
     """
-    ranks = next((g.device_mesh.get_group() for g in grads if isinstance(g, DTensor)), None)
+    sharded = any(isinstance(g, DTensor) for g in grads)
+    # how many processes hold each local shard (tensor parallelism replicates some)
+    shares = [copies(g) for g in grads]
     grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-    by_device: dict[torch.device, list[Tensor]] = {}
-    for g in grads:
-        by_device.setdefault(g.device, []).append(g)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, g in enumerate(grads):
+        by_device.setdefault(g.device, []).append(i)
     first = grads[0].device
+    order: list[int] = []
     l2: list[Tensor] = []
     linf: list[Tensor] = []
-    for device, group in by_device.items():
+    for device, index in by_device.items():
+        group = [grads[i] for i in index]
+        order += index
         l2 += [n.to(first) for n in torch._foreach_norm(group, 2.0, dtype=torch.float32)]
         if device.type == "cpu":  # the foreach inf-norm is ~30x slower than min/max on CPU
             linf += [_abs_max(g).to(first) for g in group]
         else:
             linf += [n.to(first) for n in torch._foreach_norm(group, math.inf, dtype=torch.float32)]
     stats = torch.stack([torch.linalg.vector_norm(torch.stack(l2)), torch.stack(linf).max()])
-    if ranks is not None:  # sum of squares and max over the shards
-        square, largest = stats[0].square().reshape(1), stats[1].reshape(1)
-        torch.distributed.all_reduce(square, group=ranks)
-        torch.distributed.all_reduce(largest, op=torch.distributed.ReduceOp.MAX, group=ranks)
+    if sharded:  # sum of squares and max over the shards, each shard counted once
+        square = stats[0].square()
+        if any(shares[i] > 1 for i in order):
+            weight = torch.tensor([1.0 / shares[i] for i in order], device=first)
+            square = (torch.stack(l2).square() * weight).sum()
+        square, largest = square.reshape(1), stats[1].reshape(1)
+        torch.distributed.all_reduce(square)
+        torch.distributed.all_reduce(largest, op=torch.distributed.ReduceOp.MAX)
         stats = torch.cat([square.sqrt(), largest])
     norm, largest = stats.tolist()
     nonfinite = 0

@@ -147,6 +147,7 @@ def problems(cfg: DictConfig, *, run_dir: Path | None = None, hardware: bool = T
     found += _engine_problems(cfg)
     if not any(p.startswith(("model", "tokenizer")) for p in inputs):
         found += _vocab_problems(cfg)
+        found += _tensor_parallel_problems(cfg)
     if not any(p.startswith("data.train") for p in inputs):
         found += data_problems(cfg, _world_size(cfg.get("trainer") or {}))
     if not found:  # these import Lightning and torch, which the run imports next anyway
@@ -323,6 +324,26 @@ def _model_vocab(cfg: DictConfig) -> tuple[int, str] | None:
     """The model's vocab_size from its config alone (no weights, no module), or None."""
     shape = model_shape(cfg.get("model"))
     return None if shape is None else (shape.config.vocab_size, shape.source)
+
+
+def _tensor_parallel_problems(cfg: DictConfig) -> list[str]:
+    """`trainer.strategy.tensor_parallel_size` against the model's heads, KV heads,
+    intermediate and vocabulary sizes and the number of processes, before anything loads."""
+    size = OmegaConf.select(cfg, "trainer.strategy.tensor_parallel_size", default=None)
+    if size is None or size == 1:
+        return []
+    from astrai.train.tensor_parallel import tensor_parallel_problems
+
+    try:
+        shape = model_shape(cfg.get("model"))
+    except Exception:  # a bad model config is named by _vocab_problems
+        return []
+    if shape is None:
+        return []
+    trainer = cfg.get("trainer") or {}
+    known = isinstance(trainer.get("devices", 1), int | list)  # not "auto" or -1
+    world = _world_size(trainer) if known and trainer.get("devices", 1) != -1 else 0
+    return tensor_parallel_problems(shape.config, size, world)
 
 
 def _vocab_problems(cfg: DictConfig) -> list[str]:

@@ -11,6 +11,9 @@ to the LightningModule's `configure_model`. This subclass applies it itself, the
 head), over a one-dimensional data-parallel mesh of every rank. Gradients are
 reduce-scattered (averaged over ranks, as DDP does), so N ranks of batch B train exactly as
 one process of batch N x B does, up to the order of the floating-point sums.
+With `tensor_parallel_size=T` the mesh is (world / T) x T: the tensor-parallel plan
+(`astrai.train.tensor_parallel`) splits each matrix over T neighbouring ranks first, then
+FSDP2 shards over the data-parallel dimension (docs/scaling.md "Tensor parallelism").
 
 Checkpoints are `torch.distributed.checkpoint` folders (`last.ckpt/`: one shard file per
 rank, `.metadata`, and Lightning's `meta.pt` with loops, schedules and the data position),
@@ -39,6 +42,8 @@ from torch import nn
 
 from astrai.train.checkpoint import LIGHTNING_META
 from astrai.train.engine_weights import shard_companions
+from astrai.train.tensor_parallel import KEY as TP_KEY
+from astrai.train.tensor_parallel import apply_tensor_parallel
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +82,8 @@ class FullyShardStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: sharded checkpoint folders (True) or one full file
             gathered on rank 0 (False).
         process_group_backend: None picks gloo on CPU, NCCL on CUDA.
+        tensor_parallel_size: ranks that split each matrix (`astrai.train.tensor_parallel`,
+            Lightning's name); the data-parallel size is the world size over it. 1: none.
     """
 
     def __init__(
@@ -89,11 +96,16 @@ class FullyShardStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
+        if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int):
+            raise ValueError(f"{TP_KEY}: must be an int >= 1, got {tensor_parallel_size!r}")
+        if tensor_parallel_size < 1:
+            raise ValueError(f"{TP_KEY}: must be an int >= 1, got {tensor_parallel_size!r}")
         kwargs: dict[str, Any] = {"timeout": timeout} if timeout is not None else {}
         super().__init__(
             data_parallel_size="auto",
-            tensor_parallel_size=1,
+            tensor_parallel_size=tensor_parallel_size,
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
             **kwargs,
@@ -106,8 +118,11 @@ class FullyShardStrategy(ModelParallelStrategy):
 
     # ------------------------------------------------------------------ set-up
     def setup_environment(self) -> None:
-        # every rank is one data-parallel shard: a (world_size x 1) mesh
-        self._data_parallel_size = self.num_nodes * self.num_processes
+        # a (world_size / tp x tp) mesh: tensor-parallel ranks are neighbours
+        world, tp = self.num_nodes * self.num_processes, self._tensor_parallel_size
+        if world % tp:
+            raise ValueError(f"{TP_KEY}={tp}: the {world} processes are not a multiple of it")
+        self._data_parallel_size = world // tp
         super().setup_environment()
 
     def setup(self, trainer: L.Trainer) -> None:
@@ -125,6 +140,8 @@ class FullyShardStrategy(ModelParallelStrategy):
             )
         if is_fully_sharded(model):
             return
+        if self._tensor_parallel_size > 1:
+            apply_tensor_parallel(model, self.device_mesh["tensor_parallel"])
         mesh = self.device_mesh["data_parallel"]
         options: dict[str, Any] = {
             "mesh": mesh,
