@@ -184,6 +184,16 @@ def _worker(rank: int, port: int, out: str) -> None:
             torch.testing.assert_close(reference(ids), other(ids), rtol=0, atol=1e-6)
         sync_reference(reference, policy, alpha=0.25)
         sync_reference(other, full, alpha=0.25)
+        # a policy laid out otherwise (tensor parallelism): gathered, then sharded as the
+        # reference (here a plain policy moves a sharded reference)
+        twin, plain = copy.deepcopy(other), _model(3)
+        fully_shard_units(twin, (DecoderBlock,), mesh=mesh)
+        load_full_state(twin, {k: v.clone() for k, v in other.state_dict().items()})
+        sync_reference(twin, plain, alpha=0.5)
+        sync_reference(other_twin := copy.deepcopy(other), plain, alpha=0.5)
+        moved = full_cpu_state(twin)
+        for key, value in moved.items():
+            torch.testing.assert_close(value, other_twin.state_dict()[key], rtol=0, atol=1e-7)
         state = full_cpu_state(reference)  # kept whole on rank 0 (the one that writes)
         assert state.keys() == (other.state_dict().keys() if rank == 0 else set())
         for key, value in state.items():

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from astrai.train.engine_weights import full_cpu_state, load_full_state
 
@@ -50,11 +50,28 @@ def sync_reference(reference: nn.Module, policy: nn.Module, alpha: float = 1.0) 
         if _storage(ref) in seen:  # tied weights (embeddings and head): one tensor, once
             continue
         seen.add(_storage(ref))
-        src = pol_state[name].to(device=ref.device, dtype=ref.dtype)
+        src = _like(pol_state[name], ref)
         if alpha == 1.0 or not ref.is_floating_point():
             ref.copy_(src)
         else:
             ref.mul_(1.0 - alpha).add_(src, alpha=alpha)
+
+
+def _like(src: Tensor, ref: Tensor) -> Tensor:
+    """``src`` in ``ref``'s device, dtype and layout: as it is where both are sharded alike
+    (each rank moves its own shards); else gathered whole and laid out as ``ref`` (a policy
+    split by tensor parallelism too, a reference sharded by FSDP2 only)."""
+    if isinstance(ref, DTensor):
+        same = isinstance(src, DTensor) and (src.device_mesh, src.placements) == (
+            ref.device_mesh,
+            ref.placements,
+        )
+        if not same:
+            whole = src.full_tensor() if isinstance(src, DTensor) else src
+            local = ref.to_local()
+            whole = whole.to(device=local.device, dtype=ref.dtype)
+            return distribute_tensor(whole, ref.device_mesh, ref.placements)
+    return src.to(device=ref.device, dtype=ref.dtype)
 
 
 def _storage(t: Tensor) -> int:
