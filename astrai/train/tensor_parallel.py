@@ -40,20 +40,26 @@ from torch.distributed.tensor.parallel import (
 )
 
 from astrai.model.config import ModelConfig
+from astrai.model.layers import Linear
 from astrai.vocab import VocabShard
 
 log = logging.getLogger(__name__)
 
 __all__ = [
     "KEY",
+    "NormParallel",
     "VocabParallel",
     "apply_tensor_parallel",
+    "block_plan",
     "check_tensor_parallel",
+    "copies",
     "tensor_parallel_problems",
 ]
 
 #: the setting's key in the composed config
 KEY = "trainer.strategy.tensor_parallel_size"
+#: the layers the plan splits (and the head)
+LINEARS = ("_proj", "lm_head")
 
 
 # ---------------------------------------------------------------------- checks
@@ -176,6 +182,12 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
     `model.vocab_shard` (module docstring). Checks the model's config first."""
     config: ModelConfig = model.config
     check_tensor_parallel(config, mesh.size())
+    for name, module in model.named_modules():
+        if name.endswith(LINEARS) and type(module) is not Linear:
+            raise ValueError(
+                f"{KEY}={mesh.size()}: {name} is a {type(module).__name__} (e.g. strategy.lora): "
+                "only the model's plain linear layers have a tensor-parallel plan"
+            )
     parallelize_module(
         model,
         mesh,
@@ -214,6 +226,3 @@ def copies(grad: Tensor) -> int:
         if not placement.is_replicate():  # Shard, and FSDP2's _StridedShard over TP's
             sharded *= size
     return world // sharded
-
-
-__all__ += ["NormParallel", "block_plan", "copies"]

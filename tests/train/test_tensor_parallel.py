@@ -233,3 +233,25 @@ def test_the_strategy_refuses_a_bad_size() -> None:
     for size in (0, 1.5, True):
         with pytest.raises(ValueError, match=KEY):
             FullyShardStrategy(tensor_parallel_size=size)  # type: ignore[arg-type]
+
+
+def test_a_lora_model_is_refused_before_anything_is_split(tmp_path: Path) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from astrai.model import Transformer
+    from astrai.model.lora import LoRAConfig, inject_lora
+    from astrai.train.tensor_parallel import apply_tensor_parallel
+
+    model = inject_lora(Transformer(preset("tiny")), LoRAConfig(r=2, target_modules=["q_proj"]))
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        with pytest.raises(
+            ValueError, match=rf"{KEY}=1: layers.0.self_attn.q_proj is a LoRALinear"
+        ):
+            apply_tensor_parallel(model, mesh)
+        assert all(type(p) is torch.nn.Parameter for p in model.parameters())  # nothing split
+    finally:
+        dist.destroy_process_group()
