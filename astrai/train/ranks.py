@@ -34,3 +34,17 @@ def gather_over_ranks(trainer: Any) -> Callable[[Tensor], Tensor] | None:
         return torch.cat([p[: int(n)] for p, n in zip(pieces, sizes)])
 
     return gather
+
+
+def max_over_ranks(trainer: Any) -> Callable[[int], int]:
+    """A function taking a count to its largest value over the trainer's ranks (GRPO's
+    number of forwards per micro-batch under a token budget); one process: the count."""
+    if trainer is None or trainer.world_size == 1:
+        return int
+    strategy = trainer.strategy
+
+    def largest(n: int) -> int:
+        count = torch.tensor(int(n), device=strategy.root_device)
+        return int(strategy.reduce(count, reduce_op=torch.distributed.ReduceOp.MAX))
+
+    return largest

@@ -8,7 +8,13 @@ import pytest
 import torch
 from grpo_helpers import FakeResult, make_grpo, prompt_data
 
-from astrai.train.strategies.grpo.packing import PackedRows, PaddedRows, RowPacking, token_groups
+from astrai.train.strategies.grpo.packing import (
+    PackedRows,
+    PaddedRows,
+    RowPacking,
+    spread_groups,
+    token_groups,
+)
 
 TEXTS = [
     "The answer is 5.",
@@ -122,6 +128,31 @@ def test_token_groups_fill_the_budget_in_order():
     layout = RowPacking(True, True, 9).layout([5, 4, 3], 5)
     assert isinstance(layout, PackedRows) and layout.groups == [(0, 2), (2, 3)]
     assert isinstance(RowPacking().layout([5, 4], 5), PaddedRows)
+
+
+def test_every_rank_runs_as_many_forwards_as_the_busiest():
+    # under FSDP2 each forward is a collective: a rank whose rollouts pack into fewer rows
+    # splits its largest group until it runs the other ranks' count (verl equalises too)
+    assert spread_groups([(0, 2), (2, 3)], 2) == [(0, 2), (2, 3)]
+    assert spread_groups([(0, 4), (4, 5)], 4) == [(0, 1), (1, 2), (2, 4), (4, 5)]
+    with pytest.raises(RuntimeError, match="use_dynamic_bsz: 4 forwards"):
+        spread_groups([(0, 2), (2, 3)], 4)
+    lengths = [3, 2, 2, 2]
+    groups = RowPacking(True, True, 9, agree=lambda n: 3).layout(lengths, 3).groups
+    assert len(groups) == 3 and [g for a, b in groups for g in range(a, b)] == [0, 1, 2, 3]
+    assert all(sum(lengths[a:b]) <= 9 for a, b in groups)
+
+
+def test_more_forwards_give_the_same_loss_and_gradients(prompt_setup, monkeypatch):
+    """The forwards a rank adds to match the others change nothing but the batching."""
+    root, tok = prompt_setup
+    options = dict(padding_free=True, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=60)
+    alone = _loss_and_grads(root, tok, **options)
+    monkeypatch.setattr(
+        "astrai.train.strategies.grpo.module.max_over_ranks", lambda trainer: lambda n: n + 3
+    )
+    matched = _loss_and_grads(root, tok, **options)
+    _assert_same(alone, matched)
 
 
 @pytest.mark.parametrize(

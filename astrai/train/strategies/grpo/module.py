@@ -20,6 +20,7 @@ moving reference (``sync_interval``) travels in the checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -33,7 +34,7 @@ from astrai.inference import InferenceEngine, SamplingParams
 from astrai.likelihood import TokenScores, next_token_targets
 from astrai.train.module import LMModule, ReferencePolicy
 from astrai.train.policy_engine import PolicyEngine
-from astrai.train.ranks import gather_over_ranks, sum_over_ranks
+from astrai.train.ranks import gather_over_ranks, max_over_ranks, sum_over_ranks
 from astrai.train.strategies.grpo.advantages import PER_TOKEN, compute_advantages
 from astrai.train.strategies.grpo.async_source import (
     AsyncSource,
@@ -301,7 +302,7 @@ class GRPOModule(GlobalTokenNormaliser, RolloutModule, LMModule):
             pad_id=pad if pad is not None else 0,
             device=self.device,
             mask_truncated=self.options.mask_truncated_completions,
-            packing=self.options.packing,
+            packing=dataclasses.replace(self.options.packing, agree=max_over_ranks(self._trainer)),
         )
         r, mask = part.rollouts, part.loss_mask
         self.flops_per_batch = self.flops_per_token * r.input_ids.numel()

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -127,6 +127,10 @@ class RowPacking:
     padding_free: bool = False
     use_dynamic_bsz: bool = False
     ppo_max_token_len_per_gpu: int = DEFAULT_TOKEN_BUDGET
+    #: the number of forwards every rank runs, from this rank's (the largest over the ranks:
+    #: under FSDP2 each forward is a collective, as verl makes its micro-batch counts equal
+    #: over data-parallel ranks); one process: its own
+    agree: Callable[[int], int] = field(default=int, compare=False)
 
     @classmethod
     def parse(
@@ -165,7 +169,8 @@ class RowPacking:
             return PaddedRows()
         if not self.use_dynamic_bsz:
             return PackedRows(lengths, width, [(0, len(lengths))])
-        return PackedRows(lengths, width, token_groups(lengths, self.ppo_max_token_len_per_gpu))
+        groups = token_groups(lengths, self.ppo_max_token_len_per_gpu)
+        return PackedRows(lengths, width, spread_groups(groups, self.agree(len(groups))))
 
 
 def token_groups(lengths: Sequence[int], budget: int) -> list[tuple[int, int]]:
@@ -185,6 +190,24 @@ def token_groups(lengths: Sequence[int], budget: int) -> list[tuple[int, int]]:
         total += n
     if start < len(lengths):
         groups.append((start, len(lengths)))
+    return groups
+
+
+def spread_groups(groups: list[tuple[int, int]], count: int) -> list[tuple[int, int]]:
+    """``groups`` with the one of most sequences split in two until there are ``count``
+    (each part stays within the budget its group kept). Every rank holds as many sequences
+    per micro-batch, so a rank that packed into fewer forwards can always match another's."""
+    groups = list(groups)
+    while len(groups) < count:
+        i = max(range(len(groups)), key=lambda j: groups[j][1] - groups[j][0])
+        start, end = groups[i]
+        if end - start < 2:
+            raise RuntimeError(
+                f"GRPO use_dynamic_bsz: {count} forwards asked of a micro-batch of "
+                f"{groups[-1][1]} sequences (the ranks hold different numbers of rollouts)"
+            )
+        middle = (start + end) // 2
+        groups[i : i + 1] = [(start, middle), (middle, end)]
     return groups
 
 
