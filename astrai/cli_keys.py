@@ -183,6 +183,26 @@ def named_groups_win(args: Sequence[str], config_dir: Path = CONF_DIR) -> None:
             store.store(group=f"{CHOSEN}/{group}", name=path.stem, node=own)
 
 
+#: trainer-level spellings of strategy options (Lightning's `ModelParallelStrategy` names):
+#: every `trainer.<key>` is an argument of `lightning.Trainer`, so the config keeps these on
+#: `trainer.strategy` (`trainer=fsdp2`), and `trainer.<key>=v` is read as that key
+TRAINER_STRATEGY_KEYS = ("tensor_parallel_size",)
+
+
+def strategy_keys(args: Sequence[str]) -> list[str]:
+    """`args` with `trainer.tensor_parallel_size=N` (the issue's, torchtitan's and
+    Lightning's name) spelt `trainer.strategy.tensor_parallel_size=N`, as the config has it;
+    under a strategy without it (`trainer=ddp`) the override check names the key."""
+    out = []
+    for arg in args:
+        key = _key(arg) or ""
+        name = key.removeprefix("trainer.")
+        if key.startswith("trainer.") and name in TRAINER_STRATEGY_KEYS:
+            arg = arg.replace(key, f"trainer.strategy.{name}", 1)
+        out.append(arg)
+    return out
+
+
 def renamed_keys(command: str, args: Sequence[str]) -> None:
     """A key that `command` spells otherwise (`tokenizer=` on prepare) is a `SystemExit`
     naming the right one, before Hydra's "Could not override 'tokenizer'"; so is a key it no
@@ -209,6 +229,8 @@ def command_line(command: str, args: Sequence[str], config_name: str | None = No
         args = normalise_experiment(args)
         named_groups_win(args)
     renamed_keys(command, args)
+    if command == "train":
+        args = strategy_keys(args)
     args = engine_blocks(args)
     if command in _HAS_MODEL_PATH + _HAS_MODEL_GROUP:
         args = model_args(command, args)

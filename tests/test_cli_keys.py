@@ -120,6 +120,15 @@ def test_the_train_cli_builds_the_named_trainer() -> None:
     assert trainer["strategy"]["_target_"] == "astrai.train.sharding.FullyShardStrategy"
 
 
+def test_trainer_tensor_parallel_size_is_the_strategy_key() -> None:
+    args = ["trainer=fsdp2", "trainer.accelerator=cpu", "trainer.tensor_parallel_size=2"]
+    spelt = command_line("train", args)
+    assert spelt[-1] == "trainer.strategy.tensor_parallel_size=2"
+    assert compose(spelt).trainer.strategy.tensor_parallel_size == 2
+    with pytest.raises(SystemExit, match="tensor_parallel_size"):  # DDP has no such key
+        command_line("train", ["trainer=ddp", "trainer.tensor_parallel_size=2"])
+
+
 # ------------------------------------------------------------------------- engine blocks
 SPEC = ["engine.speculative.method=ngram", "engine.speculative.num_speculative_tokens=4"]
 
