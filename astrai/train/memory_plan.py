@@ -13,14 +13,15 @@ Three phases, each a sum of what is alive then; the peak is the largest:
 - rollout: weights, optimizer state, reference, the engine's weights, packs and KV pool, and
   its decode workspace (gradients are freed after each step: `zero_grad(set_to_none=True)`);
 - update (forward and backward of one micro-batch): weights, gradients, optimizer state,
-  reference, the engine whole (it generated this micro-step's rollouts and sleeps only at
-  the optimizer step), compute copies of the weights, activations of one forward (the
+  reference, the engine (its KV pool and packs released while it sleeps: with
+  `engine.enable_sleep_mode` GRPO puts it to sleep after each rollout, TRL's
+  `vllm_enable_sleep_mode` window), compute copies of the weights, activations of one forward (the
   micro-batch, or one packed row of `ppo_max_token_len_per_gpu` tokens with GRPO's
   `use_dynamic_bsz`) and the LM head's logits (dense `[tokens, vocab]`, or one chunk of
   `strategy.logits_chunk_size` tokens);
 - step (the optimizer): weights, gradients, optimizer state and its temporaries, reference,
-  the engine (its KV pool and packs released while it sleeps: `engine.enable_sleep_mode`,
-  which `LMModule.on_before_optimizer_step` puts to sleep until the next rollout).
+  the engine (asleep likewise: `LMModule.on_before_optimizer_step` puts it to sleep until
+  its next use).
 """
 
 from __future__ import annotations
@@ -179,7 +180,7 @@ class MemoryPlan:
             + self.optimizer
             + self.reference
             + self.engine_weights
-            + self.sleeping
+            + self._awake()
             + self.compute_weights
             + self.activations
             + self.logits
@@ -210,7 +211,7 @@ class MemoryPlan:
         """(what, bytes, when) for each non-zero row, in the table's order."""
         lay, work = self.layout, self.workload
         split = f", 1/{lay.shards}" if lay.shards > 1 else ""
-        engine_when = "rollout, update" if self.sleep else "always"
+        engine_when = "rollout" if self.sleep else "always"
         states = work.optimizer if work else "optimizer"
         out = [
             (f"weights ({_dtype(lay.master_bytes)}{split})", self.weights, "always"),
@@ -266,7 +267,7 @@ class MemoryPlan:
                 parts.append("gradient checkpointing")
             if work.engine is not None:
                 parts.append(
-                    "engine asleep in the optimizer step" if self.sleep else "engine awake"
+                    "engine asleep from each rollout to the next" if self.sleep else "engine awake"
                 )
         return "; ".join(p for p in parts if p)
 

@@ -7,7 +7,7 @@ experiment=grpo_8b's workload (gradient checkpointing, bf16-mixed, a bf16 refere
 tokens per micro-batch) for several model shapes and layouts, on 1 x 24 GiB, 1 x 80 GiB and
 8 x 80 GiB devices. "budget": GRPO's packed forwards of at most 8,192 tokens
 (`padding_free`, `use_dynamic_bsz`, `ppo_max_token_len_per_gpu`); "sleep": the engine's KV
-pool and packs released for the optimizer step.
+pool and packs released from each rollout to the next.
 """
 
 from __future__ import annotations

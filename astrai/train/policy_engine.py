@@ -116,15 +116,22 @@ class PolicyEngine:
     def sleep(self) -> None:
         """Put the built engine to sleep (level 1: KV pool, packs, decode graphs freed) when
         it was built with ``enable_sleep_mode``; else, or when not built, nothing. Called
-        before every optimizer step (``LMModule.on_before_optimizer_step``: the memory is the
-        optimizer's meanwhile); every use of :attr:`engine` (and so :meth:`sync`) wakes it
-        first (:meth:`wake_up`)."""
+        after GRPO's rollouts (``GRPOModule.rollout``: TRL's ``vllm_enable_sleep_mode``
+        window, so the forward, the backward and the optimizer step have the memory) and
+        before every optimizer step (``LMModule.on_before_optimizer_step``); every use of
+        :attr:`engine` (and :meth:`sync`) wakes it first (:meth:`wake_up`), GRPO's version
+        bump (:meth:`join`) does not."""
         engine = self._engine
         if engine is None or self.slept is engine or not engine.sleep_mode.enabled:
             return
         engine.sleep(level=1)
         self.slept = engine
         log.debug("policy engine asleep for the optimizer step")
+
+    @property
+    def asleep(self) -> bool:
+        """The engine is built and :meth:`sleep` put it to sleep."""
+        return self.slept is not None and self.slept is self._engine
 
     def wake_up(self) -> None:
         """Wake the engine :meth:`sleep` put to sleep (its pool and packs taken back, packs
@@ -168,11 +175,27 @@ class PolicyEngine:
         return self._engine
 
     def sync(self, step: int, load: Callable[[], Any] | None = None) -> InferenceEngine:
-        """The engine with its policy version brought up to ``step`` (``load`` copies new
-        weights in first, where the engine's model is a copy the caller keeps; by default
-        :attr:`weights` refresh it); never backwards, so a second call at the same step
-        changes nothing. Under FSDP2 every rank must call it or :meth:`join` here."""
+        """The engine, awake, with its policy version brought up to ``step`` (``load`` copies
+        new weights in first, where the engine's model is a copy the caller keeps; by
+        default :attr:`weights` refresh it); never backwards, so a second call at the same
+        step changes nothing. Under FSDP2 every rank must call it or :meth:`join` here."""
         engine = self.engine
+        self._bring_up(engine, step, load)
+        return engine
+
+    def join(self, step: int) -> None:
+        """Take part in :meth:`sync`'s weight refresh of ``step`` without using the engine
+        (a rank where only rank 0 evaluates or serves, and GRPO's version bump after each
+        batch): a no-op on the live weights; where this rank has an engine, its weights and
+        version brought up to ``step`` without waking it (a sleeping engine's packs are
+        rebuilt from them at the wake-up)."""
+        if self.built:
+            self._bring_up(self.slept if self.asleep else self.engine, step, None)
+            return
+        live, _ = self.live()
+        self.weights.refresh(live, int(step))
+
+    def _bring_up(self, engine: InferenceEngine, step: int, load: Callable[[], Any] | None) -> None:
         if load is None:
             live, _ = self.live()
             load = functools.partial(self.weights.refresh, live, int(step))
@@ -180,17 +203,6 @@ class PolicyEngine:
                 load()
         if step > engine.policy_version:
             engine.update_weights(load, version=int(step))
-        return engine
-
-    def join(self, step: int) -> None:
-        """Take part in :meth:`sync`'s weight refresh of ``step`` without using the engine
-        (a rank where only rank 0 evaluates or serves): a no-op on the live weights; where
-        this rank has an engine (GRPO's), the same as :meth:`sync`."""
-        if self.built:
-            self.sync(step)
-            return
-        live, _ = self.live()
-        self.weights.refresh(live, int(step))
 
     def close(self) -> None:
         """Shut the engine down (a later use builds a fresh one, with the same needs)."""

@@ -103,15 +103,16 @@ def test_fsdp2_rows_are_the_hand_arithmetic() -> None:
     assert plan.peak == max(plan.rollout, plan.update, plan.step)
 
 
-def test_sleep_releases_the_kv_pool_and_packs_for_the_optimizer_step() -> None:
-    """The engine sleeps from `on_before_optimizer_step` to its next use (the next rollout):
-    the forward and backward after a rollout still hold it."""
+def test_sleep_releases_the_kv_pool_and_packs_from_each_rollout_to_the_next() -> None:
+    """GRPO puts the engine to sleep after each rollout (TRL's window) and
+    `on_before_optimizer_step` before each step: the forward, the backward and the optimizer
+    step run without its KV pool and packs."""
     layout = Layout(world_size=2, fully_sharded=True, shard_bytes=2, compute_bytes=2)
     awake = plan_memory(SMALL, layout, WORK)
     asleep_work = dataclasses.replace(WORK, engine=dataclasses.replace(ENGINE, sleep=True))
     asleep = plan_memory(SMALL, layout, asleep_work)
     assert asleep.step == awake.step - awake.kv_pool - awake.engine_packs
-    assert asleep.update == awake.update
+    assert asleep.update == awake.update - awake.kv_pool - awake.engine_packs
     assert asleep.rollout == awake.rollout  # rollouts need the engine whole
     assert asleep.engine_weights == awake.engine_weights  # its weights copy stays
 

@@ -166,7 +166,7 @@ def _rollouts_and_steps(where: Path, data_dir: Path, extra: list[str], monkeypat
     from astrai.inference import InferenceEngine
     from astrai.train.strategies.grpo.module import GRPOModule
 
-    seen: dict[str, Any] = {"engines": [], "rollouts": [], "steps": []}
+    seen: dict[str, Any] = {"engines": [], "rollouts": [], "steps": [], "backward": []}
     engine_init, run_batch = InferenceEngine.__init__, InferenceEngine.run_batch
 
     def count_engine(self, *a, **k):
@@ -185,9 +185,14 @@ def _rollouts_and_steps(where: Path, data_dir: Path, extra: list[str], monkeypat
     def probe(self):
         self.trainer.optimizers[0].register_step_post_hook(in_step)
 
+    def in_backward(self, loss):
+        (engine,) = seen["engines"]
+        seen["backward"].append((engine.is_sleeping, engine.get_stats()["kv_allocated_bytes"]))
+
     monkeypatch.setattr(InferenceEngine, "__init__", count_engine)
     monkeypatch.setattr(InferenceEngine, "run_batch", record)
     monkeypatch.setattr(GRPOModule, "on_train_start", probe)
+    monkeypatch.setattr(GRPOModule, "on_before_backward", in_backward)
     train_run(where, data_dir, ["trainer.max_steps=3", *extra], base=FLAGSHIP)
     seen["pool_bytes"] = seen["engines"][0].pool.storage.nbytes
     return seen
@@ -198,7 +203,7 @@ def test_a_sleeping_engine_rolls_out_the_same_tokens_and_frees_its_pool_in_the_s
     tmp_path, data_dir, monkeypatch, cache
 ):
     """GRPO with evaluation, 3 optimizer steps: with ``enable_sleep_mode`` the engine is asleep
-    inside every optimizer step with no KV allocated, and every rollout and evaluation is
+    from each rollout through the backward and the optimizer step with no KV allocated, and every rollout and evaluation is
     token-identical to the same run's without sleep mode."""
     mode = [f"strategy.engine.cache_mode={cache}"]
     awake = _rollouts_and_steps(tmp_path / "awake", data_dir, mode, monkeypatch)
@@ -213,10 +218,13 @@ def test_a_sleeping_engine_rolls_out_the_same_tokens_and_frees_its_pool_in_the_s
     assert size > 0 and sum(sleepy["pool_bytes"]) == size
     assert awake["steps"] == [(False, size)] * 3
     assert sleepy["steps"] == [(True, 0)] * 3  # released, by the engine's own accounting
+    # and from the rollouts on: the forward and backward have the memory too (TRL's window)
+    assert awake["backward"] == [(False, size)] * 3
+    assert sleepy["backward"] == [(True, 0)] * 3
     assert len(sleepy["rollouts"]) == len(awake["rollouts"]) >= 6  # rollouts and evaluations
     assert sleepy["rollouts"] == awake["rollouts"]
     (engine,) = sleepy["engines"]
-    assert engine.get_stats()["sleep_count"] == 3
+    assert engine.get_stats()["sleep_count"] >= 3  # after each rollout (and evaluation)
 
 
 def test_a_bad_sleep_setting_is_refused_before_the_run_naming_the_key():

@@ -205,6 +205,9 @@ class GRPOModule(GlobalTokenNormaliser, RolloutModule, LMModule):
         started = time.perf_counter()
         seed = self._seed(batch)
         samples = self.source.take(batch, seed, int(self.global_step))
+        # engine.enable_sleep_mode: the engine's KV pool and packs are the trainer's until the
+        # next rollout (TRL's vllm_enable_sleep_mode window); off: nothing
+        self.policy_engine.sleep()
         self.idle_seconds = self.source.waited
         generation = self._generation_of(batch, samples, seed)
         self._gen_seconds = time.perf_counter() - started
