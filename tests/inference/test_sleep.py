@@ -5,12 +5,21 @@ import random
 
 import pytest
 import torch
+from tiny_parts import tiny_transformer
 
 from astrai.inference import EngineNotReady, InferenceEngine
 from astrai.inference.engine import EngineSleeping
 from astrai.inference.engine_options import check_engine_blocks
 from astrai.model.layers import Attention
 from astrai.model.packed import pack_projections, release_projections
+
+
+@pytest.fixture
+def model(tokenizer):
+    """A model of this test's own: the packs' holders are counted per model, and the
+    session's shared one may still carry another file's engine (xdist runs files together)."""
+    return tiny_transformer(len(tokenizer))
+
 
 MODES = {
     "contiguous": dict(cache_mode="contiguous"),
