@@ -14,7 +14,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from train_helpers import TINY_MODEL, train_run
+from train_helpers import TINY_GRPO_EVAL, train_run
 
 from astrai.train.policy_engine import PolicyEngine, factory_sizes
 
@@ -92,22 +92,7 @@ def test_sync_never_goes_back_and_updates_once_per_step():
 
 
 # ---------------------------------------------------------------------- the flagship shape
-FLAGSHIP = [
-    "+experiment=tiny_grpo",
-    *TINY_MODEL,
-    "tokenizer.train.max_bytes=400000",
-    "data.train.prepare.builtin.n=32",
-    "data.batch_size=2",
-    "strategy.init_from=null",
-    "strategy.num_generations=4",
-    "strategy.max_new_tokens=8",
-    "callbacks.eval.suites.arithmetic.num_prompts=4",
-    "callbacks.eval.suites.arithmetic.max_tokens=8",
-    "callbacks.eval.every_n_steps=1",
-    "callbacks.progress_bar=null",
-    "trainer.max_steps=2",
-    "debug=fast",
-]
+FLAGSHIP = [*TINY_GRPO_EVAL, "callbacks.eval.every_n_steps=1", "trainer.max_steps=2"]
 
 
 def _counted_run(where: Path, data_dir: Path, extra: list[str], monkeypatch) -> dict[str, Any]:

@@ -28,7 +28,7 @@ import openai
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
-from train_helpers import SMALL, TINY_MODEL, checkpoint_differences
+from train_helpers import SMALL, TINY_GRPO_EVAL, TINY_MODEL, checkpoint_differences
 from train_helpers import train_run as run_in_process
 
 from astrai.train.serve_policy import PolicyServer, PolicyServeSettings, serve_policy_problems
@@ -36,21 +36,7 @@ from astrai.train.serve_policy import PolicyServer, PolicyServeSettings, serve_p
 STEPS = 3
 # tiny_grpo at test size (as tests/train/test_grpo.py), with its eval callback: the rollout
 # engine serves, the evaluation callback keeps its own
-GRPO_RUN = [
-    "+experiment=tiny_grpo",
-    *TINY_MODEL,
-    "tokenizer.train.max_bytes=400000",
-    "data.train.prepare.builtin.n=32",
-    "data.batch_size=2",
-    "strategy.init_from=null",
-    "strategy.num_generations=4",
-    "strategy.max_new_tokens=8",
-    "callbacks.eval.suites.arithmetic.num_prompts=4",
-    "callbacks.eval.suites.arithmetic.max_tokens=8",
-    "debug=fast",
-    "callbacks.progress_bar=null",
-    "callbacks.model_checkpoint.every_n_train_steps=1",
-]
+GRPO_RUN = [*TINY_GRPO_EVAL, "callbacks.model_checkpoint.every_n_train_steps=1"]
 RUN = [
     *TINY_MODEL,
     *SMALL,

@@ -17,6 +17,22 @@ SMALL = [
     "data.val.prepare.builtin.max_bytes=60000",
 ]
 TINY_MODEL = ["model=tiny", "tokenizer.train.vocab_size=512"]
+#: tiny_grpo at test size with its evaluation callback, in 3 steps (debug=fast): the runs of
+#: the policy-engine and live-policy-server tests
+TINY_GRPO_EVAL = [
+    "+experiment=tiny_grpo",
+    *TINY_MODEL,
+    "tokenizer.train.max_bytes=400000",
+    "data.train.prepare.builtin.n=32",
+    "data.batch_size=2",
+    "strategy.init_from=null",
+    "strategy.num_generations=4",
+    "strategy.max_new_tokens=8",
+    "callbacks.eval.suites.arithmetic.num_prompts=4",
+    "callbacks.eval.suites.arithmetic.max_tokens=8",
+    "debug=fast",
+    "callbacks.progress_bar=null",
+]
 
 
 def run_dirs(tmp: Path, data_dir: Path) -> list[str]:
