@@ -11,8 +11,8 @@ Refused with it, each with a ValueError naming both keys (checked before anythin
 allocated): `prefix_cache=true` (a cached page's KV was computed within another request's
 prefill chunk, whose length changes its bits; `null` resolves to off), `speculative`
 (drafts change which rows a step verifies), `decode_graphs` true or `"stand-in"` (captured
-batch sizes pad the decode batch; `null` resolves to eager), `lora` (the adapters' products
-group tokens by adapter across requests).
+batch sizes pad the decode batch; `null` resolves to eager). LoRA adapters (served ones and
+a training run's live adapter) are made invariant (`astrai.extension.lora`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ class BatchInvariance:
         prefix_cache: bool | None = None,
         decode_graphs: bool | str | None = None,
         speculative: object = None,
-        lora: object = None,
         key_prefix: str = "",
     ) -> BatchInvariance:
         """The checked setting; a bad value, or one combined with a setting it cannot hold,
@@ -62,7 +61,6 @@ class BatchInvariance:
                 f"decode_graphs={decode_graphs!r}",
                 "captured graphs pad the decode batch; leave decode_graphs null or false",
             ),
-            (lora is not None, "lora", "adapter products group tokens across requests"),
         )
         for bad, setting, why in refused:
             if bad:
@@ -79,7 +77,6 @@ class BatchInvariance:
             prefix_cache=engine.get("prefix_cache"),
             decode_graphs=engine.get("decode_graphs"),
             speculative=engine.get("speculative"),
-            lora=engine.get("lora"),
             key_prefix=key_prefix,
         )
 

@@ -118,7 +118,6 @@ class InferenceEngine:
             prefix_cache=prefix_cache,
             decode_graphs=decode_graphs,
             speculative=speculative,
-            lora=lora,
         )
         self.batch_invariant = invariance.enabled
         # No .eval() here: GRPO shares the live policy module, whose mode Lightning owns. The
