@@ -8,6 +8,7 @@ both runs (docs/inference.md, "Batch invariance")."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import threading
 
 import pytest
@@ -204,3 +205,19 @@ def test_greedy_in_the_mode_is_the_dense_forwards_greedy(model, tokenizer, greed
     with _engine(model, tokenizer, batch_invariant=True) as engine:
         got = engine.run_batch(prompts, max_tokens=8, temperature=0.0)
     assert got == [greedy_reference(model, p, 8) for p in prompts]
+
+
+def test_a_short_kv_pool_queues_requests_instead_of_preempting_them(model, tokenizer):
+    """Off, a pool too small for the batch preempts (recomputing a request's KV by prefill,
+    other bits than its decode steps gave); on, each request's whole context is reserved at
+    admission, so the others wait instead and the results stay those of each prompt alone."""
+    prompts = _prompts(len(tokenizer))
+    params = dataclasses.replace(PARAMS, max_tokens=30, ignore_eos=True)
+    short = dict(kv_tokens=240, page_size=4)
+    with _engine(model, tokenizer, **short) as engine:
+        engine.run_batch(prompts, params, seed=SEED)
+        assert engine.get_stats()["preemptions"] > 0  # the pool is short for this batch
+    with _engine(model, tokenizer, **short, batch_invariant=True) as engine:
+        together, alone = _batch_and_alone(engine, prompts, params)
+        assert engine.get_stats()["preemptions"] == 0
+    assert together == alone
