@@ -87,17 +87,30 @@ def test_without_it_the_batch_can_change_log_probs(model, tokenizer):
     assert any(a[1] != b[1] for a, b in zip(together, alone))
 
 
+# per group: sampling settings of its own, so a step's rows mix stages some rows skip
+MIXED = [
+    {},
+    {"top_p": 1.0, "top_k": 0},
+    {"min_p": 0.05, "presence_penalty": 0.5},
+    {"temperature": 0.7, "top_k": 5},
+    {"temperature": 0.0},
+    {"frequency_penalty": 0.3, "top_p": 0.8},
+]
+
+
 def test_concurrent_submissions_to_the_loop_equal_each_alone(model, tokenizer):
     """Groups submitted at once from several threads to the running loop (the HTTP server's
-    way) batch continuously with one another; each equals its group run alone."""
+    way), each with its own sampling settings, batch continuously with one another; each
+    equals its group run alone."""
     prompts = _prompts(len(tokenizer))
+    params = [dataclasses.replace(PARAMS, **MIXED[i]) for i in range(len(prompts))]
     with _engine(model, tokenizer, batch_invariant=True, start=True) as engine:
         groups: dict[int, list] = {}
         barrier = threading.Barrier(len(prompts))
 
         def submit(i: int) -> None:
             barrier.wait()
-            groups[i] = engine.submit_group(prompts[i], PARAMS, seed=SEED + i * N)
+            groups[i] = engine.submit_group(prompts[i], params[i], seed=SEED + i * N)
 
         threads = [threading.Thread(target=submit, args=(i,)) for i in range(len(prompts))]
         for t in threads:
@@ -112,7 +125,7 @@ def test_concurrent_submissions_to_the_loop_equal_each_alone(model, tokenizer):
         concurrent = [row for i in range(len(prompts)) for row in _rows(groups[i])]
         alone = []
         for i, prompt in enumerate(prompts):
-            results = engine.run_batch([prompt], PARAMS, seed=SEED + i * N, return_details=True)
+            results = engine.run_batch([prompt], params[i], seed=SEED + i * N, return_details=True)
             alone += _rows(results)
     assert concurrent == alone
 
