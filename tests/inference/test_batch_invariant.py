@@ -18,7 +18,7 @@ from tiny_parts import TINY_SHAPE
 from astrai.extension import attn_backend
 from astrai.inference import InferenceEngine, SamplingParams
 from astrai.inference.engine_options import check_engine_blocks
-from astrai.model import LoRAConfig, ModelConfig, Transformer, inject_lora
+from astrai.model import LoRAConfig, ModelConfig, Transformer, inject_lora, preset_model
 
 N = 4
 SEED = 123
@@ -234,3 +234,18 @@ def test_a_short_kv_pool_queues_requests_instead_of_preempting_them(model, token
         together, alone = _batch_and_alone(engine, prompts, params)
         assert engine.get_stats()["preemptions"] == 0
     assert together == alone
+
+
+@pytest.mark.parametrize("preset", ["tiny-moe", "tiny-mla"])
+def test_moe_and_mla_models_keep_it(tokenizer, greedy_reference, preset):
+    """Experts' products go through the same blocked products; MLA's absorbed projections
+    run in the same blocks and its latent attention per request (astrai.extension.mla);
+    greedy still equals the dense forward's."""
+    torch.manual_seed(0)
+    model = preset_model(preset, vocab_size=len(tokenizer), max_position_embeddings=512).eval()
+    prompts = _prompts(len(tokenizer))
+    with _engine(model, tokenizer, batch_invariant=True) as engine:
+        together, alone = _batch_and_alone(engine, prompts)
+        greedy = engine.run_batch(prompts[:3], max_tokens=6, temperature=0.0)
+    assert together == alone
+    assert greedy == [greedy_reference(model, p, 6) for p in prompts[:3]]
