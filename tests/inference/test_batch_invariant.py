@@ -249,3 +249,15 @@ def test_moe_and_mla_models_keep_it(tokenizer, greedy_reference, preset):
         greedy = engine.run_batch(prompts[:3], max_tokens=6, temperature=0.0)
     assert together == alone
     assert greedy == [greedy_reference(model, p, 6) for p in prompts[:3]]
+
+
+def test_scored_continuations_equal_each_scored_alone(model, tokenizer):
+    """Prompt log-probs (`score`, evaluation's log-likelihoods) are computed from the same
+    blocked LM head: a request scored beside others equals it scored alone."""
+    prompts = _prompts(len(tokenizer))
+    requests = [(p, [7, 8, 9, 10][: 1 + i % 4]) for i, p in enumerate(prompts)]
+    with _engine(model, tokenizer, batch_invariant=True) as engine:
+        together = engine.score(requests, top_logprobs=2)
+        alone = [engine.score([r], top_logprobs=2)[0] for r in requests]
+    assert [s.logprob for s in together] == [s.logprob for s in alone]
+    assert [s.tokens for s in together] == [s.tokens for s in alone]
