@@ -263,3 +263,17 @@ def test_scored_continuations_equal_each_scored_alone(model, tokenizer):
         alone = [engine.score([r], top_logprobs=2)[0] for r in requests]
     assert [s.logprob for s in together] == [s.logprob for s in alone]
     assert [s.tokens for s in together] == [s.tokens for s in alone]
+
+
+def test_grpo_rollout_engine_takes_the_key():
+    """`strategy.engine.batch_invariant=true`: GRPO's rollout engine factory (conf/engine)
+    passes it to the engine."""
+    from hydra.utils import instantiate
+
+    from astrai.train.runner import compose
+
+    cfg = compose(
+        ["strategy=grpo", "strategy.engine.batch_invariant=true", "paths.output_dir=/tmp/unused"]
+    )
+    factory = instantiate(cfg.strategy.engine)
+    assert factory.func is InferenceEngine and factory.keywords["batch_invariant"] is True
