@@ -277,3 +277,15 @@ def test_grpo_rollout_engine_takes_the_key():
     )
     factory = instantiate(cfg.strategy.engine)
     assert factory.func is InferenceEngine and factory.keywords["batch_invariant"] is True
+
+
+def test_the_kv_layout_and_batch_size_do_not_matter(model, tokenizer):
+    """A trainer's rollout engine and a server replica may size their engines differently:
+    paged or contiguous, any `max_batch_size`, the same bits (`max_prefill_tokens` does
+    matter for prompts longer than it: it sets the chunks)."""
+    prompts = _prompts(len(tokenizer))
+    runs = []
+    for kw in (dict(cache_mode="paged", max_batch_size=64), dict(cache_mode="contiguous")):
+        with _engine(model, tokenizer, batch_invariant=True, **kw) as engine:
+            runs.append(_rows(engine.run_batch(prompts, PARAMS, seed=SEED, return_details=True)))
+    assert runs[0] == runs[1]
