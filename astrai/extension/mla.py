@@ -142,12 +142,18 @@ def _per_request(
             keys = buf.index_select(0, slots.to(torch.int64))[:, 0]
         keys = keys.to(q.dtype)[None, None]  # [1, 1, L, W]
         queries = q[start : start + q_len].transpose(0, 1)[None]  # [1, H, q_len, W]
-        mask = None
-        if q_len > 1:
+        mask = None  # one query: every key; the whole sequence: the plain causal mask
+        if 1 < q_len < kv_len:
             mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device)
             mask = mask.tril(kv_len - q_len)
         o = F.scaled_dot_product_attention(
-            queries, keys, keys[..., :value_dim], attn_mask=mask, scale=scale, enable_gqa=True
+            queries,
+            keys,
+            keys[..., :value_dim],
+            attn_mask=mask,
+            is_causal=1 < q_len == kv_len,
+            scale=scale,
+            enable_gqa=True,
         )
         out[start : start + q_len] = o[0].transpose(0, 1)
         start += q_len
