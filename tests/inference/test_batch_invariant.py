@@ -242,8 +242,16 @@ def test_a_short_kv_pool_queues_requests_instead_of_preempting_them(model, token
 WIDE_MOE = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=256)
 
 
-@pytest.mark.parametrize(("preset", "overrides"), [("tiny-moe", WIDE_MOE), ("tiny-mla", {})])
-def test_moe_and_mla_models_keep_it(tokenizer, greedy_reference, preset, overrides):
+@pytest.mark.parametrize(
+    ("preset", "overrides"),
+    [
+        ("tiny", dict(hidden_size=256, intermediate_size=704)),
+        ("tiny-moe", WIDE_MOE),
+        ("tiny-mla", {}),
+    ],
+    ids=["dense-256", "moe-256", "mla"],
+)
+def test_wider_moe_and_mla_models_keep_it(tokenizer, greedy_reference, preset, overrides):
     """The router's and experts' products run in the same fixed blocks (every batch on the
     sorted path); MLA's absorbed projections too, and its latent attention per request
     (astrai.extension.mla); greedy still equals the dense forward's."""
