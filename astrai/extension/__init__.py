@@ -5,6 +5,8 @@ cache and attends. Backends: triton (default on GPU; the kernels live in `ops/`)
 (when flash-attn is installed), torch_native (SDPA; always available). Select one strictly with
 `with attn_backend("torch_native"):` or `ASTR_BACKEND=...`; otherwise the first capable
 backend serves each call. `linear` is the model's matmul (oneDNN for fp32 CPU inference).
+`with batch_invariant():` makes products and torch_native attention batch-invariant
+(`astrai.extension.invariance`).
 """
 
 from astrai.extension.backend import (
@@ -18,6 +20,7 @@ from astrai.extension.backend import (
     get_backend,
     selected_backend,
 )
+from astrai.extension.invariance import batch_invariant, batch_invariant_enabled
 from astrai.extension.kv_cache import KVCache
 from astrai.extension.linear import linear, onednn_linear_enabled
 
@@ -30,6 +33,8 @@ __all__ = [
     "apply_rotary_qk",
     "attention",
     "attn_backend",
+    "batch_invariant",
+    "batch_invariant_enabled",
     "get_backend",
     "linear",
     "onednn_linear_enabled",

@@ -43,6 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from astrai.extension.invariance import batch_invariant_enabled, in_row_blocks
+
 _ONEDNN = (
     torch.backends.mkldnn.is_available()
     and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -116,7 +118,21 @@ def linear(
     """`F.linear(x, weight, bias)`; oneDNN for fp32 on the CPU with gradients off, except
     for products of at most `ONEDNN_MIN_MACS` when `small_on_aten` (cache-resident weights).
     `prepacked` (`prepack_weight`'s) serves the oneDNN route; `weight` may then be None
-    when that route is certain (fp32 CPU inference of a model that is not cache-resident)."""
+    when that route is certain (fp32 CPU inference of a model that is not cache-resident).
+    In batch-invariant mode (`astrai.extension.invariance`) the product runs in fixed blocks
+    of `INVARIANT_ROWS` rows, each block by the route above."""
+    if batch_invariant_enabled() and x.dim() >= 2 and not isinstance(x, DTensor):
+        return in_row_blocks(x, lambda rows: _linear(rows, weight, bias, small_on_aten, prepacked))
+    return _linear(x, weight, bias, small_on_aten, prepacked)
+
+
+def _linear(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    small_on_aten: bool,
+    prepacked: torch.Tensor | None,
+) -> torch.Tensor:
     out_features = (prepacked if prepacked is not None else weight).shape[0]
     if (
         _ONEDNN

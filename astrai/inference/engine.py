@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from astrai.extension import BackendUnavailable, selected_backend
 from astrai.inference.adapters import AdapterInfo, EngineAdapters, LoRASettings, NoAdapters
 from astrai.inference.batch import BatchResult, batch_output, group_tasks, prompt_groups, single
+from astrai.inference.batch_invariance import BatchInvariance
 from astrai.inference.engine_options import check_sleep_mode
 from astrai.inference.errors import EngineNotReady, RequestRejected
 from astrai.inference.grammar import grammar_compiler
@@ -81,7 +82,9 @@ class InferenceEngine:
     `speculative` (`SpeculativeConfig`): speculative decoding (`astrai.inference.speculative`).
     `enable_sleep_mode` (vLLM's name): `sleep()` frees the KV pool, the packs and the decode
     graphs while the engine is not needed (a trainer's optimizer step), `wake_up()` takes them
-    back (`astrai.inference.sleep`).
+    back (`astrai.inference.sleep`). `batch_invariant` (vLLM's `VLLM_BATCH_INVARIANT`): each
+    request's tokens and log-probs independent of the rest of the step
+    (`astrai.inference.batch_invariance`, which says what it refuses).
     """
 
     def __init__(
@@ -106,9 +109,18 @@ class InferenceEngine:
         lora: LoRASettings | Mapping[str, Any] | None = None,
         speculative: SpeculativeConfig | Mapping[str, Any] | None = None,
         enable_sleep_mode: bool = False,
+        batch_invariant: bool = False,
         start: bool = True,
     ) -> None:
         check_sleep_mode(enable_sleep_mode)  # before anything is allocated
+        invariance = BatchInvariance.check(
+            batch_invariant,
+            prefix_cache=prefix_cache,
+            decode_graphs=decode_graphs,
+            speculative=speculative,
+            lora=lora,
+        )
+        self.batch_invariant = invariance.enabled
         # No .eval() here: GRPO shares the live policy module, whose mode Lightning owns. The
         # model has no dropout; the runner runs it under inference_mode.
         self.model = model
@@ -131,7 +143,7 @@ class InferenceEngine:
             page_size=page_size,
             kv_tokens=kv_tokens,
             memory_fraction=memory_fraction,
-            prefix_cache=prefix_cache,
+            prefix_cache=invariance.prefix_cache,
         )
         self.handoff = Handoff(stream_interval)
         self.adapters: EngineAdapters | NoAdapters = EngineAdapters.build(model, lora)
@@ -147,16 +159,18 @@ class InferenceEngine:
             max_prompt_tokens=max_prompt_tokens,
             adapters=slots,
             speculative_tokens=self.proposer.num_speculative_tokens,
+            batch_invariant=invariance.enabled,
         )
         self.runner = ModelRunner(
             model,
             self.pool,
             max_batch_size=max_batch_size,
-            decode_graphs=decode_graphs,
+            decode_graphs=invariance.decode_graphs,
             logprob_chunk=logprob_chunk,
             grammar=grammar_compiler(tokenizer),
             adapters=slots,
             proposer=self.proposer,
+            batch_invariant=invariance.enabled,
         )
         self.sleep_mode = SleepMode(
             enable_sleep_mode,

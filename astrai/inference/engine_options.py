@@ -1,5 +1,5 @@
-"""The `engine` group's optional blocks (`engine.lora`, `engine.speculative`) and
-`engine.enable_sleep_mode` checked before a command loads its model, by the classes the engine
+"""The `engine` group's optional blocks (`engine.lora`, `engine.speculative`),
+`engine.enable_sleep_mode` and `engine.batch_invariant` (with what it refuses) checked before a command loads its model, by the classes the engine
 reads them with: `serve` and `generate` fail in a second with one line naming the key instead
 of after minutes of loading."""
 
@@ -24,9 +24,10 @@ def check_sleep_mode(enabled: Any) -> bool:
 
 def check_engine_blocks(engine: Mapping[str, Any]) -> SpeculativeConfig | None:
     """Check `engine["lora"]`, `engine["speculative"]` (and a draft model's directory) and
-    `engine["enable_sleep_mode"]`; a bad one is a SystemExit naming the key. Returns the
-    speculative setting (None: off)."""
+    `engine["enable_sleep_mode"]` and `engine["batch_invariant"]`; a bad one is a SystemExit
+    naming the key. Returns the speculative setting (None: off)."""
     from astrai.inference.adapters import LoRASettings
+    from astrai.inference.batch_invariance import BatchInvariance
     from astrai.inference.speculative import SpeculativeConfig
 
     try:
@@ -36,6 +37,7 @@ def check_engine_blocks(engine: Mapping[str, Any]) -> SpeculativeConfig | None:
     try:
         LoRASettings.of(engine.get("lora"))
         spec = SpeculativeConfig.of(engine.get("speculative"))
+        BatchInvariance.of_options(engine)  # names engine.batch_invariant and the other key
     except (TypeError, ValueError) as err:  # the messages name engine.lora / engine.speculative
         raise SystemExit(str(err)) from None
     if spec is not None and spec.model:

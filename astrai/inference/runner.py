@@ -7,6 +7,8 @@ fixed-address workspace; when the decoding rows are the same as last step, their
 tokens are last step's samples, copied device-to-device instead of through the host.
 A plan with prompt log-prob rows runs eagerly through `Transformer.hidden_packed` and
 scores them in slices (`astrai.inference.logprobs`); the sampling rows keep the cheap path.
+With `batch_invariant` every forward runs inside `astrai.extension.batch_invariant` on the
+torch_native attention backend (the one whose per-request path is batch-invariant).
 A plan with rows of LoRA adapters runs eagerly with each token's adapter slot set for the
 adapted projections (`astrai.inference.adapters`); captured graphs serve base-only steps.
 """
@@ -19,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from astrai.extension import attn_backend
+from astrai.extension import BackendUnavailable, attn_backend, batch_invariant
 from astrai.inference.adapters import NO_ADAPTER_SLOTS, AdapterSlots, NoAdapterSlots
 from astrai.inference.cache import PagePool
 from astrai.inference.constrain import GrammarRows
@@ -54,6 +56,7 @@ class ModelRunner:
     (a CUDA model is required), `"stand-in"` = the CPU stand-in (tests), False = eager.
     `logprob_chunk`: at most this many prompt positions go through `lm_head` at once.
     `grammar`: compiles the structured-output constraints of requests (None: none allowed).
+    `batch_invariant`: forwards in batch-invariant mode (`astrai.inference.batch_invariance`).
     """
 
     def __init__(
@@ -67,6 +70,7 @@ class ModelRunner:
         grammar: GrammarCompiler | None = None,
         adapters: AdapterSlots | NoAdapterSlots = NO_ADAPTER_SLOTS,
         proposer: Proposer = NO_PROPOSER,
+        batch_invariant: bool = False,
     ) -> None:
         if (
             isinstance(logprob_chunk, bool)
@@ -96,6 +100,7 @@ class ModelRunner:
         self.adapters = adapters
         # speculative decoding (astrai.inference.speculative)
         self.proposer = proposer
+        self.batch_invariant = batch_invariant
 
     def _build_graphs(self, mode: bool | str | None, batch: int) -> None:
         """CUDA graphs for decode by default on CUDA; `"stand-in"` for CPU tests; False: eager."""
@@ -162,7 +167,7 @@ class ModelRunner:
         """
         previous, self._last_sampled = self._last_sampled, None
         drafts = self._proposals(plan)
-        with attn_backend(plan.backend):
+        with attn_backend(self._backend(plan)), batch_invariant(self.batch_invariant):
             if drafts:
                 return self._speculate(plan, drafts)
             logits, graphed, prompt = self._forward(plan, previous)
@@ -173,6 +178,18 @@ class ModelRunner:
             self._last_sampled = drawn.device_tokens
         out.prompt_logprobs = prompt
         return out
+
+    def _backend(self, plan: StepPlan) -> str | None:
+        """The plan's attention backend; in batch-invariant mode torch_native, whose
+        per-request path is the invariant one (a request that chose another is refused)."""
+        if not self.batch_invariant:
+            return plan.backend
+        if plan.backend not in (None, "torch_native"):
+            raise BackendUnavailable(
+                f"batch_invariant=true runs attention on torch_native only; these requests "
+                f"selected {plan.backend!r}"
+            )
+        return "torch_native"
 
     def _sample(
         self, rows: torch.Tensor, tasks: Sequence[Task], generated: Sequence[Sequence[int]] | None

@@ -25,6 +25,12 @@ A prompt's complete pages enter the prefix cache as soon as its prefill complete
 samples of one prompt are a group (`submit_group`): with a prefix cache, the followers are
 held (`groups.HeldFollowers`) until the leader's prefill completes, then queued first, and
 each prefills only the tail after the leader's pages.
+
+With `batch_invariant` a prompt's prefill chunks are fixed by the prompt alone: chunk `k`
+covers tokens `[k * max_prefill_tokens, (k + 1) * max_prefill_tokens)`, and a prompt whose
+next chunk does not fit in the step's leftover budget waits for the next step instead of
+taking a shorter one (the first prefilling request always gets the whole budget, so each
+step makes progress). Attention within a chunk depends on the chunk's length.
 """
 
 from __future__ import annotations
@@ -94,6 +100,7 @@ class InferenceScheduler(Admission):
         max_prompt_tokens: int | None = None,
         adapters: AdapterSlots | NoAdapterSlots = NO_ADAPTER_SLOTS,
         speculative_tokens: int = 0,
+        batch_invariant: bool = False,
     ) -> None:
         if max_prefill_tokens <= 0:
             raise ValueError(f"max_prefill_tokens must be positive, got {max_prefill_tokens}")
@@ -114,6 +121,8 @@ class InferenceScheduler(Admission):
         # (KV reserved for them: `StepPlan.draft_budgets`); 0: off.
         self.speculative_tokens = speculative_tokens
         self.spec = SpecCounters(enabled=speculative_tokens > 0)
+        # Prefill chunks fixed by the prompt alone (`astrai.inference.batch_invariance`).
+        self.batch_invariant = batch_invariant
         # Set by `fail_all` (the loop crashed): every new request is rejected with it.
         self.failure: str | None = None
         # Set whenever there is new work (a submission, a cancellation) for an idle loop.
@@ -285,8 +294,9 @@ class InferenceScheduler(Admission):
             if t.prefilled:  # decode: feed the newest token (its KV: `_reserve_decode`)
                 new = [t.output_ids[-1]]
             else:
-                n = min(t.prefill_len - t.computed, budget)
-                if n <= 0:
+                left = t.prefill_len - t.computed
+                n = min(left, budget)
+                if n <= 0 or (self.batch_invariant and n < min(left, self.max_prefill_tokens)):
                     continue
                 budget -= n
                 new = t.prefill_ids[t.computed : t.computed + n]

@@ -4,6 +4,8 @@ Decode steps run as one padded batch (one gather, one SDPA call, a key-length ma
 fold each GQA group into the query axis, so K/V are never expanded per query head. Prefill
 and mixed steps loop over the requests with several new tokens using the host-side lengths,
 so nothing here forces a device sync; their one-token rows still run as one batched decode.
+In batch-invariant mode (`astrai.extension.invariance`) every request attends alone over
+exactly its own keys, by a kernel its own query and key lengths choose.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from astrai.extension.backend.base import AttentionBackend, write_kv
+from astrai.extension.invariance import batch_invariant_enabled
 from astrai.extension.kv_cache import KVCache
 
 
@@ -49,6 +52,8 @@ class TorchNativeBackend(AttentionBackend):
         write_kv(k, v, kv_cache, layer_id)
         if q.shape[0] == 0:
             return torch.empty_like(q)
+        if batch_invariant_enabled():
+            return _per_request(q, kv_cache, layer_id, scale)
         if kv_cache.is_decode:
             return self._decode(q, kv_cache, layer_id, scale)
         return self._extend(q, k, v, kv_cache, layer_id, scale)
@@ -170,6 +175,48 @@ class TorchNativeBackend(AttentionBackend):
             out[start : start + q_len] = o[0].transpose(0, 1)
             start += q_len
         return out
+
+
+def _per_request(q: torch.Tensor, kv_cache: KVCache, layer_id: int, scale: float) -> torch.Tensor:
+    """Batch-invariant attention: request by request over its keys read back from the cache
+    (no padding to a longer neighbour), one query token without a mask, several with the
+    causal mask of their place; nothing depends on the other requests of the step."""
+    k_buf, v_buf = kv_cache.k_buffer[layer_id], kv_cache.v_buffer[layer_id]
+    stride = kv_cache.row_stride if kv_cache.req_pool_indices_host else None
+    n_kv_heads = k_buf.shape[-2]
+    out = torch.empty_like(q)
+    start = 0
+    for i, (q_len, kv_len) in enumerate(zip(kv_cache.q_lens_host, kv_cache.seq_lens_host)):
+        if q_len == 0:
+            continue
+        if q_len > kv_len:
+            raise ValueError(f"request {i}: q_len {q_len} exceeds its kv length {kv_len}")
+        if stride is not None:
+            base = kv_cache.req_pool_indices_host[i] * stride
+            keys, values = k_buf[base : base + kv_len], v_buf[base : base + kv_len]
+        else:
+            slots = kv_cache.req_to_token[kv_cache.req_pool_indices[i], :kv_len]
+            keys, values = k_buf.index_select(0, slots), v_buf.index_select(0, slots)
+        keys = keys.to(q.dtype).transpose(0, 1)[None]  # [1, Hkv, L, D]
+        values = values.to(q.dtype).transpose(0, 1)[None]
+        queries = q[start : start + q_len]
+        if q_len == 1:  # one query: every key visible; the GQA group as its query rows
+            grouped = queries.reshape(1, n_kv_heads, -1, q.shape[-1])
+            o = F.scaled_dot_product_attention(grouped, keys, values, scale=scale)
+            out[start] = o.reshape(q.shape[1:])
+        else:  # query j sits at position kv_len - q_len + j
+            mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device)
+            o = F.scaled_dot_product_attention(
+                queries.transpose(0, 1)[None],
+                keys,
+                values,
+                attn_mask=mask.tril(kv_len - q_len),
+                scale=scale,
+                enable_gqa=q.shape[1] != n_kv_heads,
+            )
+            out[start : start + q_len] = o[0].transpose(0, 1)
+        start += q_len
+    return out
 
 
 @dataclass
