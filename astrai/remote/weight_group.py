@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import threading
 import time
 
 import torch
@@ -195,5 +196,8 @@ class WeightGroup:
             return True
 
     def close(self) -> None:
-        """Drop the group (its connections close when the last reference goes)."""
+        """Drop the group. Its destructor waits for a collective still pending (one a dead
+        member never joined) until the timeout: it runs on a daemon thread of its own."""
+        holder = [self.group]
         self.group = None  # type: ignore[assignment]
+        threading.Thread(target=holder.clear, name="astrai-weight-group-close", daemon=True).start()

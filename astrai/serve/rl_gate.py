@@ -38,12 +38,17 @@ class GenerationGate:
         self._idle = asyncio.Event()
         self._idle.set()
         self.inflight = 0
+        self.waiting = 0  # requests held at the closed gate
         self.paused = False  # closed by /pause_generation (an update reopens only if not)
         self.spoiled = False
 
     async def enter(self) -> None:
         while not self._open.is_set():
-            await self._open.wait()
+            self.waiting += 1
+            try:
+                await self._open.wait()
+            finally:
+                self.waiting -= 1
         if self.spoiled:
             raise APIError(503, SPOILED, kind="overloaded", code="weights_inconsistent")
         self.inflight += 1
