@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import threading
 import time
 
 import torch
@@ -30,6 +29,12 @@ BACKENDS = ("gloo", "nccl")
 POLL_S = 0.0002  # how often a waiting member looks at its collective
 ABORT_CHECK_S = 0.05  # and at the abort key (a round trip to the store)
 ABORT_KEY = "abort"
+
+
+# Groups closed while a collective was still pending (a member died before joining it):
+# their destructor would wait for it until the timeout, and a daemon thread killed in that
+# wait aborts the process at exit. Parked here until it completes, then dropped.
+_PARKED: list[tuple[dist.ProcessGroup, dist.Work]] = []
 
 
 class GroupAborted(RuntimeError):
@@ -102,6 +107,7 @@ class WeightGroup:
         self.backend = backend
         self.timeout = timeout
         self.store = dist.PrefixStore(f"astrai-weights/{name}/", store)
+        self.pending: dist.Work | None = None  # the last collective started (they run in order)
         # Blocks until every member has constructed its side (gloo connects the full mesh).
         self.group, self.device = _process_group(
             self.store, rank, world_size, backend, timeout, device
@@ -167,7 +173,7 @@ class WeightGroup:
         flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=self.device)
         options = dist.AllreduceOptions()
         options.reduceOp = dist.ReduceOp.MIN
-        self._wait(self.group.allreduce([flag], options))
+        self._wait(self._started(self.group.allreduce([flag], options)))
         return bool(flag.item())
 
     def start_handshake(self, ok: bool) -> tuple[dist.Work, torch.Tensor]:
@@ -175,11 +181,15 @@ class WeightGroup:
         flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=self.device)
         options = dist.AllreduceOptions()
         options.reduceOp = dist.ReduceOp.MIN
-        return self.group.allreduce([flag], options), flag
+        return self._started(self.group.allreduce([flag], options)), flag
 
     def broadcast(self, tensor: torch.Tensor) -> None:
         """`tensor` from rank 0 into every member's `tensor` (same shape and dtype)."""
-        self._wait(self.group.broadcast(tensor, 0))
+        self._wait(self._started(self.group.broadcast(tensor, 0)))
+
+    def _started(self, work: dist.Work) -> dist.Work:
+        self.pending = work
+        return work
 
     # ------------------------------------------------------------------ ending
     def abort(self) -> None:
@@ -196,8 +206,10 @@ class WeightGroup:
             return True
 
     def close(self) -> None:
-        """Drop the group. Its destructor waits for a collective still pending (one a dead
-        member never joined) until the timeout: it runs on a daemon thread of its own."""
-        holder = [self.group]
-        self.group = None  # type: ignore[assignment]
-        threading.Thread(target=holder.clear, name="astrai-weight-group-close", daemon=True).start()
+        """Drop the group; one whose last collective is still pending is parked until that
+        collective ends (its destructor would wait for it)."""
+        group, self.group = self.group, None  # type: ignore[assignment]
+        if group is not None and self.pending is not None and not self.pending.is_completed():
+            _PARKED.append((group, self.pending))
+        self.pending = None
+        _PARKED[:] = [(g, w) for g, w in _PARKED if not w.is_completed()]
