@@ -29,8 +29,8 @@ WIRE_FIELDS = (
     "n",
     "adapter",
 )
-# vLLM's / SGLang's name for astrai's `stop_ids`
-ALIASES = {"stop_token_ids": "stop_ids"}
+# SGLang's (and vLLM's) names for astrai's fields
+ALIASES = {"stop_token_ids": "stop_ids", "max_new_tokens": "max_tokens"}
 _DEFAULTS = SamplingParams()
 
 
@@ -66,9 +66,7 @@ def params_from_json(data: Mapping[str, Any], *, seed: int | None) -> SamplingPa
                 f"expected some of {', '.join(WIRE_FIELDS)}"
             )
         if name in fields:
-            raise ValueError(
-                f"sampling_params.{key} is given twice (as stop_ids and stop_token_ids)"
-            )
+            raise ValueError(f"sampling_params.{key} is given twice (under two names)")
         if name == "stop_ids" and isinstance(value, list):
             value = frozenset(value) if all(isinstance(v, int) for v in value) else value
         elif name == "logit_bias" and isinstance(value, Mapping):

@@ -5,6 +5,8 @@ old weights and version. The distributed path: tests/remote/test_weight_sender.p
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -199,6 +201,52 @@ def test_lora_update_from_disk_equals_a_server_started_with_those_weights(
             # the base model is untouched by an adapter's update
             assert client.generate([PROMPTS[0]], GREEDY, seed=1) == base_before
             client.close()
+    finally:
+        engine.shutdown()
+        ref.shutdown()
+
+
+def test_an_update_while_paused_serves_the_waiting_request_on_the_new_version(
+    model_dir, tokenizer, tmp_path
+):
+    """The trainer's sequence: pause, update, continue. A request that arrives while paused
+    asking for the new version waits at the gate (unchecked), the update leaves the gate
+    closed, and after continue the request runs on the new weights."""
+    new_dir = perturbed(model_dir, tmp_path / "w", seed=4)
+    engine = engine_on(model_dir, tokenizer)
+    ref = engine_on(new_dir, tokenizer)
+    app = create_app(engine, ServeSettings(allow_weight_updates=True))
+    gate = app.state.rl_gate
+    answer: dict = {}
+    try:
+        with ServerThread(app) as srv:
+            assert httpx.post(srv.url + "/pause_generation").status_code == 200
+            body = {
+                "input_ids": PROMPTS,
+                "sampling_params": {"max_new_tokens": 6, "temperature": 0},  # SGLang's name
+                "seed": 7,
+                "policy_version": 1,
+            }
+            waiting = threading.Thread(
+                target=lambda: answer.update(
+                    r=httpx.post(srv.url + "/generate", json=body, timeout=120)
+                )
+            )
+            waiting.start()
+            deadline = time.monotonic() + 60
+            while gate.waiting == 0:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            assert update(srv.url, model_path=str(new_dir), policy_version=1).status_code == 200
+            assert gate.waiting == 1 and "r" not in answer  # still paused after the update
+            assert httpx.post(srv.url + "/continue_generation").status_code == 200
+            waiting.join(timeout=120)
+        r = answer["r"]
+        assert r.status_code == 200, r.text
+        assert r.json()["policy_version"] == 1
+        assert [(o["output_ids"], o["logprobs"]) for o in r.json()["outputs"]] == run_batch(
+            ref, GREEDY
+        )
     finally:
         engine.shutdown()
         ref.shutdown()
