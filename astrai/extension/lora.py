@@ -20,6 +20,9 @@ Two implementations behind this one entry point (S-LoRA / Punica's gathered prod
 - Triton on CUDA (`astrai.extension.ops.lora`): a segmented gather kernel that reads each
   token's slot and touches only its rank's columns.
 `ASTR_LORA_BACKEND=torch|triton` selects one strictly (triton raises where unusable).
+In batch-invariant mode (`astrai.extension.invariance`) neither: per adapter in use, its
+tokens' two products in fixed row blocks, so a token's delta is the same bits whatever
+else the step holds.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from astrai.extension.invariance import batch_invariant_enabled, in_row_blocks
 
 LORA_BACKENDS = ("torch", "triton")
 
@@ -180,6 +185,9 @@ def lora_delta(
     """`out[t] += scalings[s] * (x[t] A_s^T) B_s^T` with `s = batch.token_slots[t]` (no
     change where -1), in place. `x` `[T, in]`, `out` `[T, out]` (a column slice of a packed
     projection's output is fine), `a` / `bt` the stacks `[slots * rank, in | out]`."""
+    if batch_invariant_enabled():
+        _invariant_delta(x, out, a, bt, rank, batch)
+        return
     forced = lora_backend()
     if forced == "triton" or (forced is None and x.is_cuda):
         from astrai.extension.ops import sgmv_lora  # raises where Triton cannot run
@@ -214,6 +222,25 @@ def lora_delta(
         out.index_add_(0, batch.rows, y)
     else:
         out.index_add_(0, batch.targets, y.index_select(0, batch.kept))
+
+
+def _invariant_delta(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    a: torch.Tensor,
+    bt: torch.Tensor,
+    rank: int,
+    batch: LoRABatch,
+) -> None:
+    """`lora_delta` batch-invariantly: per slot in use, `(x A^T) B^T` of its tokens in fixed
+    row blocks, times the slot's scaling, added to their rows (one add per element)."""
+    slots = batch.token_slots
+    for slot in torch.unique(slots[slots >= 0]).tolist():
+        tokens = (slots == slot).nonzero().squeeze(1)
+        a_s, bt_s = a[slot * rank : (slot + 1) * rank], bt[slot * rank : (slot + 1) * rank]
+        h = in_row_blocks(x.index_select(0, tokens), lambda z, a_s=a_s: torch.mm(z, a_s.t()))
+        y = in_row_blocks(h, lambda z, bt_s=bt_s: torch.mm(z, bt_s))
+        out.index_add_(0, tokens, y.mul_(batch.scalings[slot]))
 
 
 __all__ = ["LORA_BACKENDS", "LoRABatch", "LoRALayer", "LoRAStep", "lora_backend", "lora_delta"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 from kv_cases import LAYER, make_case, reference
 
-from astrai.extension import attention, attn_backend
+from astrai.extension import attention, attn_backend, batch_invariant
 from astrai.extension.backend import TorchNativeBackend, torch_native
 from astrai.extension.backend.torch_native import row_segments
 
@@ -172,3 +173,47 @@ def test_segmented_contiguous_decode_matches_reference(monkeypatch, call_cost):
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0)
     plan = case.cache.plan["segments"]
     assert (len(plan.ranges) > 1) == (call_cost < 10**6)
+
+
+def _alone(case, i):
+    """Request `i` of `case` as the only request of its step: its queries, K/V and cache."""
+    c = case.cache
+    q_lens, kv_lens = c.q_lens_host, c.seq_lens_host
+    lo = sum(q_lens[:i])
+    hi = lo + q_lens[i]
+    host_rows = c.req_pool_indices_host
+    cache = dataclasses.replace(
+        c,
+        req_pool_indices=c.req_pool_indices[i : i + 1],
+        seq_lens=c.seq_lens[i : i + 1],
+        out_cache_loc=c.out_cache_loc[lo:hi],
+        kv_indptr=torch.tensor([0, kv_lens[i]], dtype=torch.int32),
+        qo_indptr=torch.tensor([0, q_lens[i]], dtype=torch.int32),
+        max_len=kv_lens[i],
+        max_q_len=q_lens[i],
+        seq_lens_host=(kv_lens[i],),
+        q_lens_host=(q_lens[i],),
+        req_pool_indices_host=(host_rows[i],) if host_rows else (),
+        plan={},
+    )
+    return (lo, hi), case.q[lo:hi], case.k[lo:hi], case.v[lo:hi], cache
+
+
+@pytest.mark.parametrize("contiguous", [False, True], ids=["paged", "contiguous"])
+@pytest.mark.parametrize("group", [1, 2])
+@pytest.mark.parametrize(
+    "reqs", [MIXED, PREFILL, DECODE, SPECULATIVE], ids=["mixed", "prefill", "decode", "spec"]
+)
+def test_batch_invariant_mode_attends_each_request_as_alone(reqs, group, contiguous):
+    """`batch_invariant()`: each request's output is the reference's, and the same bits as
+    that request's alone in its step (nothing padded to, or batched with, a neighbour)."""
+    case = make_case(
+        reqs, n_heads=2 * group, n_kv_heads=2, head_dim=16, seed=4, contiguous=contiguous
+    )
+    with batch_invariant():
+        out, ref = run(case, 0.25)
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+        for i in range(len(reqs)):
+            (lo, hi), q, k, v, cache = _alone(case, i)
+            alone = TorchNativeBackend().forward(q, k, v, cache, LAYER, 0.25)
+            assert torch.equal(out[lo:hi], alone), f"request {i}"

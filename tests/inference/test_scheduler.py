@@ -71,3 +71,25 @@ def test_structured_stop_ends_after_the_last_emitted_token():
     (plan,) = sched.schedule()
     sched.postprocess(plan, StepOutput([[5]], [[0.0]], stopped={0}))
     assert t.output_ids == [5] and t.finish_reason == "stop"
+
+
+def test_batch_invariant_prefill_chunks_are_fixed_by_the_prompt_alone():
+    """Off, a prompt takes what the step's budget leaves (3 tokens beside a 5-token one);
+    with `batch_invariant`, its chunks are max_prefill_tokens from its start, as alone."""
+
+    def chunks(invariant: bool) -> list[list[int]]:
+        sched = InferenceScheduler(
+            small_pool(), vocab_size=100, max_prefill_tokens=8, batch_invariant=invariant
+        )
+        sched.submit(Task(list(range(1, 6)), SamplingParams(max_tokens=4)))
+        b = sched.submit(Task(list(range(10, 22)), SamplingParams(max_tokens=4)))
+        fed = []
+        while not b.prefilled:
+            (plan,) = sched.schedule()
+            fed.append([n for t, n in zip(plan.tasks, plan.q_lens) if t is b])
+            tokens = [[50] for _ in plan.samplers]
+            sched.postprocess(plan, StepOutput(tokens, [[0.0] for _ in tokens]))
+        return fed
+
+    assert chunks(False) == [[3], [8], [1]]
+    assert chunks(True) == [[], [8], [4]]
