@@ -228,3 +228,15 @@ def test_sampling_params_travel_through_the_client_unchanged():
     assert params_from_json(wire, seed=None) == params
     with pytest.raises(ValueError, match="logits_processors"):
         params_to_json(SamplingParams(logits_processors=[lambda ids, row: row]))
+
+
+def test_allow_weight_updates_comes_from_the_config_and_is_checked():
+    from serve_helpers import serve_config
+
+    from astrai.serve.__main__ import settings_of
+
+    cfg = serve_config(["model_path=/x", "allow_weight_updates=true"])
+    assert settings_of(cfg).allow_weight_updates is True
+    assert settings_of(serve_config(["model_path=/x"])).allow_weight_updates is False
+    with pytest.raises(SystemExit, match="allow_weight_updates: must be true or false"):
+        settings_of(serve_config(["model_path=/x", "allow_weight_updates=yes"]))
