@@ -51,6 +51,7 @@ WEIGHT_UPDATES_OFF = (
     "weight updates are off on this server: start it with allow_weight_updates=true "
     "(conf/serve.yaml) to mount the RL routes"
 )
+DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
 PEER_REFUSED = (
     "another member of weight group {group!r} refused the update; nothing was changed "
     "(its replica's answer says why)"
@@ -146,7 +147,7 @@ class WeightRoutes:
         port = field(body, "master_port", int)
         rank = field(body, "rank_offset", int)
         world = field(body, "world_size", int)
-        name = field(body, "group_name", str)
+        name = field(body, "group_name", str, DEFAULT_GROUP)
         backend = field(body, "backend", str, "gloo")
         try:
             check_backend(backend)
@@ -183,7 +184,7 @@ class WeightRoutes:
 
     async def destroy_group(self, request: Request) -> dict[str, Any]:
         body = await json_body(request)
-        name = field(body, "group_name", str)
+        name = field(body, "group_name", str, DEFAULT_GROUP)
         group = self.groups.get(name)
         if group is None:
             raise APIError(400, f"group_name: no weight group {name!r}", param="group_name")
@@ -223,7 +224,7 @@ class WeightRoutes:
 
     async def from_distributed(self, request: Request) -> dict[str, Any]:
         body = await json_body(request)
-        name = body.get("group_name")
+        name = body.get("group_name", DEFAULT_GROUP)
         group = self.groups.get(name) if isinstance(name, str) else None
         if group is None:  # no group: the trainer sees this answer before any collective
             raise APIError(400, f"group_name: no weight group {name!r}", param="group_name")
