@@ -152,12 +152,13 @@ def _key(override: str) -> str:
 def replica_command(overrides: Sequence[str], plan: ReplicaPlan, i: int) -> list[str]:
     """``python -m astrai.serve`` with the launcher's overrides, less its own keys, on
     replica i's port (and device / threads where the plan sets them)."""
-    keep = [o for o in overrides if _key(o) not in LAUNCHER_KEYS and _key(o) != "threads"]
     extra = [f"port={plan.ports[i]}"]
     if plan.visible_devices[i] is not None:
         extra.append("device=cuda")  # the one GPU CUDA_VISIBLE_DEVICES leaves it
     if plan.threads is not None:
         extra.append(f"threads={plan.threads}")
+    mine = LAUNCHER_KEYS | {_key(o) for o in extra}
+    keep = [o for o in overrides if _key(o) not in mine]
     return [sys.executable, "-m", "astrai.serve", *keep, *extra]
 
 
@@ -235,6 +236,8 @@ class ReplicaLauncher:
         # it once (a second SIGINT would make uvicorn skip its graceful shutdown).
         self.procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
         self.names.append(name)
+        where = "" if visible is None else f", CUDA_VISIBLE_DEVICES={visible}"
+        logger.info("started %s: pid %d%s", name, self.procs[-1].pid, where)
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self.stop_signal = signum
