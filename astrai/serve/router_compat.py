@@ -6,9 +6,11 @@
   prefixes on tokens; without it the router falls back to its text tree. The ids are
   exactly the ones the request would be submitted with (the protocol handler's own
   rendering and tokenizing), ``{"count", "max_model_len", "tokens", "token_strs"}``.
-- SGLang's ``GET /get_model_info`` (and ``/model_info``): `sglang-router` registers a worker
-  under the model it reports (``model_path``); without it every worker is "unknown" and
-  the router's ``/v1/models`` says so.
+- SGLang's ``GET /get_server_info`` (and ``/server_info``): `sglang-router` registers a
+  worker under the model it reports there (``served_model_name`` / ``model_path``); without
+  it every worker is "unknown" and the router's ``/v1/models`` says so. It reads SGLang's
+  ``/get_model_info`` (``/model_info``) next, answered here too. Both name the served model
+  (never a directory: the server's file system is not the clients' business).
 
 Each answers as its reference does; a bad body is the usual 400 naming the field.
 """
@@ -52,7 +54,7 @@ def install_router_compat(
     dependencies: Sequence[Depends],
 ) -> None:
     """Mount ``POST /tokenize`` (behind `dependencies`: the API key) and the open
-    ``GET /get_model_info`` / ``/model_info`` on `app`."""
+    ``GET /get_server_info``, ``/get_model_info`` (and their short names) on `app`."""
     tokenizer = state.engine.tokenizer
 
     @app.post("/tokenize", dependencies=list(dependencies))
@@ -73,5 +75,15 @@ def install_router_compat(
         name = state.settings.model_name
         return {"model_path": name, "tokenizer_path": name, "is_generation": True}
 
-    app.get("/get_model_info")(model_info)
-    app.get("/model_info")(model_info)
+    def server_info() -> dict[str, Any]:
+        name = state.settings.model_name
+        return {
+            "model_path": name,
+            "served_model_name": name,
+            "tokenizer_path": name,
+            "context_length": state.engine.max_seq_len,
+        }
+
+    for path, route in (("model_info", model_info), ("server_info", server_info)):
+        app.get(f"/get_{path}")(route)
+        app.get(f"/{path}")(route)

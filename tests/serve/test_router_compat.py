@@ -1,6 +1,7 @@
 """The worker routes the existing routers ask for (astrai.serve.router_compat): vLLM's
 `POST /tokenize` answers the ids the request would be submitted with (checked against the
-tokenizer itself: `encode`, the chat template), SGLang's `/get_model_info` the served name."""
+tokenizer itself: `encode`, the chat template), SGLang's `/get_server_info` and
+`/get_model_info` the served name."""
 
 import httpx
 import pytest
@@ -45,10 +46,14 @@ def test_tokenize_refuses_a_bad_body_naming_the_field(base_url, body, field):
     assert r.json()["error"]["message"].startswith(field)
 
 
-def test_model_info_names_the_served_model(base_url):
+def test_model_and_server_info_name_the_served_model(base_url):
     for path in ("/get_model_info", "/model_info"):
         body = httpx.get(base_url + path).json()
         assert body == {"model_path": "astrai", "tokenizer_path": "astrai", "is_generation": True}
+    for path in ("/get_server_info", "/server_info"):
+        body = httpx.get(base_url + path).json()
+        assert body["served_model_name"] == body["model_path"] == "astrai"
+        assert body["context_length"] == 1024
 
 
 def test_tokenize_needs_the_api_key(engine):
