@@ -67,14 +67,21 @@ class ReplicaPlan:
     warnings: list[str] = field(default_factory=list)
 
     @property
+    def local_host(self) -> str:
+        """`host` as this machine reaches it in a URL: a wildcard is loopback, IPv6 in
+        brackets (the launcher's health checks, the router's worker URLs)."""
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(self.host, self.host)
+        return f"[{host}]" if ":" in host else host
+
+    @property
     def urls(self) -> list[str]:
-        return [f"http://{self.host}:{p}" for p in self.ports]
+        return [f"http://{self.local_host}:{p}" for p in self.ports]
 
     @property
     def address(self) -> str:
         """The one address clients use: the router's, else the first replica's."""
         port = self.router_port if self.router_port is not None else self.ports[0]
-        return f"http://{self.host}:{port}"
+        return f"http://{self.local_host}:{port}"
 
 
 def _visible_gpus() -> list[str]:

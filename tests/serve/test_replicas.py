@@ -174,3 +174,20 @@ def test_a_dying_replica_stops_the_group_with_exit_1(model_dir, tmp_path):
         assert refused(f"http://127.0.0.1:{port}")  # the survivor was stopped
     finally:
         stop(proc)
+
+
+def test_the_slurm_servers_line_needs_a_key_and_plans_a_gpu_per_replica(model_dir):
+    """docs/scaling.md "Rollout servers on SLURM": `replicas=4 host=0.0.0.0 port=8000` on a
+    4-GPU node. Without `api_key` the launcher refuses before starting anything; with it,
+    replica i listens on 8000+i and sees GPU i."""
+    from serve_helpers import serve_config
+
+    from astrai.serve.__main__ import launch_replicas
+
+    line = [f"model_path={model_dir}", "replicas=4", "host=0.0.0.0", "port=8000"]
+    with pytest.raises(SystemExit, match=r"host=0\.0\.0\.0: reachable .* api_key"):
+        launch_replicas(serve_config(line))
+    plan = plan_replicas(serve_config([*line, "api_key=sekret"]), gpus=["0", "1", "2", "3"])
+    assert plan.urls == [f"http://127.0.0.1:{8000 + i}" for i in range(4)]  # as seen here
+    assert plan.host == "0.0.0.0"  # what each replica listens on
+    assert plan.visible_devices == ["0", "1", "2", "3"] and not plan.warnings
