@@ -14,7 +14,8 @@ Devices: with CUDA (`device` auto with a GPU, `cuda`) replica i gets its own GPU
 ``CUDA_VISIBLE_DEVICES`` (the i-th of the GPUs this process sees); with fewer GPUs than
 replicas they share them round robin (each holds its own copy of the model and KV pool: a
 warning says so). `device=cuda:K` pins every replica to GPU K (a warning too). On the CPU
-each replica gets ``threads`` torch threads (null: the cores / N, at least 1).
+each replica gets ``threads`` torch threads (null: the cores this process may use / N, at
+least 1; with ``OMP_NUM_THREADS`` set, that many each, as one server would).
 
 Lifetime: the launcher waits until every replica (and the router) answers `/health`, then
 logs the addresses. SIGINT / SIGTERM are forwarded to every child (each stops as a server
@@ -137,8 +138,10 @@ def plan_replicas(cfg: dict[str, Any], gpus: Sequence[str] | None = None) -> Rep
                     "each with its own copy of the model and KV pool"
                 )
     threads = cfg.get("threads")
-    if threads is None and not any(visible):
-        threads = max(1, (os.cpu_count() or 1) // n)
+    if threads is None and not any(visible) and not os.environ.get("OMP_NUM_THREADS"):
+        from astrai.runtime import available_cores
+
+        threads = max(1, available_cores() // n)
     return ReplicaPlan(
         host=host,
         ports=ports,

@@ -31,11 +31,14 @@ def test_plan_ports_without_and_with_a_router():
     assert routed.metrics_port == 9100 and routed.address == "http://127.0.0.1:8000"
 
 
-def test_plan_threads_share_the_cores_on_the_cpu():
+def test_plan_threads_share_the_cores_on_the_cpu(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     plan = plan_replicas({**BASE, "replicas": 2})
     assert plan.visible_devices == [None, None]
-    assert plan.threads == max(1, (os.cpu_count() or 1) // 2)
+    assert plan.threads == max(1, len(os.sched_getaffinity(0)) // 2)
     assert plan_replicas({**BASE, "replicas": 2, "threads": 3}).threads == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # wins over the share, as for one server
+    assert plan_replicas({**BASE, "replicas": 2}).threads is None
 
 
 def test_plan_gives_each_replica_its_gpu_or_shares_with_a_warning():
