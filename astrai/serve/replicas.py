@@ -19,10 +19,12 @@ least 1; with ``OMP_NUM_THREADS`` set, that many each, as one server would).
 
 Lifetime: the launcher waits until every replica (and the router) answers `/health`, then
 logs the addresses. SIGINT / SIGTERM are forwarded to every child (each stops as a server
-does: streams end, then the engine), and the launcher exits 0 once they have. A replica that
-dies on its own is reported with its exit code and port, the others are stopped, and the
-launcher exits 1: no restart loop that would hide an out-of-memory or a bug; the scheduler
-around it (SLURM's `--requeue`, systemd, Kubernetes) restarts the whole group.
+does: streams end, then the engine), and the launcher exits 0 once they have; a launcher
+killed outright takes them with it (Linux: each child gets SIGTERM when its parent dies).
+A replica that dies on its own is reported with its exit code and port, the others are
+stopped, and the launcher exits 1: no restart loop that would hide an out-of-memory or a
+bug; the scheduler around it (SLURM's `--requeue`, systemd, Kubernetes) restarts the whole
+group.
 """
 
 from __future__ import annotations
@@ -213,6 +215,15 @@ def router_command(plan: ReplicaPlan, api_key: str | None, debug: bool = False) 
     return cmd + (["--api-key", api_key] if api_key else [])
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec (Linux): SIGTERM when the launcher dies, even by SIGKILL,
+    so that no replica outlives it holding its port and GPU."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(url + "/health", timeout=2) as r:
@@ -244,7 +255,15 @@ class ReplicaLauncher:
             env["CUDA_VISIBLE_DEVICES"] = visible
         # Own process group: a terminal's Ctrl-C reaches the launcher only, which forwards
         # it once (a second SIGINT would make uvicorn skip its graceful shutdown).
-        self.procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
+        linux = sys.platform.startswith("linux")
+        self.procs.append(
+            subprocess.Popen(
+                cmd,
+                env=env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent if linux else None,  # spawned before any thread
+            )
+        )
         self.names.append(name)
         where = "" if visible is None else f", CUDA_VISIBLE_DEVICES={visible}"
         logger.info("started %s: pid %d%s", name, self.procs[-1].pid, where)

@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -194,3 +195,22 @@ def test_the_slurm_servers_line_needs_a_key_and_plans_a_gpu_per_replica(model_di
     assert plan.urls == [f"http://127.0.0.1:{8000 + i}" for i in range(4)]  # as seen here
     assert plan.host == "0.0.0.0"  # what each replica listens on
     assert plan.visible_devices == ["0", "1", "2", "3"] and not plan.warnings
+
+
+@pytest.mark.slow  # two server processes, the launcher killed
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_killed_launcher_takes_its_replicas_with_it(model_dir, tmp_path):
+    port, log = free_port_block(3), tmp_path / "launcher.log"
+    proc = launch(model_dir, port, log)
+    try:
+        wait_for_line(proc, log, "2 replicas ready on")
+        proc.kill()  # SIGKILL: no handler forwards anything
+        proc.wait()
+        urls = [f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"]
+        deadline = time.monotonic() + 120  # a liveness bound, not a measured time
+        while not all(refused(u) for u in urls):  # they stop gracefully, as on SIGTERM
+            assert time.monotonic() < deadline, "replicas outlived their launcher"
+            time.sleep(0.2)
+        assert "Finished server process" in log.read_text()
+    finally:
+        stop(proc)
