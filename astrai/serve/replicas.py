@@ -120,8 +120,8 @@ def plan_replicas(cfg: dict[str, Any], gpus: Sequence[str] | None = None) -> Rep
     ports = list(range(first, first + n))
     metrics_port = cfg.get("metrics_port")
     metrics_port = ports[-1] + 1 if metrics_port is None else int(metrics_port)
-    taken = {*ports, metrics_port, *([port] if router else [])}
-    if len(taken) != len(ports) + 1 + (1 if router else 0):
+    mine = [metrics_port, *([metrics_port + 1] if router else [])]  # + the router's own
+    if set(mine) & {*ports, *([port] if router else [])}:
         raise SystemExit(f"metrics_port={metrics_port}: a port a replica or the router uses")
     device = str(cfg.get("device") or "auto")
     warnings: list[str] = []

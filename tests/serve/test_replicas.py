@@ -69,6 +69,8 @@ def test_plan_gives_each_replica_its_gpu_or_shares_with_a_warning():
 def test_plan_refuses_bad_keys_naming_them(key, value, said):
     with pytest.raises(SystemExit, match=re.escape(said)):
         plan_replicas({**BASE, "replicas": 2, key: value})
+    with pytest.raises(SystemExit, match="metrics_port=7999: a port"):  # router metrics: 8000
+        plan_replicas({**BASE, "replicas": 2, "router": "vllm", "metrics_port": 7999})
 
 
 def test_replica_command_keeps_the_overrides_but_the_launchers():
