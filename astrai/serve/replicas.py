@@ -119,7 +119,9 @@ def plan_replicas(cfg: dict[str, Any], gpus: Sequence[str] | None = None) -> Rep
     first = port + (1 if router else 0)
     ports = list(range(first, first + n))
     metrics_port = cfg.get("metrics_port")
-    metrics_port = ports[-1] + 1 if metrics_port is None else int(metrics_port)
+    metrics_port = ports[-1] + 1 if metrics_port is None else metrics_port
+    if not isinstance(metrics_port, int) or not 0 < metrics_port < 65535:
+        raise SystemExit(f"metrics_port: expected a port number or null, got {metrics_port!r}")
     mine = [metrics_port, *([metrics_port + 1] if router else [])]  # + the router's own
     if set(mine) & {*ports, *([port] if router else [])}:
         raise SystemExit(f"metrics_port={metrics_port}: a port a replica or the router uses")

@@ -64,6 +64,7 @@ def test_plan_gives_each_replica_its_gpu_or_shares_with_a_warning():
         ("router_policy", "sticky", "router_policy: expected one of"),
         ("port", 0, "port=0: replicas=2 needs a fixed first port"),
         ("metrics_port", 8001, "metrics_port=8001: a port a replica"),
+        ("metrics_port", "x", "metrics_port: expected a port number or null, got 'x'"),
     ],
 )
 def test_plan_refuses_bad_keys_naming_them(key, value, said):
