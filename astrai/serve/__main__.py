@@ -332,6 +332,20 @@ def serve(cfg: dict[str, Any]) -> None:
         logger.info("server stopped")
 
 
+def launch_replicas(cfg: dict[str, Any]) -> int:
+    """`replicas=N` / `router=vllm` (astrai.serve.replicas): the checks that need no model,
+    once, then the launcher with this command line's overrides; its exit code."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from astrai.serve.replicas import launch
+
+    check_model_dir(str(cfg["model_path"]))
+    settings_of(cfg)
+    check_address(cfg)
+    lora_modules_of(cfg)
+    return launch(cfg, list(HydraConfig.get().overrides.task), check_port)
+
+
 def _cli(cfg: Any) -> None:
     from omegaconf import OmegaConf
 
@@ -340,7 +354,10 @@ def _cli(cfg: Any) -> None:
     options = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(options, dict)
     setup_logging(options.get("log_level"))  # quiet third parties; debug shows everything
-    serve({k: v for k, v in options.items() if k != "hydra"})
+    options = {k: v for k, v in options.items() if k != "hydra"}
+    if options.get("replicas", 1) != 1 or options.get("router"):
+        raise SystemExit(launch_replicas(options))
+    serve(options)
 
 
 def main() -> None:

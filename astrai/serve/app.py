@@ -25,6 +25,7 @@ from astrai.serve.openai_builder import OpenAIResponseBuilder
 from astrai.serve.openapi import install_openapi
 from astrai.serve.protocol import SafeJSONResponse
 from astrai.serve.rl_routes import install_rl_routes
+from astrai.serve.router_compat import install_router_compat
 from astrai.serve.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -177,6 +178,7 @@ def create_app(
     async def model(model_id: str) -> dict:
         return state.models.card(model_id)
 
+    install_router_compat(app, state, openai, completions, auth)  # what routers ask workers
     if settings.allow_runtime_lora:  # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING
         install_runtime_lora(app, state.models, settings.allowed_lora_roots, [check_key])
 
