@@ -47,6 +47,7 @@ _SETTINGS = (
     "reasoning_parser",
     "allow_runtime_lora",
     "allowed_lora_roots",
+    "allow_weight_updates",
 )
 
 
@@ -270,6 +271,8 @@ def startup_line(settings: ServeSettings, app: FastAPI, spec: SpeculativeConfig 
     line = f"tool parser {tool}; reasoning parser {reasoning}; speculative decoding {speculative}"
     if settings.allow_runtime_lora:
         line += f"; runtime LoRA loading from {', '.join(settings.allowed_lora_roots)}"
+    if settings.allow_weight_updates:
+        line += "; weight updates on (the RL routes)"
     return line
 
 

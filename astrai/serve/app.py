@@ -24,6 +24,7 @@ from astrai.serve.metrics import HTTPMetrics
 from astrai.serve.openai_builder import OpenAIResponseBuilder
 from astrai.serve.openapi import install_openapi
 from astrai.serve.protocol import SafeJSONResponse
+from astrai.serve.rl_routes import install_rl_routes
 from astrai.serve.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -178,6 +179,8 @@ def create_app(
 
     if settings.allow_runtime_lora:  # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING
         install_runtime_lora(app, state.models, settings.allowed_lora_roots, [check_key])
+
+    install_rl_routes(app, state, check_key)  # /generate, weight updates (opt-in)
 
     @app.get("/health")
     async def health() -> SafeJSONResponse:

@@ -54,6 +54,8 @@ class ServeSettings:
     reasoning_parser: str | None = None
     allow_runtime_lora: bool = False
     allowed_lora_roots: tuple[str, ...] = ()
+    # The RL routes that change the server's weights or pause it (astrai.serve.weight_routes)
+    allow_weight_updates: bool = False
 
     def __post_init__(self) -> None:
         check_choice("max_tokens_policy", self.max_tokens_policy, MAX_TOKENS_POLICIES)
@@ -83,6 +85,10 @@ class ServeSettings:
         if not isinstance(self.allow_runtime_lora, bool):
             raise ValueError(
                 f"allow_runtime_lora: must be true or false, got {self.allow_runtime_lora!r}"
+            )
+        if not isinstance(self.allow_weight_updates, bool):
+            raise ValueError(
+                f"allow_weight_updates: must be true or false, got {self.allow_weight_updates!r}"
             )
         if isinstance(self.allowed_lora_roots, str):
             self.allowed_lora_roots = (self.allowed_lora_roots,)
