@@ -53,7 +53,7 @@ class ReplicaPool:
         self.required_version: int | None = None
         self.in_flight = {id(c): 0 for c in self.clients}
         self.lock = threading.Lock()
-        self.executor = ThreadPoolExecutor(GROUPS_IN_FLIGHT, thread_name_prefix="astrai-pool")
+        self.executor: ThreadPoolExecutor | None = None  # started by the first run_batch
 
     def use(self, clients: Sequence[ReplicaClient]) -> None:
         """Generate on ``clients`` only (those that took the last weight update)."""
@@ -72,8 +72,14 @@ class ReplicaPool:
         ``InferenceEngine.run_batch(prompts, params, seed=seed, return_details=True)``
         gives them (results always carry their details)."""
         n = params.n
+        with self.lock:
+            if self.executor is None:
+                self.executor = ThreadPoolExecutor(
+                    GROUPS_IN_FLIGHT, thread_name_prefix="astrai-pool"
+                )
+            executor = self.executor
         futures = [
-            self.executor.submit(
+            executor.submit(
                 self.generate_group, list(p), params, None if seed is None else seed + i * n
             )
             for i, p in enumerate(prompts)
@@ -120,9 +126,11 @@ class ReplicaPool:
                 )
 
     def close(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
-        for c in self.clients:
-            c.close()
+        """Stop the dispatch threads (a later ``run_batch`` starts new ones)."""
+        with self.lock:
+            executor, self.executor = self.executor, None
+        if executor is not None:
+            executor.shutdown(wait=False, cancel_futures=True)
 
 
 __all__ = ["ReplicaPool"]
