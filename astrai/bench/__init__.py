@@ -15,6 +15,7 @@ BENCHMARKS: dict[str, str] = {
     "rollouts": "astrai.bench.rollouts",
     "serve": "astrai.bench.serve",
     "train": "astrai.bench.train",
+    "weight_sync": "astrai.bench.weight_sync",
 }
 
 __all__ = ["BENCHMARKS"]

@@ -20,7 +20,7 @@ from astrai.extension.backend import (
     get_backend,
     selected_backend,
 )
-from astrai.extension.invariance import batch_invariant, batch_invariant_enabled
+from astrai.extension.invariance import batch_invariant, batch_invariant_enabled, invariant_rows
 from astrai.extension.kv_cache import KVCache
 from astrai.extension.linear import linear, onednn_linear_enabled
 
@@ -36,6 +36,7 @@ __all__ = [
     "batch_invariant",
     "batch_invariant_enabled",
     "get_backend",
+    "invariant_rows",
     "linear",
     "onednn_linear_enabled",
     "selected_backend",

@@ -14,7 +14,8 @@ request decoded beside others differ by an ulp or two in their log-probs. Inside
 - the torch_native attention backend attends per request over exactly its own keys (no
   batch padded to the longest row), with a kernel chosen by the request's own query and key
   lengths only;
-- LoRA deltas are products of the same fixed blocks, per adapter.
+- LoRA deltas are products of the same fixed blocks, per adapter; MLA's absorbed
+  projections (`invariant_rows`) too, and its latent attention runs per request.
 
 A context variable, so the scope is per thread: the engine's runner enters it around its
 forward (on the loop's thread or `run_batch`'s caller's), and a training forward in the
@@ -69,4 +70,26 @@ def in_row_blocks(
     return out[:total].reshape(*lead, out.shape[-1])
 
 
-__all__ = ["INVARIANT_ROWS", "batch_invariant", "batch_invariant_enabled", "in_row_blocks"]
+def invariant_rows(
+    x: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """`product(x)` for a product computed row by row over the first axis of `x [T, ...]`
+    (an einsum over heads, say): in batch-invariant mode in blocks of exactly
+    `INVARIANT_ROWS` rows (zero rows pad the last), else at once."""
+    if not batch_invariant_enabled():
+        return product(x)
+    total = x.shape[0]
+    pad = -total % INVARIANT_ROWS or (INVARIANT_ROWS if total == 0 else 0)
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
+    outs = [product(x[i : i + INVARIANT_ROWS]) for i in range(0, x.shape[0], INVARIANT_ROWS)]
+    return (outs[0] if len(outs) == 1 else torch.cat(outs))[:total]
+
+
+__all__ = [
+    "INVARIANT_ROWS",
+    "batch_invariant",
+    "batch_invariant_enabled",
+    "in_row_blocks",
+    "invariant_rows",
+]

@@ -6,6 +6,9 @@ absorbed query `[q_nope @ W_UK, q_pe]` this is multi-query attention whose keys 
 vectors and whose values are their first `value_dim` (latent) entries, so nothing is
 decompressed. `v_buffer` is unused (zero width) for MLA.
 
+In batch-invariant mode (`astrai.extension.invariance`) every request attends alone over
+exactly its own cached vectors, by a kernel its own query and key lengths choose.
+
 Only this torch-native implementation exists (a Triton kernel may follow), so a strict
 selection of another backend raises `BackendUnavailable` rather than switching silently.
 """
@@ -16,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from astrai.extension.backend import ATTN_BACKEND, BackendUnavailable, selected_backend
+from astrai.extension.invariance import batch_invariant_enabled
 from astrai.extension.kv_cache import KVCache
 
 
@@ -44,6 +48,8 @@ def latent_attention(
     buf[kv_cache.out_cache_loc] = latent.to(buf.dtype).unsqueeze(1)
     if q.shape[0] == 0:
         return q.new_empty(0, q.shape[1], value_dim)
+    if batch_invariant_enabled():
+        return _per_request(q, buf, kv_cache, scale, value_dim)
     if kv_cache.is_decode:
         return _decode(q, buf, kv_cache, scale, value_dim)
     return _extend(q, latent, buf, kv_cache, scale, value_dim)
@@ -107,6 +113,45 @@ def _extend(
             keys[..., :value_dim],
             attn_mask=mask,
             is_causal=causal,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[start : start + q_len] = o[0].transpose(0, 1)
+        start += q_len
+    return out
+
+
+def _per_request(
+    q: torch.Tensor, buf: torch.Tensor, kv_cache: KVCache, scale: float, value_dim: int
+) -> torch.Tensor:
+    """Batch-invariant: request by request over its vectors read back from the cache, one
+    query token without a mask, several with the causal mask of their place."""
+    stride = kv_cache.row_stride if kv_cache.req_pool_indices_host else None
+    out = q.new_empty(q.shape[0], q.shape[1], value_dim)
+    start = 0
+    for i, (q_len, kv_len) in enumerate(zip(kv_cache.q_lens_host, kv_cache.seq_lens_host)):
+        if q_len == 0:
+            continue
+        if q_len > kv_len:
+            raise ValueError(f"request {i}: q_len {q_len} exceeds its kv length {kv_len}")
+        if stride is not None:
+            base = kv_cache.req_pool_indices_host[i] * stride
+            keys = buf[base : base + kv_len, 0]
+        else:
+            slots = kv_cache.req_to_token[kv_cache.req_pool_indices[i], :kv_len]
+            keys = buf.index_select(0, slots.to(torch.int64))[:, 0]
+        keys = keys.to(q.dtype)[None, None]  # [1, 1, L, W]
+        queries = q[start : start + q_len].transpose(0, 1)[None]  # [1, H, q_len, W]
+        mask = None  # one query: every key; the whole sequence: the plain causal mask
+        if 1 < q_len < kv_len:
+            mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device)
+            mask = mask.tril(kv_len - q_len)
+        o = F.scaled_dot_product_attention(
+            queries,
+            keys,
+            keys[..., :value_dim],
+            attn_mask=mask,
+            is_causal=1 < q_len == kv_len,
             scale=scale,
             enable_gqa=True,
         )

@@ -106,6 +106,8 @@ class Admission:
     pool: PagePool
     adapter_slots: AdapterSlots | NoAdapterSlots
     max_batch_size: int
+    max_seq_len: int
+    batch_invariant: bool
     total_prompt_tokens: int
     total_cached_tokens: int
     _waiting: deque[Task]
@@ -149,6 +151,9 @@ class Admission:
         # A preempted task was running: if it can no longer fit, it is aborted.
         failed = "aborted" if task.preemptions else "rejected"
         need = len(ids) + min(task.params.max_tokens, 1)
+        if self.batch_invariant:  # its whole context now: never preempted, whose recompute
+            # by prefill would give its KV other bits than its decode steps did
+            need = max(need, min(len(task.prompt_ids) + task.params.max_tokens, self.max_seq_len))
         if not self.pool.can_hold(need, reserve_pages=len(self._running)):
             if self._running:
                 return False
@@ -169,7 +174,7 @@ class Admission:
             return False
         row, cached = alloc
         try:
-            if not self.pool.ensure(row, len(ids)):
+            if not self.pool.ensure(row, need if self.batch_invariant else len(ids)):
                 self.pool.free_task(row)
                 if self._running:
                     return False

@@ -11,7 +11,8 @@ Refused with it, each with a ValueError naming both keys (checked before anythin
 allocated): `prefix_cache=true` (a cached page's KV was computed within another request's
 prefill chunk, whose length changes its bits; `null` resolves to off), `speculative`
 (drafts change which rows a step verifies), `decode_graphs` true or `"stand-in"` (captured
-batch sizes pad the decode batch; `null` resolves to eager). LoRA adapters (served ones and
+batch sizes pad the decode batch; `null` resolves to eager), and for a model with dynamic
+RoPE a `max_seq_len` beyond its `max_position_embeddings`. LoRA adapters (served ones and
 a training run's live adapter) are made invariant (`astrai.extension.lora`).
 """
 
@@ -19,7 +20,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from astrai.model.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -39,10 +43,16 @@ class BatchInvariance:
         prefix_cache: bool | None = None,
         decode_graphs: bool | str | None = None,
         speculative: object = None,
+        dynamic_rope: bool = False,
+        max_seq_len: int | None = None,
+        max_position_embeddings: int | None = None,
         key_prefix: str = "",
     ) -> BatchInvariance:
         """The checked setting; a bad value, or one combined with a setting it cannot hold,
-        is a ValueError naming `batch_invariant` and that key (each after `key_prefix`)."""
+        is a ValueError naming `batch_invariant` and that key (each after `key_prefix`).
+        `dynamic_rope`: the model's RoPE is dynamic NTK, whose frequencies past
+        `max_position_embeddings` follow the step's longest position: refused with a
+        `max_seq_len` beyond it (None, the default context, stays within it)."""
         k = key_prefix
         if not isinstance(batch_invariant, bool):
             raise ValueError(f"{k}batch_invariant must be true or false, got {batch_invariant!r}")
@@ -62,12 +72,43 @@ class BatchInvariance:
                 "captured graphs pad the decode batch; leave decode_graphs null or false",
             ),
         )
+        if dynamic_rope and max_seq_len is not None and max_position_embeddings is not None:
+            beyond = max_seq_len > max_position_embeddings
+            refused += (
+                (
+                    beyond,
+                    f"max_seq_len={max_seq_len}",
+                    "this model's dynamic RoPE past max_position_embeddings="
+                    f"{max_position_embeddings} follows the step's longest position",
+                ),
+            )
         for bad, setting, why in refused:
             if bad:
                 raise ValueError(
                     f"{k}batch_invariant=true cannot be combined with {k}{setting}: {why}"
                 )
         return cls(True, False, False)
+
+    @classmethod
+    def of_engine(
+        cls,
+        batch_invariant: Any,
+        config: ModelConfig,
+        prefix_cache: bool | None,
+        decode_graphs: bool | str | None,
+        speculative: object,
+        max_seq_len: int | None,
+    ) -> BatchInvariance:
+        """The check on `InferenceEngine`'s arguments for a model of `config`."""
+        return cls.check(
+            batch_invariant,
+            prefix_cache=prefix_cache,
+            decode_graphs=decode_graphs,
+            speculative=speculative,
+            dynamic_rope=(config.rope_scaling or {}).get("rope_type") == "dynamic",
+            max_seq_len=max_seq_len,
+            max_position_embeddings=config.max_position_embeddings,
+        )
 
     @classmethod
     def of_options(cls, engine: Mapping[str, Any], key_prefix: str = "engine.") -> BatchInvariance:

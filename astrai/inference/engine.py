@@ -113,11 +113,8 @@ class InferenceEngine:
         start: bool = True,
     ) -> None:
         check_sleep_mode(enable_sleep_mode)  # before anything is allocated
-        invariance = BatchInvariance.check(
-            batch_invariant,
-            prefix_cache=prefix_cache,
-            decode_graphs=decode_graphs,
-            speculative=speculative,
+        invariance = BatchInvariance.of_engine(  # what it refuses: before any allocation
+            batch_invariant, model.config, prefix_cache, decode_graphs, speculative, max_seq_len
         )
         self.batch_invariant = invariance.enabled
         # No .eval() here: GRPO shares the live policy module, whose mode Lightning owns. The

@@ -30,7 +30,9 @@ With `batch_invariant` a prompt's prefill chunks are fixed by the prompt alone: 
 covers tokens `[k * max_prefill_tokens, (k + 1) * max_prefill_tokens)`, and a prompt whose
 next chunk does not fit in the step's leftover budget waits for the next step instead of
 taking a shorter one (the first prefilling request always gets the whole budget, so each
-step makes progress). Attention within a chunk depends on the chunk's length.
+step makes progress). Attention within a chunk depends on the chunk's length. And a
+request's whole context (prompt + max_tokens) is reserved at admission, so it is never
+preempted (its recompute by prefill would give its KV other bits than its decode steps).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from astrai.extension import KVCache, apply_rotary_emb
+from astrai.extension import KVCache, apply_rotary_emb, invariant_rows
 from astrai.extension.mla import latent_attention
 from astrai.model.config import ModelConfig
 from astrai.model.documents import DocumentSpans, training_attention
@@ -123,7 +123,8 @@ class MLAttention(nn.Module):
         q_nope, q_pe = self.query(x, cos, sin)
         c_kv, k_pe = self.latent(x, cos, sin)
         w_uk, w_uv = self.absorbed()
-        q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
+        # row by row over the tokens: fixed blocks in batch-invariant mode (astrai.extension)
+        q_lat = invariant_rows(q_nope, lambda z: torch.einsum("thn,hnr->thr", z, w_uk))
         out = latent_attention(
             torch.cat((q_lat, q_pe), dim=-1),
             torch.cat((c_kv, k_pe), dim=-1),
@@ -132,7 +133,7 @@ class MLAttention(nn.Module):
             scale=self.scale,
             value_dim=self.kv_lora_rank,
         )
-        out = torch.einsum("thr,hvr->thv", out, w_uv)
+        out = invariant_rows(out, lambda z: torch.einsum("thr,hvr->thv", z, w_uv))
         return self.o_proj(out.reshape(x.shape[0], -1))
 
 

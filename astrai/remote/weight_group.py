@@ -31,6 +31,12 @@ ABORT_CHECK_S = 0.05  # and at the abort key (a round trip to the store)
 ABORT_KEY = "abort"
 
 
+# Groups closed while a collective was still pending (a member died before joining it):
+# their destructor would wait for it until the timeout, and a daemon thread killed in that
+# wait aborts the process at exit. Parked here until it completes, then dropped.
+_PARKED: list[tuple[dist.ProcessGroup, dist.Work]] = []
+
+
 class GroupAborted(RuntimeError):
     """Rank 0 gave the group up (a member died); this member's collective was abandoned."""
 
@@ -101,6 +107,7 @@ class WeightGroup:
         self.backend = backend
         self.timeout = timeout
         self.store = dist.PrefixStore(f"astrai-weights/{name}/", store)
+        self.pending: dist.Work | None = None  # the last collective started (they run in order)
         # Blocks until every member has constructed its side (gloo connects the full mesh).
         self.group, self.device = _process_group(
             self.store, rank, world_size, backend, timeout, device
@@ -166,7 +173,7 @@ class WeightGroup:
         flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=self.device)
         options = dist.AllreduceOptions()
         options.reduceOp = dist.ReduceOp.MIN
-        self._wait(self.group.allreduce([flag], options))
+        self._wait(self._started(self.group.allreduce([flag], options)))
         return bool(flag.item())
 
     def start_handshake(self, ok: bool) -> tuple[dist.Work, torch.Tensor]:
@@ -174,11 +181,15 @@ class WeightGroup:
         flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=self.device)
         options = dist.AllreduceOptions()
         options.reduceOp = dist.ReduceOp.MIN
-        return self.group.allreduce([flag], options), flag
+        return self._started(self.group.allreduce([flag], options)), flag
 
     def broadcast(self, tensor: torch.Tensor) -> None:
         """`tensor` from rank 0 into every member's `tensor` (same shape and dtype)."""
-        self._wait(self.group.broadcast(tensor, 0))
+        self._wait(self._started(self.group.broadcast(tensor, 0)))
+
+    def _started(self, work: dist.Work) -> dist.Work:
+        self.pending = work
+        return work
 
     # ------------------------------------------------------------------ ending
     def abort(self) -> None:
@@ -195,5 +206,10 @@ class WeightGroup:
             return True
 
     def close(self) -> None:
-        """Drop the group (its connections close when the last reference goes)."""
-        self.group = None  # type: ignore[assignment]
+        """Drop the group; one whose last collective is still pending is parked until that
+        collective ends (its destructor would wait for it)."""
+        group, self.group = self.group, None  # type: ignore[assignment]
+        if group is not None and self.pending is not None and not self.pending.is_completed():
+            _PARKED.append((group, self.pending))
+        self.pending = None
+        _PARKED[:] = [(g, w) for g, w in _PARKED if not w.is_completed()]

@@ -90,13 +90,13 @@ class WeightSender:
         self._formations = itertools.count()
 
     # ------------------------------------------------------------------ the group
-    def form(self) -> WeightGroup:
-        """A new group over the replicas that answer `/health` (one that then fails to
-        join is left out, and the group formed again without it)."""
+    def form(self, members: Sequence[ReplicaClient] | None = None) -> WeightGroup:
+        """A new group over `members` (None: the replicas that answer `/health`); one that
+        then fails to join is left out, and the group formed again without it."""
         self.drop()
         if self.store is None:
             self.store = WeightStore(self.master_address, self.master_port, self.timeout)
-        members = [c for c in self.clients if c.health()]
+        members = [c for c in self.clients if c.health()] if members is None else list(members)
         while members:
             name = f"astrai-weights-{os.getpid()}-{next(self._formations)}"
             world = len(members) + 1
@@ -162,19 +162,47 @@ class WeightSender:
         copied to the CPU one at a time): hand references, not copies."""
         start = time.perf_counter()
         tensors = [(name, t.detach()) for name, t in named]
-        for attempt in range(2):
-            group = self.group or self.form()
+        group = self.group or self.form()
+        try:
+            self._push_over(group, tensors, version, lora_name)
+        except GroupBroken as err:
+            logger.warning(
+                "weight push over %r failed (%s); forming the group again", group.name, err
+            )
+            self.drop()
+            self._retry(tensors, version, lora_name, err)
+        return time.perf_counter() - start
+
+    def _retry(
+        self,
+        tensors: list[tuple[str, torch.Tensor]],
+        version: int,
+        lora_name: str | None,
+        first: Exception,
+    ) -> None:
+        """The push again over the replicas still answering that do not hold `version` yet
+        (those that completed the first attempt do: they would refuse it as not newer)."""
+        survivors, behind = [], []
+        for c in self.clients:
+            try:
+                held = c.policy_version()
+            except (ReplicaError, ReplicaUnavailable):
+                continue
+            survivors.append(c)
+            if held < version:
+                behind.append(c)
+        if not survivors:
+            raise ReplicaUnavailable(f"no replica left after a failed weight push: {first}")
+        if behind:
+            group = self.form(behind)
             try:
                 self._push_over(group, tensors, version, lora_name)
-                return time.perf_counter() - start
             except GroupBroken as err:
-                logger.warning(
-                    "weight push over %r failed (%s); forming the group again", group.name, err
-                )
                 self.drop()
-                if attempt == 1:
-                    raise ReplicaUnavailable(f"weight push failed twice: {err}") from err
-        raise AssertionError("unreachable")
+                raise ReplicaUnavailable(f"weight push failed twice: {err}") from err
+            if len(behind) < len(survivors):
+                self.drop()  # the next push forms the group over all of them
+        self.alive = survivors
 
     def _push_over(
         self,

@@ -29,8 +29,8 @@ WIRE_FIELDS = (
     "n",
     "adapter",
 )
-# vLLM's / SGLang's name for astrai's `stop_ids`
-ALIASES = {"stop_token_ids": "stop_ids"}
+# SGLang's (and vLLM's) names for astrai's fields
+ALIASES = {"stop_token_ids": "stop_ids", "max_new_tokens": "max_tokens"}
 _DEFAULTS = SamplingParams()
 
 
@@ -62,11 +62,11 @@ def params_from_json(data: Mapping[str, Any], *, seed: int | None) -> SamplingPa
         if name not in WIRE_FIELDS:
             hint = " (give it at the top level)" if name == "seed" else ""
             raise ValueError(
-                f"sampling_params.{key}: unknown or unsupported field{hint}; "
+                f"sampling_params.{key} is not a field /generate takes{hint}; "
                 f"expected some of {', '.join(WIRE_FIELDS)}"
             )
         if name in fields:
-            raise ValueError(f"sampling_params.{key}: given twice (stop_ids / stop_token_ids)")
+            raise ValueError(f"sampling_params.{key} is given twice (under two names)")
         if name == "stop_ids" and isinstance(value, list):
             value = frozenset(value) if all(isinstance(v, int) for v in value) else value
         elif name == "logit_bias" and isinstance(value, Mapping):

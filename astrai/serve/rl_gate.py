@@ -2,7 +2,7 @@
 gate that holds generation while it is paused or while weights change.
 
 `GenerationGate` counts the generation requests in flight (`/generate`, the OpenAI and
-Anthropic routes, `/v1/score`). `close()` (`/pause_generation`, and every weight update)
+Anthropic routes; not `/v1/score`, which runs the reward model). `close()` (`/pause_generation`, and every weight update)
 lets no new one in and waits until those in flight have finished, so a request runs
 wholly on one policy version and the version `/generate` checked is the one it ran on.
 Requests that arrive meanwhile wait, unread, and run after `open()`. After a weight
@@ -20,9 +20,7 @@ from astrai.serve.limits import ASGIApp, Message, Receive, Scope, Send
 from astrai.serve.protocol import SafeJSONResponse
 
 POLICY_VERSION_HEADER = "x-policy-version"
-GATED_PATHS = frozenset(
-    {"/generate", "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/score"}
-)
+GATED_PATHS = frozenset({"/generate", "/v1/chat/completions", "/v1/completions", "/v1/messages"})
 SPOILED = (
     "a weight update failed halfway: the model holds a mix of two policy versions; "
     "generation resumes after the next complete update"
@@ -38,12 +36,17 @@ class GenerationGate:
         self._idle = asyncio.Event()
         self._idle.set()
         self.inflight = 0
+        self.waiting = 0  # requests held at the closed gate
         self.paused = False  # closed by /pause_generation (an update reopens only if not)
         self.spoiled = False
 
     async def enter(self) -> None:
         while not self._open.is_set():
-            await self._open.wait()
+            self.waiting += 1
+            try:
+                await self._open.wait()
+            finally:
+                self.waiting -= 1
         if self.spoiled:
             raise APIError(503, SPOILED, kind="overloaded", code="weights_inconsistent")
         self.inflight += 1

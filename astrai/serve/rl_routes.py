@@ -145,6 +145,7 @@ def install_rl_routes(
     adds `X-Policy-Version`; the gate."""
     engine = state.engine
     gate = GenerationGate()
+    app.state.rl_gate = gate
     app.add_middleware(RLMiddleware, gate=gate, version=lambda: engine.policy_version)
     auth = [Depends(check_key)]
     generation = Generation(state)

@@ -163,9 +163,9 @@ class WeightRoutes:
             raise APIError(
                 500, f"could not join weight group {name!r}: {err}", kind="server"
             ) from err
-        old = self.groups.pop(name, None)
+        old = self.groups.get(name)
         if old is not None:
-            old.close()
+            self.forget(name, old)
         self.groups[name] = group
         logger.info("joined weight group %r as rank %d of %d (%s)", name, rank, world, backend)
         return {"success": True, "group_name": name, "rank": rank}
@@ -173,10 +173,10 @@ class WeightRoutes:
     async def destroy_group(self, request: Request) -> dict[str, Any]:
         body = await json_body(request)
         name = field(body, "group_name", str)
-        group = self.groups.pop(name, None)
+        group = self.groups.get(name)
         if group is None:
             raise APIError(400, f"group_name: no weight group {name!r}", param="group_name")
-        group.close()
+        self.forget(name, group)
         return {"success": True}
 
     # ------------------------------------------------------------------ updates
@@ -230,9 +230,23 @@ class WeightRoutes:
                 check_entries(targets, entries)
             except WeightProblem as err:
                 refusal = err
-            agreed = await asyncio.to_thread(group.handshake, refusal is None)
-            if refusal is not None:
-                raise problem(refusal)
-            if not agreed:
-                raise APIError(400, PEER_REFUSED.format(group=name), code="refused_by_peer")
-            return await self.apply(targets, version, lambda: receive(group, targets, entries))
+            try:
+                agreed = await asyncio.to_thread(group.handshake, refusal is None)
+                if refusal is not None:
+                    raise problem(refusal)
+                if not agreed:
+                    raise APIError(400, PEER_REFUSED.format(group=name), code="refused_by_peer")
+                return await self.apply(targets, version, lambda: receive(group, targets, entries))
+            except APIError:
+                raise
+            except Exception as err:  # the group failed: a member died, rank 0 gave it up
+                self.forget(name, group)
+                raise APIError(
+                    500, f"weight group {name!r} failed: {type(err).__name__}: {err}", kind="server"
+                ) from err
+
+    def forget(self, name: str, group: WeightGroup) -> None:
+        """Leave a group that failed (the trainer forms a new one)."""
+        if self.groups.get(name) is group:
+            del self.groups[name]
+        group.close()

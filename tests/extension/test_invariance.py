@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from astrai.extension import batch_invariant, batch_invariant_enabled, linear
+from astrai.extension import batch_invariant, batch_invariant_enabled, invariant_rows, linear
 from astrai.extension.invariance import INVARIANT_ROWS, in_row_blocks
 from astrai.extension.linear import prepack_weight
 from astrai.extension.lora import LoRABatch, lora_delta
@@ -112,3 +112,22 @@ def test_a_tokens_lora_delta_does_not_depend_on_the_other_tokens():
         ]
     )
     torch.testing.assert_close(together, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_invariant_rows_blocks_the_first_axis_only_inside_the_scope():
+    seen = []
+
+    def product(z: torch.Tensor) -> torch.Tensor:
+        seen.append(z.shape[0])
+        return torch.einsum("thn,hnr->thr", z, w)
+
+    w = torch.randn(2, 8, 4)
+    x = torch.randn(21, 2, 8)
+    plain = invariant_rows(x, product)
+    assert seen == [21]
+    seen.clear()
+    with batch_invariant():
+        blocked = invariant_rows(x, product)
+        assert invariant_rows(x[:0], product).shape == (0, 2, 4)
+    assert seen[:2] == [INVARIANT_ROWS, INVARIANT_ROWS] and blocked.shape == (21, 2, 4)
+    torch.testing.assert_close(blocked, plain)

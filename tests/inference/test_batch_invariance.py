@@ -40,3 +40,18 @@ def test_a_conflict_names_both_keys(setting, named):
 def test_only_a_bool_is_accepted(value):
     with pytest.raises(ValueError, match=r"engine\.batch_invariant must be true or false"):
         BatchInvariance.of_options({"batch_invariant": value})
+
+
+def test_dynamic_rope_past_the_trained_context_is_refused():
+    """Dynamic NTK's frequencies past max_position_embeddings follow the step's longest
+    position: refused there, accepted within (the default context)."""
+    kw = dict(dynamic_rope=True, max_position_embeddings=512)
+    with pytest.raises(
+        ValueError, match="batch_invariant=true cannot be combined with max_seq_len=1024"
+    ):
+        BatchInvariance.check(True, max_seq_len=1024, **kw)
+    assert BatchInvariance.check(True, max_seq_len=512, **kw).enabled
+    assert BatchInvariance.check(True, max_seq_len=None, **kw).enabled
+    assert BatchInvariance.check(
+        True, max_seq_len=1024, dynamic_rope=False, max_position_embeddings=512
+    ).enabled

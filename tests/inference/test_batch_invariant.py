@@ -8,6 +8,7 @@ both runs (docs/inference.md, "Batch invariance")."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import threading
 
 import pytest
@@ -17,7 +18,7 @@ from tiny_parts import TINY_SHAPE
 from astrai.extension import attn_backend
 from astrai.inference import InferenceEngine, SamplingParams
 from astrai.inference.engine_options import check_engine_blocks
-from astrai.model import LoRAConfig, ModelConfig, Transformer, inject_lora
+from astrai.model import LoRAConfig, ModelConfig, Transformer, inject_lora, preset_model
 
 N = 4
 SEED = 123
@@ -86,17 +87,30 @@ def test_without_it_the_batch_can_change_log_probs(model, tokenizer):
     assert any(a[1] != b[1] for a, b in zip(together, alone))
 
 
+# per group: sampling settings of its own, so a step's rows mix stages some rows skip
+MIXED = [
+    {},
+    {"top_p": 1.0, "top_k": 0},
+    {"min_p": 0.05, "presence_penalty": 0.5},
+    {"temperature": 0.7, "top_k": 5},
+    {"temperature": 0.0},
+    {"frequency_penalty": 0.3, "top_p": 0.8},
+]
+
+
 def test_concurrent_submissions_to_the_loop_equal_each_alone(model, tokenizer):
     """Groups submitted at once from several threads to the running loop (the HTTP server's
-    way) batch continuously with one another; each equals its group run alone."""
+    way), each with its own sampling settings, batch continuously with one another; each
+    equals its group run alone."""
     prompts = _prompts(len(tokenizer))
+    params = [dataclasses.replace(PARAMS, **MIXED[i]) for i in range(len(prompts))]
     with _engine(model, tokenizer, batch_invariant=True, start=True) as engine:
         groups: dict[int, list] = {}
         barrier = threading.Barrier(len(prompts))
 
         def submit(i: int) -> None:
             barrier.wait()
-            groups[i] = engine.submit_group(prompts[i], PARAMS, seed=SEED + i * N)
+            groups[i] = engine.submit_group(prompts[i], params[i], seed=SEED + i * N)
 
         threads = [threading.Thread(target=submit, args=(i,)) for i in range(len(prompts))]
         for t in threads:
@@ -106,13 +120,15 @@ def test_concurrent_submissions_to_the_loop_equal_each_alone(model, tokenizer):
         for group in groups.values():
             for r in group:
                 r.wait_completion()
-        assert engine.get_stats()["steps"] > 0
+        shared_steps = engine.get_stats()["steps"]
         engine.stop()
         concurrent = [row for i in range(len(prompts)) for row in _rows(groups[i])]
         alone = []
         for i, prompt in enumerate(prompts):
-            results = engine.run_batch([prompt], PARAMS, seed=SEED + i * N, return_details=True)
+            results = engine.run_batch([prompt], params[i], seed=SEED + i * N, return_details=True)
             alone += _rows(results)
+        alone_steps = engine.get_stats()["steps"] - shared_steps
+    assert shared_steps < alone_steps  # the groups did share steps
     assert concurrent == alone
 
 
@@ -204,3 +220,72 @@ def test_greedy_in_the_mode_is_the_dense_forwards_greedy(model, tokenizer, greed
     with _engine(model, tokenizer, batch_invariant=True) as engine:
         got = engine.run_batch(prompts, max_tokens=8, temperature=0.0)
     assert got == [greedy_reference(model, p, 8) for p in prompts]
+
+
+def test_a_short_kv_pool_queues_requests_instead_of_preempting_them(model, tokenizer):
+    """Off, a pool too small for the batch preempts (recomputing a request's KV by prefill,
+    other bits than its decode steps gave); on, each request's whole context is reserved at
+    admission, so the others wait instead and the results stay those of each prompt alone."""
+    prompts = _prompts(len(tokenizer))
+    params = dataclasses.replace(PARAMS, max_tokens=30, ignore_eos=True)
+    short = dict(kv_tokens=240, page_size=4)
+    with _engine(model, tokenizer, **short) as engine:
+        engine.run_batch(prompts, params, seed=SEED)
+        assert engine.get_stats()["preemptions"] > 0  # the pool is short for this batch
+    with _engine(model, tokenizer, **short, batch_invariant=True) as engine:
+        together, alone = _batch_and_alone(engine, prompts, params)
+        assert engine.get_stats()["preemptions"] == 0
+    assert together == alone
+
+
+@pytest.mark.parametrize("preset", ["tiny-moe", "tiny-mla"])
+def test_moe_and_mla_models_keep_it(tokenizer, greedy_reference, preset):
+    """Experts' products go through the same blocked products; MLA's absorbed projections
+    run in the same blocks and its latent attention per request (astrai.extension.mla);
+    greedy still equals the dense forward's."""
+    torch.manual_seed(0)
+    model = preset_model(preset, vocab_size=len(tokenizer), max_position_embeddings=512).eval()
+    prompts = _prompts(len(tokenizer))
+    with _engine(model, tokenizer, batch_invariant=True) as engine:
+        together, alone = _batch_and_alone(engine, prompts)
+        greedy = engine.run_batch(prompts[:3], max_tokens=6, temperature=0.0)
+    assert together == alone
+    assert greedy == [greedy_reference(model, p, 6) for p in prompts[:3]]
+
+
+def test_scored_continuations_equal_each_scored_alone(model, tokenizer):
+    """Prompt log-probs (`score`, evaluation's log-likelihoods) are computed from the same
+    blocked LM head: a request scored beside others equals it scored alone."""
+    prompts = _prompts(len(tokenizer))
+    requests = [(p, [7, 8, 9, 10][: 1 + i % 4]) for i, p in enumerate(prompts)]
+    with _engine(model, tokenizer, batch_invariant=True) as engine:
+        together = engine.score(requests, top_logprobs=2)
+        alone = [engine.score([r], top_logprobs=2)[0] for r in requests]
+    assert [s.logprob for s in together] == [s.logprob for s in alone]
+    assert [s.tokens for s in together] == [s.tokens for s in alone]
+
+
+def test_grpo_rollout_engine_takes_the_key():
+    """`strategy.engine.batch_invariant=true`: GRPO's rollout engine factory (conf/engine)
+    passes it to the engine."""
+    from hydra.utils import instantiate
+
+    from astrai.train.runner import compose
+
+    cfg = compose(
+        ["strategy=grpo", "strategy.engine.batch_invariant=true", "paths.output_dir=/tmp/unused"]
+    )
+    factory = instantiate(cfg.strategy.engine)
+    assert factory.func is InferenceEngine and factory.keywords["batch_invariant"] is True
+
+
+def test_the_kv_layout_and_batch_size_do_not_matter(model, tokenizer):
+    """A trainer's rollout engine and a server replica may size their engines differently:
+    paged or contiguous, any `max_batch_size`, the same bits (`max_prefill_tokens` does
+    matter for prompts longer than it: it sets the chunks)."""
+    prompts = _prompts(len(tokenizer))
+    runs = []
+    for kw in (dict(cache_mode="paged", max_batch_size=64), dict(cache_mode="contiguous")):
+        with _engine(model, tokenizer, batch_invariant=True, **kw) as engine:
+            runs.append(_rows(engine.run_batch(prompts, PARAMS, seed=SEED, return_details=True)))
+    assert runs[0] == runs[1]

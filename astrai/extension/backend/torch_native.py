@@ -205,12 +205,16 @@ def _per_request(q: torch.Tensor, kv_cache: KVCache, layer_id: int, scale: float
             o = F.scaled_dot_product_attention(grouped, keys, values, scale=scale)
             out[start] = o.reshape(q.shape[1:])
         else:  # query j sits at position kv_len - q_len + j
-            mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device)
+            mask = None  # the whole sequence now: the plain causal mask
+            if q_len < kv_len:
+                mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device)
+                mask = mask.tril(kv_len - q_len)
             o = F.scaled_dot_product_attention(
                 queries.transpose(0, 1)[None],
                 keys,
                 values,
-                attn_mask=mask.tril(kv_len - q_len),
+                attn_mask=mask,
+                is_causal=mask is None,
                 scale=scale,
                 enable_gqa=q.shape[1] != n_kv_heads,
             )
