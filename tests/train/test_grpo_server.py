@@ -347,3 +347,29 @@ def test_a_replica_killed_mid_run_changes_nothing(setup):
         _assert_equal_runs(colocated, (weights, trace, module))
     finally:
         fresh.close()
+
+
+# ---------------------------------------------------------------------- the 8B recipe
+def test_grpo_8b_server_composes_and_plans(tmp_path, caplog):
+    """experiment=grpo_8b_server: grpo_8b's trainer on 4 FSDP2 devices, its rollouts on 2
+    replicas over NCCL; its trainer-side plan runs (plan_only) without a replica."""
+    import logging
+
+    from astrai.train import runner
+    from astrai.train.runner import compose
+
+    base = compose(["experiment=grpo_8b", "model=qwen3-8b"])
+    cfg = compose(["experiment=grpo_8b_server", "model=qwen3-8b"])
+    assert cfg.trainer.devices == 4 and cfg.trainer.strategy._target_.endswith("FullyShardStrategy")
+    rollout = parse_rollout(dict(cfg.strategy.rollout))
+    assert isinstance(rollout, ServerRollout) and len(rollout.servers) == 2
+    assert rollout.weight_sync.backend == "nccl"
+    per_step = cfg.trainer.devices * cfg.trainer.accumulate_grad_batches * cfg.data.batch_size
+    assert per_step == base.trainer.devices * base.trainer.accumulate_grad_batches
+    assert cfg.strategy.engine.max_seq_len == base.strategy.engine.max_seq_len
+    out = f"paths.output_dir={tmp_path / 'run'}"
+    planned = compose(["experiment=grpo_8b_server", "model=qwen3-8b", "plan_only=true", out])
+    with caplog.at_level(logging.INFO):
+        assert runner.train(planned) is None
+    assert "memory plan per device" in caplog.text
+    assert not (tmp_path / "run").exists()
