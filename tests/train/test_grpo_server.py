@@ -373,3 +373,62 @@ def test_grpo_8b_server_composes_and_plans(tmp_path, caplog):
         assert runner.train(planned) is None
     assert "memory plan per device" in caplog.text
     assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------------- 2 ranks, FSDP2
+@pytest.mark.slow
+def test_server_mode_on_two_fsdp2_ranks_equals_colocated(tmp_path, data_dir):
+    """`python -m astrai.train` on 2 FSDP2 processes: rank 0 pushes the weights gathered
+    from the shards, both ranks send their groups to the replicas; losses, each rank's
+    rollouts and the exported weights equal the colocated run's."""
+    import json
+
+    from grpo_helpers import TINY_GRPO_CLI
+    from safetensors.torch import load_file
+    from train_helpers import cli, run_dirs
+
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parent)}
+    args = [
+        *TINY_GRPO_CLI,
+        "trainer=fsdp2",
+        "trainer.accelerator=cpu",
+        "trainer.devices=2",
+        "data.batch_size=2",
+        "trainer.max_steps=4",
+        "strategy.engine.batch_invariant=true",
+        f"strategy.engine.max_seq_len={MAX_SEQ_LEN}",
+    ]
+
+    def run(where: Path, *extra: str) -> Path:
+        record = [
+            "+callbacks.rec._target_=_rl_callbacks.StepRecord",
+            f"+callbacks.rec.path={where}",
+        ]
+        cli([*args, *extra, *record, *run_dirs(where, data_dir)], env=env, timeout=600)
+        return where
+
+    colocated = run(tmp_path / "colocated")
+    replicas = Replicas(colocated / "run" / "export", 2)  # the run's config and tokenizer
+    try:
+        server = run(
+            tmp_path / "server",
+            "rollout.mode=server",
+            f"rollout.servers=[{','.join(replicas.urls)}]",
+        )
+    finally:
+        replicas.close()
+
+    def lines(path: Path) -> list[dict]:
+        return [json.loads(line) for line in path.read_text().splitlines()]
+
+    a, b = lines(colocated / "steps.jsonl"), lines(server / "steps.jsonl")
+    assert [r["step"] for r in a] == [1, 2, 3, 4] and a == b  # losses to the bit
+    for rank in (0, 1):
+        assert lines(colocated / f"rollouts.rank{rank}.jsonl") == lines(
+            server / f"rollouts.rank{rank}.jsonl"
+        )
+    pushes = (server / "run" / "__main__.log").read_text().count("weights pushed to 2 replica(s)")
+    assert pushes == 2, "one push per generation batch (num_iterations 2), from rank 0"
+    wa = load_file(colocated / "run" / "export" / "model.safetensors")
+    wb = load_file(server / "run" / "export" / "model.safetensors")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
