@@ -3,8 +3,8 @@
 
 :class:`RemotePolicy` stands where :class:`~astrai.train.policy_engine.PolicyEngine` stands
 in a colocated run: ``sync(step)`` brings the generator up to optimizer step ``step`` and
-returns what GRPO samples on (here the pool). A step newer than the replicas' weights is
-pushed first, once (:class:`~astrai.remote.weight_sender.WeightSender` over a
+returns what GRPO samples on (:class:`PolicyAt`: the pool at that step). A step whose
+weights the replicas do not hold is pushed first, once (:class:`~astrai.remote.weight_sender.WeightSender` over a
 ``torch.distributed`` group: the trainer is rank 0, every replica receives each tensor by
 broadcast), from rank 0 of the trainer; the other ranks take part in the gather of the
 shards under FSDP2 and then learn the outcome (one ``broadcast_object_list``). The
@@ -12,6 +12,8 @@ replicas' own version numbers only go up; a push gets the next one after the hig
 replica reported, so replicas that served an earlier run take the weights of a new one.
 Every generation asks for that version: a replica with other weights answers 409, never
 silently. A replica that missed a push (dead, left out of the group) gets no more groups.
+The trainer's sampler and the asynchronous generator share the replicas: a generation holds
+them (one lock) and first pushes its own step's weights again if the other pushed others.
 """
 
 from __future__ import annotations
@@ -19,13 +21,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from astrai.remote.client import ReplicaClient, ReplicaError, ReplicaUnavailable
+from astrai.inference.params import SamplingParams
+from astrai.remote.client import RemoteResult, ReplicaClient, ReplicaError, ReplicaUnavailable
 from astrai.remote.pool import ReplicaPool
 from astrai.remote.weight_sender import WeightSender
 
@@ -55,10 +58,11 @@ class RolloutChannel:
         self.step: int | None = None
         self.wire_version: int | None = None  # the replicas' version of those weights
         self.push_seconds = 0.0  # of the last push
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # a push, and a generation that needs its weights
 
-    def stale(self, step: int) -> bool:
-        return self.step is None or step > self.step
+    def holds(self) -> int | None:
+        """The trainer step whose weights the replicas hold (None: none pushed yet)."""
+        return self.step
 
     def next_version(self) -> int:
         """One past the highest version a replica holds (the first push asks them)."""
@@ -135,32 +139,39 @@ class RemotePolicy:
     def pool(self) -> ReplicaPool:
         return self.channel.pool
 
-    def sync(self, step: int, load: Callable[[], Any] | None = None) -> ReplicaPool:
-        """The pool, its replicas holding the weights of ``step`` (pushed now when newer
-        than theirs; ``load`` first puts them where ``named`` reads them)."""
+    def sync(self, step: int, load: Callable[[], Any] | None = None) -> PolicyAt:
+        """What to sample on with the weights of ``step``: the pool, its replicas brought
+        to them (pushed now unless they hold them; ``load`` first puts them where
+        ``named`` reads them)."""
         step = int(step)
-        channel = self.channel
-        with channel.lock:
-            if not channel.stale(step):
-                return channel.pool
-            rank, world = _world()
-            if world > 1 and threading.current_thread() is not threading.main_thread():
-                raise RuntimeError(
-                    "strategy.rollout.mode=server with strategy.async_rollouts runs on one "
-                    "trainer process (the push from the generator thread would interleave "
-                    "with the trainer's collectives); set strategy.async_rollouts=null"
-                )
-            if load is not None:
+        with self.channel.lock:
+            if load is not None:  # always: a later re-push of this step reads it
                 load()
-            named = self.named(step)
-            outcome: list[Any] = [None]
-            if rank == 0:
-                outcome = [channel.push(named)]
-            if world > 1:
-                torch.distributed.broadcast_object_list(outcome, src=0)
-            version, urls = outcome[0]
-            channel.agree(step, version, urls)
-        return channel.pool
+            self.bring_up(step)
+        return PolicyAt(self, step)
+
+    def bring_up(self, step: int) -> None:
+        """Push the weights of ``step`` unless the replicas hold them (the caller holds
+        the channel's lock). A step older than theirs is pushed too: the asynchronous
+        generator's snapshot after validation pushed the live weights."""
+        channel = self.channel
+        if channel.holds() == step:
+            return
+        rank, world = _world()
+        if world > 1 and threading.current_thread() is not threading.main_thread():
+            raise RuntimeError(
+                "strategy.rollout.mode=server with strategy.async_rollouts runs on one "
+                "trainer process (the push from the generator thread would interleave "
+                "with the trainer's collectives); set strategy.async_rollouts=null"
+            )
+        named = self.named(step)
+        outcome: list[Any] = [None]
+        if rank == 0:
+            outcome = [channel.push(named)]
+        if world > 1:
+            torch.distributed.broadcast_object_list(outcome, src=0)
+        version, urls = outcome[0]
+        channel.agree(step, version, urls)
 
     def join(self, step: int) -> None:
         """Nothing: weights go out at the next :meth:`sync` (GRPO's version bump)."""
@@ -168,6 +179,37 @@ class RemotePolicy:
 
     def close(self) -> None:
         self.channel.close()
+
+
+class PolicyAt:
+    """The pool as one policy version's sampler (what :meth:`RemotePolicy.sync` returns,
+    with the engine API GRPO's sampling reads): each ``run_batch`` holds the channel while
+    it generates and first brings the replicas back to its step if another user of the
+    channel (validation, the asynchronous generator) pushed other weights meanwhile."""
+
+    def __init__(self, policy: RemotePolicy, step: int) -> None:
+        self.policy = policy
+        self.step = step
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.policy.pool.max_seq_len
+
+    @property
+    def policy_version(self) -> int:
+        return self.step
+
+    def run_batch(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        seed: int | None = None,
+        return_details: bool = True,
+    ) -> list[RemoteResult]:
+        with self.policy.channel.lock:
+            self.policy.bring_up(self.step)
+            return self.policy.pool.run_batch(prompts, params, seed=seed)
 
 
 def replica_channel(
@@ -193,4 +235,4 @@ def replica_channel(
     return RolloutChannel(ReplicaPool(clients, max_seq_len=max_seq_len), sender)
 
 
-__all__ = ["Named", "RemotePolicy", "RolloutChannel", "replica_channel"]
+__all__ = ["Named", "PolicyAt", "RemotePolicy", "RolloutChannel", "replica_channel"]

@@ -212,22 +212,38 @@ class Trace(Callback):
     def __init__(self) -> None:
         self.generations: list = []
         self.losses: list[float] = []
+        self.val: dict[str, float] = {}
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         self.generations.append(module.generation)
         self.losses.append(float(outputs["loss"]))
 
 
-def _fit(root, tok, *, steps=STEPS, stops=False, **kw):
+def _fit(root, tok, *, steps=STEPS, stops=False, validate=False, **kw):
+    """``validate``: greedy validation on 2 prompts every 2 steps (on the replicas too)."""
+    from astrai.data import AstraiDataModule, PromptDataset
+
     module = make_grpo(root, tok, **{**KW, **kw})
     if stops:  # end a random model's turns early, so that episodes have two turns
         ids = frozenset(range(0, len(tok), 5)) | frozenset(tok.stop_ids)
         module.live_source.params = dataclasses.replace(module.live_source.params, stop_ids=ids)
     trace = Trace()
+    data = prompt_module(root)
+    val = {}
+    if validate:
+        prompts = str(root / "prompts.h5")
+        data = AstraiDataModule(
+            train=PromptDataset(prompts), val=PromptDataset(prompts), batch_size=2, seed=0
+        )
+        val = dict(limit_val_batches=1, val_check_interval=2, num_sanity_val_steps=0)
     trainer = quiet_trainer(
-        max_steps=steps, callbacks=[trace], limit_val_batches=0, use_distributed_sampler=False
+        max_steps=steps,
+        callbacks=[trace],
+        use_distributed_sampler=False,
+        **(val or dict(limit_val_batches=0)),
     )
-    trainer.fit(module, datamodule=prompt_module(root))
+    trainer.fit(module, datamodule=data)
+    trace.val = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
     weights = {k: v.detach().clone() for k, v in module.model.state_dict().items()}
     return weights, trace, module
 
@@ -269,11 +285,17 @@ def test_server_mode_equals_colocated(setup, replicas):
 
 @pytest.mark.slow
 def test_async_server_mode_equals_async_colocated(setup, replicas):
+    """The server run also validates every 2 steps on the replicas: validation pushes the
+    live weights between the generator's jobs, the generator's next job pushes its
+    snapshot again, and nothing of the training changes. (The colocated run validates
+    not: there the trainer's engine, built by validation on the live policy, changes the
+    last bits of the no-gradient forward that corrects stale samples.)"""
     root, tok = setup
     spec = {"max_staleness": 1}
     colocated = _fit(root, tok, async_rollouts=spec)
-    server = _fit(root, tok, async_rollouts=spec, rollout=_server(replicas))
+    server = _fit(root, tok, async_rollouts=spec, rollout=_server(replicas), validate=True)
     _assert_equal_runs(colocated, server)
+    assert "val/reward" in server[1].val
     stale = [g.versions for g in server[1].generations]
     assert any(v is not None and min(v) < i for i, v in enumerate(stale)), "sampled ahead"
 

@@ -102,12 +102,15 @@ class ServerRollout:
 
 
 class SnapshotWeights:
-    """The asynchronous generator's weights in server mode: the live policy's tensors
-    until the first snapshot, then the latest snapshot a job loaded (``load_state_dict``,
-    as the colocated generator's model takes it)."""
+    """The asynchronous generator's weights in server mode: a snapshot of the policy as
+    the generator starts, then the latest snapshot a job loaded (``load_state_dict``, as the
+    colocated generator's model takes it). It is kept (one copy of the weights, where the
+    colocated generator keeps a whole model): a push of the same step again reads it."""
 
     def __init__(self, policy: torch.nn.Module) -> None:
-        self.state: Mapping[str, torch.Tensor] = policy.state_dict()
+        from astrai.train.strategies.grpo.async_source import weight_snapshot
+
+        self.state: Mapping[str, torch.Tensor] = weight_snapshot(policy)
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         self.state = state
