@@ -6,6 +6,9 @@ scaled weights). Experts are stored stacked (`gate_up_proj [E, 2I, H]`, `down_pr
 the layout transformers 5 keeps in memory), and tokens are dispatched by sorting the (token,
 slot) pairs by expert and running one matmul per expert over its contiguous slice; small batches
 (decode, CUDA-graph capture) gather each pair's expert weights instead, with no host sync.
+In the engine's batch-invariant mode (`astrai.extension.invariance`) the router's and each
+expert's products run in fixed row blocks and every batch takes the sorted path, so a
+token's output does not depend on the other tokens of the step.
 
 In training each layer records its router statistics (Switch-Transformer load-balancing loss,
 router z-loss, tokens per expert) of the latest forward; `router_stats(model)` collects them.
@@ -19,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from astrai.extension import batch_invariant_enabled, invariant_rows
 from astrai.model.config import ModelConfig
 from astrai.model.layers import MLP, Linear
 from astrai.model.moe_config import expert_size, shared_size
@@ -101,7 +105,8 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`[T, H]` -> fp32 logits `[T, E]`, weights `[T, k]` (fp32) and expert ids `[T, k]`."""
-        logits = F.linear(x.float(), self.weight.float())
+        weight = self.weight.float()
+        logits = invariant_rows(x.float(), lambda z: F.linear(z, weight))
         scores = logits.softmax(-1) if self.scoring == "softmax" else logits.sigmoid()
         if self.method == "greedy":
             weights, ids = scores.topk(self.top_k, dim=-1)
@@ -142,8 +147,11 @@ class Experts(nn.Module):
         outs, start = [], 0
         for e, end in enumerate(ends):  # a loop over experts, each on a contiguous slice
             if end > start:
-                gate, up = F.linear(xs[start:end], self.gate_up_proj[e]).chunk(2, dim=-1)
-                outs.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
+                gate_up, down = self.gate_up_proj[e], self.down_proj[e]
+                h = invariant_rows(xs[start:end], lambda z, w=gate_up: F.linear(z, w))
+                gate, up = h.chunk(2, dim=-1)
+                act = F.silu(gate) * up
+                outs.append(invariant_rows(act, lambda z, w=down: F.linear(z, w)))
             start = end
         return torch.cat(outs), order
 
@@ -158,7 +166,8 @@ class Experts(nn.Module):
         """`sum_j weights[t, j] * expert_{ids[t, j]}(x[t])` for `[T, H]` tokens."""
         t, k = ids.shape
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        if capturing or t * k <= GATHER_MAX_PAIRS:
+        small = capturing or t * k <= GATHER_MAX_PAIRS
+        if small and not batch_invariant_enabled():  # its pair sum is in slot order
             out = self._gathered(x, ids) * weights.reshape(-1, 1).to(x.dtype)
             return out.view(t, k, -1).sum(1)
         out, order = self._sorted(x, ids)

@@ -57,6 +57,7 @@ class ReplicaClient:
     """Calls to one replica at `url` (``http://host:port``), with `api_key` when it has one.
 
     `timeout` bounds each call (seconds; a generation or a weight update can take long).
+    One client may be used from several threads at once (httpx's client can be shared).
     """
 
     def __init__(self, url: str, api_key: str | None = None, timeout: float = 600) -> None:

@@ -19,9 +19,10 @@ next complete update (`GenerationGate.spoil`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Depends, FastAPI, Request
@@ -50,6 +51,7 @@ WEIGHT_UPDATES_OFF = (
     "weight updates are off on this server: start it with allow_weight_updates=true "
     "(conf/serve.yaml) to mount the RL routes"
 )
+DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
 PEER_REFUSED = (
     "another member of weight group {group!r} refused the update; nothing was changed "
     "(its replica's answer says why)"
@@ -75,14 +77,13 @@ async def json_body(request: Request) -> dict[str, Any]:
     return body
 
 
-def field(
-    body: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = ...
-) -> Any:
+def field(body: dict[str, Any], name: str, kind: type, default: Any = ...) -> Any:
+    """`body[name]`, of type `kind` (bools are not ints here); a 400 naming it otherwise."""
     value = body.get(name, default)
     if value is ...:
         raise APIError(400, f"{name}: required", param=name)
     if value is not default and (not isinstance(value, kind) or isinstance(value, bool)):
-        raise APIError(400, f"{name}: expected {kind}, got {value!r}", param=name)
+        raise APIError(400, f"{name}: expected {kind.__name__}, got {value!r}", param=name)
     return value
 
 
@@ -128,6 +129,17 @@ class WeightRoutes:
             self.gate.open()
         return {"success": True, "policy_version": self.engine.policy_version}
 
+    @contextlib.asynccontextmanager
+    async def updating(self) -> AsyncIterator[None]:
+        """One update at a time; at its end (done, refused or failed) the gate opens again
+        unless generation is paused (a continue during the update left that to here)."""
+        async with self.lock:
+            try:
+                yield
+            finally:
+                if not self.gate.paused:
+                    self.gate.open()
+
     # ------------------------------------------------------------------ groups
     async def init_group(self, request: Request) -> dict[str, Any]:
         body = await json_body(request)
@@ -135,7 +147,7 @@ class WeightRoutes:
         port = field(body, "master_port", int)
         rank = field(body, "rank_offset", int)
         world = field(body, "world_size", int)
-        name = field(body, "group_name", str)
+        name = field(body, "group_name", str, DEFAULT_GROUP)
         backend = field(body, "backend", str, "gloo")
         try:
             check_backend(backend)
@@ -172,7 +184,7 @@ class WeightRoutes:
 
     async def destroy_group(self, request: Request) -> dict[str, Any]:
         body = await json_body(request)
-        name = field(body, "group_name", str)
+        name = field(body, "group_name", str, DEFAULT_GROUP)
         group = self.groups.get(name)
         if group is None:
             raise APIError(400, f"group_name: no weight group {name!r}", param="group_name")
@@ -182,25 +194,21 @@ class WeightRoutes:
     # ------------------------------------------------------------------ updates
     async def apply(self, targets: Targets, version: int, write: Callable[[], None]) -> dict:
         """`write()` (which copies into `targets`) with the gate closed and the engine's
-        loop paused; the engine's version becomes `version`. The caller holds the lock."""
-        await self.gate.close()
+        loop paused; the engine's version becomes `version`. The caller is `updating`."""
+        await self.gate.close()  # opened again by `updating`
         try:
             await asyncio.to_thread(self.engine.update_weights, write, version)
         except Exception:
             if targets.written:
                 self.gate.spoil()
             raise
-        else:
-            self.gate.restore()
-        finally:
-            if not self.gate.paused:
-                self.gate.open()
+        self.gate.restore()
         logger.info("weights updated to policy version %d (%s)", version, targets.what)
         return {"success": True, "policy_version": self.engine.policy_version}
 
     async def from_disk(self, request: Request) -> dict[str, Any]:
         body = await json_body(request)
-        async with self.lock:
+        async with self.updating():
             try:
                 version = check_version(body.get("policy_version"), self.engine.policy_version)
                 lora = body.get("lora_name")
@@ -216,11 +224,11 @@ class WeightRoutes:
 
     async def from_distributed(self, request: Request) -> dict[str, Any]:
         body = await json_body(request)
-        name = body.get("group_name")
+        name = body.get("group_name", DEFAULT_GROUP)
         group = self.groups.get(name) if isinstance(name, str) else None
         if group is None:  # no group: the trainer sees this answer before any collective
             raise APIError(400, f"group_name: no weight group {name!r}", param="group_name")
-        async with self.lock:
+        async with self.updating():
             refusal: WeightProblem | None = None
             entries: list[Entry] = []
             try:

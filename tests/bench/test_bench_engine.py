@@ -138,3 +138,28 @@ def test_a_batch_size_listed_twice_keeps_its_best_run():
     speeds = iter([10.0, 50.0, 20.0])  # bs=1, then bs=8 (fast), then bs=8 again (slow)
     out = best_per_size([1, 8, 8], lambda bs: {"bs": bs, "tokens_per_s": next(speeds)}, 1)
     assert out == {"bs=1": {"bs": 1, "tokens_per_s": 10.0}, "bs=8": {"bs": 8, "tokens_per_s": 50.0}}
+
+
+def test_engine_benchmark_runs_batch_invariant(tmp_path):
+    """`engine.batch_invariant=true`: the mode refuses the radix cache, so the shared-prefix
+    comparison runs without it and the report says no ratio."""
+    report = main(
+        [
+            "engine",
+            "model=tiny",
+            "requests=3",
+            "prompt_min=4",
+            "prompt_max=12",
+            "output_min=2",
+            "output_max=5",
+            "peers=[]",
+            "prefix_overhead=false",
+            "step_batches=[]",
+            "prefix_requests=2",
+            "prefix_len=32",
+            "engine.batch_invariant=true",
+            f"out={tmp_path / 'engine.json'}",
+        ]
+    )
+    assert report["astrai"]["tokens"] > 0 and report["phases"]["decode_tokens_per_s"] > 0
+    assert set(report["prefix"]) == {"no_cache"}

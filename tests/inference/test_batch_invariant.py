@@ -238,13 +238,27 @@ def test_a_short_kv_pool_queues_requests_instead_of_preempting_them(model, token
     assert together == alone
 
 
-@pytest.mark.parametrize("preset", ["tiny-moe", "tiny-mla"])
-def test_moe_and_mla_models_keep_it(tokenizer, greedy_reference, preset):
-    """Experts' products go through the same blocked products; MLA's absorbed projections
-    run in the same blocks and its latent attention per request (astrai.extension.mla);
-    greedy still equals the dense forward's."""
+# MoE at width 256: there the experts' and router's products depend on their row counts
+WIDE_MOE = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=256)
+
+
+@pytest.mark.parametrize(
+    ("preset", "overrides"),
+    [
+        ("tiny", dict(hidden_size=256, intermediate_size=704)),
+        ("tiny-moe", WIDE_MOE),
+        ("tiny-mla", {}),
+    ],
+    ids=["dense-256", "moe-256", "mla"],
+)
+def test_wider_moe_and_mla_models_keep_it(tokenizer, greedy_reference, preset, overrides):
+    """The router's and experts' products run in the same fixed blocks (every batch on the
+    sorted path); MLA's absorbed projections too, and its latent attention per request
+    (astrai.extension.mla); greedy still equals the dense forward's."""
     torch.manual_seed(0)
-    model = preset_model(preset, vocab_size=len(tokenizer), max_position_embeddings=512).eval()
+    model = preset_model(
+        preset, vocab_size=len(tokenizer), max_position_embeddings=512, **overrides
+    ).eval()
     prompts = _prompts(len(tokenizer))
     with _engine(model, tokenizer, batch_invariant=True) as engine:
         together, alone = _batch_and_alone(engine, prompts)

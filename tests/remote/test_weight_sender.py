@@ -2,8 +2,8 @@
 
 Independent reference: after a push of weights W at version v, a replica's `/generate`
 equals an in-process engine on a model holding W (same seed, greedy and sampled). A push
-one replica refuses changes neither (the handshake), and one replica killed (SIGKILL)
-leaves a push that still succeeds over the other. The tests share the two replicas and run
+one replica refuses changes neither (the handshake), and one replica killed (SIGKILL) in the
+middle of a push leaves the push to succeed over the other. The tests share the two replicas and run
 in order (the last one kills a replica)."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from astrai.inference import InferenceEngine, SamplingParams
 from astrai.model import AutoModel, save_lora, save_pretrained
 from astrai.model.lora import lora_state_dict
 from astrai.remote import ReplicaClient, ReplicaError, WeightSender
+from astrai.remote.weight_group import WeightGroup
 
 pytestmark = pytest.mark.slow  # two server subprocesses
 
@@ -146,14 +147,27 @@ def test_lora_push_equals_an_engine_that_loaded_the_adapter(
         ref.shutdown()
 
 
-def test_a_killed_replica_leaves_the_push_to_the_survivor(
-    replicas, remote_model_dir, remote_tokenizer, one_thread
+def test_a_replica_killed_mid_push_leaves_the_push_to_the_survivor(
+    replicas, remote_model_dir, remote_tokenizer, one_thread, monkeypatch
 ):
+    """Replica 1 is SIGKILLed after the trainer broadcast two tensors of a push: the push
+    still succeeds, over replica 0 alone, which ends up holding the whole new policy."""
     procs, clients, sender, _ = replicas
-    procs[1].send_signal(signal.SIGKILL)
-    procs[1].wait(timeout=30)
+    broadcast = WeightGroup.broadcast
+    sent = []
+
+    def kill_after_two(group: WeightGroup, tensor: torch.Tensor) -> None:
+        if group.rank == 0 and group.world_size == 3:
+            sent.append(tensor.shape)
+            if len(sent) == 3:
+                procs[1].send_signal(signal.SIGKILL)
+                procs[1].wait(timeout=30)
+        broadcast(group, tensor)
+
+    monkeypatch.setattr(WeightGroup, "broadcast", kill_after_two)
     newer = perturbed(remote_model_dir, seed=9)
     assert sender.push(newer.named_parameters(), version=5) > 0
+    assert len(sent) >= 3 and procs[1].poll() is not None
     assert sender.alive == [clients[0]]
     ref = reference(newer, remote_tokenizer)
     try:
