@@ -112,6 +112,21 @@ def test_server_mode_is_refused_before_the_model_loads(monkeypatch):
         GRPOModule(model=no_model, tokenizer="unused", rollout={"mode": "server"})
 
 
+def test_server_mode_with_lora_is_refused_before_the_model_loads():
+    from astrai.train.strategies.grpo import GRPOModule
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was built")
+
+    with pytest.raises(ValueError, match=r"rollout\.mode=server with strategy\.lora"):
+        GRPOModule(
+            model=no_model,
+            tokenizer="unused",
+            lora={"r": 4},
+            rollout={"mode": "server", "servers": ["http://127.0.0.1:1"]},
+        )
+
+
 def test_the_issue_spelling_composes(tmp_path):
     from hydra import compose, initialize_config_dir
 

@@ -98,6 +98,11 @@ class GRPOModule(GlobalTokenNormaliser, RolloutModule, LMModule):
             raise ValueError("GRPO needs a tokenizer (rewards read decoded completions)")
         mine, base = GRPOOptions.split(kwargs)
         options = GRPOOptions.parse(**mine)  # before the model is built
+        if options.rollout.mode == "server" and base.get("lora"):
+            raise ValueError(
+                "strategy.rollout.mode=server with strategy.lora: not supported (the replicas "
+                "take full weights); set strategy.lora=null or rollout.mode=colocate"
+            )
         super().__init__(**base)
         self.options = options
         # what the dapo normaliser (GlobalTokenNormaliser) reads
@@ -106,11 +111,6 @@ class GRPOModule(GlobalTokenNormaliser, RolloutModule, LMModule):
         if options.kl_coef > 0:  # else no reference model is kept at all
             self.reference = ReferencePolicy(self.model, options.reference_dtype)
         self.policy_engine = PolicyEngine(self.live_policy, engine)
-        if options.rollout.mode == "server" and self.lora_config is not None:
-            raise ValueError(
-                "strategy.rollout.mode=server with strategy.lora: not supported (the replicas "
-                "take full weights); set strategy.lora=null or rollout.mode=colocate"
-            )
         # what rollouts generate on: the policy engine (colocate) or the replicas (server)
         self.rollout_engine = options.rollout.engine(self.policy_engine)
         # the trainer's engine source (also validation's), and the one training takes from
