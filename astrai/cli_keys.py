@@ -189,16 +189,24 @@ def named_groups_win(args: Sequence[str], config_dir: Path = CONF_DIR) -> None:
 TRAINER_STRATEGY_KEYS = ("tensor_parallel_size",)
 
 
+#: top-level spellings of GRPO's strategy blocks: `rollout.mode=server
+#: rollout.servers=[...]` (the issue's, and TRL's `vllm_mode`-style) is `strategy.rollout.*`
+STRATEGY_BLOCKS = ("rollout",)
+
+
 def strategy_keys(args: Sequence[str]) -> list[str]:
     """`args` with `trainer.tensor_parallel_size=N` (the issue's, torchtitan's and
-    Lightning's name) spelt `trainer.strategy.tensor_parallel_size=N`, as the config has it;
-    under a strategy without it (`trainer=ddp`) the override check names the key."""
+    Lightning's name) spelt `trainer.strategy.tensor_parallel_size=N`, as the config has it,
+    and `rollout.<key>=v` spelt `strategy.rollout.<key>=v`; under a strategy without the key
+    (`trainer=ddp`, a strategy other than GRPO) the override check names it."""
     out = []
     for arg in args:
         key = _key(arg) or ""
         name = key.removeprefix("trainer.")
         if key.startswith("trainer.") and name in TRAINER_STRATEGY_KEYS:
             arg = arg.replace(key, f"trainer.strategy.{name}", 1)
+        elif key.split(".", 1)[0] in STRATEGY_BLOCKS:
+            arg = arg.replace(key, f"strategy.{key}", 1)
         out.append(arg)
     return out
 

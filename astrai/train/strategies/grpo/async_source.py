@@ -35,7 +35,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from astrai.train.policy_engine import PolicyEngine
 from astrai.train.strategies.grpo.generation import Generation, Rollouts
 from astrai.train.strategies.grpo.loss import IS_CORRECTIONS, importance_sampling_ratio
 from astrai.train.strategies.grpo.sampling import Samples
@@ -120,13 +119,12 @@ class RolloutWorker:
 
     A job is ``(version, snapshot, fn)``: before ``fn()`` runs, a snapshot's weights are
     loaded into the generator's model through the engine's versioned update (which also
-    drops the prefix-cache pages of the old weights). Results and exceptions come back
+    drops the prefix-cache pages of the old weights; in server mode, the engine pushes
+    them to the replicas). ``engine``: a ``PolicyEngine`` or a ``RemotePolicy``. Results and exceptions come back
     through the ``Future`` :meth:`submit` returns.
     """
 
-    def __init__(
-        self, engine: PolicyEngine, model: torch.nn.Module, threads: int | None = None
-    ) -> None:
+    def __init__(self, engine: Any, model: Any, threads: int | None = None) -> None:
         self.engine = engine
         self.model = model
         self.threads = threads if threads is not None else torch.get_num_threads()
@@ -271,6 +269,9 @@ class AsyncSource(RolloutSource):
             snapshot for every new policy version).
         build: ``build(copy) -> (source, engine)``: the generator's source and the engine it
             samples on (whose weights the versioned updates load).
+        weights: ``weights(policy)``: what the snapshots load into (``load_state_dict``):
+            a copy of the policy (colocated), or in server mode a holder of the snapshot
+            that the engine pushes to the replicas (``rollout_mode.SnapshotWeights``).
         seed_of: ``seed_of(batch, ahead)``: the rollout seed of the loader batch ``ahead``
             generation batches on.
     """
@@ -279,20 +280,23 @@ class AsyncSource(RolloutSource):
         self,
         options: AsyncRollouts,
         policy: torch.nn.Module,
-        build: Callable[[torch.nn.Module], tuple[RolloutSource, PolicyEngine]],
+        build: Callable[[Any], tuple[RolloutSource, Any]],
         seed_of: Callable[[Mapping[str, Any], int], int],
+        weights: Callable[[torch.nn.Module], Any] = policy_copy,
     ) -> None:
         self.options = options
         self.policy = policy
         self.build = build
         self.seed_of = seed_of
+        self.weights = weights
         self.step = 0
         self.inner: RolloutSource | None = None
         self.queue = RolloutQueue(self._start)
 
     def _start(self) -> RolloutWorker:
-        """The generator thread, its engine on a copy of the policy as it is now."""
-        model = policy_copy(self.policy)
+        """The generator thread, its engine on a copy of the policy as it is now (in
+        server mode: the replicas, fed from the snapshots)."""
+        model = self.weights(self.policy)
         self.inner, engine = self.build(model)
         engine.sync(self.step)
         return RolloutWorker(engine, model, self.options.generator_threads)

@@ -17,6 +17,7 @@ import torch
 
 from astrai.inference import SamplingParams
 from astrai.train.policy_engine import PolicyEngine
+from astrai.train.remote_policy import RemotePolicy
 from astrai.train.strategies.grpo.rewards import WeightedReward
 from astrai.train.strategies.grpo.sampling import (
     Samples,
@@ -28,10 +29,14 @@ from astrai.train.strategies.grpo.source import RolloutSource
 
 #: ``generate(prompts, *, seed, params) -> results``: ``params.n`` per prompt, prompt-major
 Generate = Callable[..., list[Any]]
+#: what a source samples on: the run's engine (colocate) or its replicas (server mode);
+#: both have ``sync(step)`` (-> ``run_batch``, ``max_seq_len``, ``policy_version``) and ``live``
+RolloutEngine = PolicyEngine | RemotePolicy
 
 
 class EngineSource(RolloutSource):
-    """Samples ``params`` rollouts of a loader batch on ``engine`` (synced to the step).
+    """Samples ``params`` rollouts of a loader batch on ``engine`` (synced to the step): the
+    run's engine, or in server mode its replicas (:mod:`astrai.train.remote_policy`).
 
     ``generate`` is the single-turn call, :meth:`engine_generate` on the engine by default
     (tests replace it with canned results).
@@ -39,7 +44,7 @@ class EngineSource(RolloutSource):
 
     def __init__(
         self,
-        engine: PolicyEngine,
+        engine: RolloutEngine,
         params: SamplingParams,
         *,
         tokenizer: Any,
@@ -100,7 +105,7 @@ class EngineSource(RolloutSource):
             )
 
 
-def _autocast_type(engine: PolicyEngine) -> str:
+def _autocast_type(engine: RolloutEngine) -> str:
     """The autocast device type of the policy's parameters (cuda or cpu)."""
     model, _ = engine.live()
     device = next(model.parameters()).device

@@ -42,7 +42,7 @@ from astrai.train.strategies.grpo.async_source import (
     correct_staleness,
 )
 from astrai.train.strategies.grpo.dapo import GlobalTokenNormaliser
-from astrai.train.strategies.grpo.engine_source import EngineSource
+from astrai.train.strategies.grpo.engine_source import EngineSource, RolloutEngine
 from astrai.train.strategies.grpo.generation import (
     Generation,
     Rollouts,
@@ -98,6 +98,11 @@ class GRPOModule(GlobalTokenNormaliser, RolloutModule, LMModule):
             raise ValueError("GRPO needs a tokenizer (rewards read decoded completions)")
         mine, base = GRPOOptions.split(kwargs)
         options = GRPOOptions.parse(**mine)  # before the model is built
+        if options.rollout.mode == "server" and base.get("lora"):
+            raise ValueError(
+                "strategy.rollout.mode=server with strategy.lora: not supported (the replicas "
+                "take full weights); set strategy.lora=null or rollout.mode=colocate"
+            )
         super().__init__(**base)
         self.options = options
         # what the dapo normaliser (GlobalTokenNormaliser) reads
@@ -106,12 +111,18 @@ class GRPOModule(GlobalTokenNormaliser, RolloutModule, LMModule):
         if options.kl_coef > 0:  # else no reference model is kept at all
             self.reference = ReferencePolicy(self.model, options.reference_dtype)
         self.policy_engine = PolicyEngine(self.live_policy, engine)
+        # what rollouts generate on: the policy engine (colocate) or the replicas (server)
+        self.rollout_engine = options.rollout.engine(self.policy_engine)
         # the trainer's engine source (also validation's), and the one training takes from
-        self.live_source = self.engine_source(self.policy_engine, options.sampling)
+        self.live_source = self.engine_source(self.rollout_engine, options.sampling)
         self.source: RolloutSource = self.live_source
         if options.async_rollouts is not None:
             self.source = AsyncSource(
-                options.async_rollouts, self.model, self._generator_source, self._seed
+                options.async_rollouts,
+                self.model,
+                self._generator_source,
+                self._seed,
+                weights=options.rollout.generator_weights,
             )
         self.staleness = Staleness()
         self.generation: Generation | None = None  # the rollouts being trained on
@@ -120,7 +131,7 @@ class GRPOModule(GlobalTokenNormaliser, RolloutModule, LMModule):
         self.idle_seconds = 0.0  # this micro-step's wait for rollouts (all the sampling when sync)
 
     # ------------------------------------------------------------------ rollout sources
-    def engine_source(self, engine: PolicyEngine, params: SamplingParams) -> EngineSource:
+    def engine_source(self, engine: RolloutEngine, params: SamplingParams) -> EngineSource:
         """An engine source with ``params`` and this module's rewards and environment."""
         o = self.options
         return EngineSource(
@@ -132,11 +143,11 @@ class GRPOModule(GlobalTokenNormaliser, RolloutModule, LMModule):
             max_turns=o.max_turns,
         )
 
-    def _generator_source(self, model: torch.nn.Module) -> tuple[EngineSource, PolicyEngine]:
-        """The asynchronous generator's source: an engine of its own on ``model`` (a copy),
-        sized and sampling as the live one."""
-        engine = PolicyEngine(lambda: (model, self.tokenizer), self.policy_engine.factory)
-        engine.needs = list(self.policy_engine.needs)
+    def _generator_source(self, weights: Any) -> tuple[EngineSource, RolloutEngine]:
+        """The asynchronous generator's source, sampling as the live one: colocated, an
+        engine of its own on ``weights`` (a copy of the policy); in server mode, the same
+        replicas, fed from ``weights`` (the snapshots)."""
+        engine = self.options.rollout.generator(self.rollout_engine, weights)
         return self.engine_source(engine, self.live_source.params), engine
 
     def shard_companions(self, shard: Callable[[torch.nn.Module], None]) -> None:
@@ -454,4 +465,5 @@ class GRPOModule(GlobalTokenNormaliser, RolloutModule, LMModule):
 
     def teardown(self, stage: str) -> None:
         self.source.close()
+        self.rollout_engine.close()  # the replicas' channel (colocate: the policy engine)
         super().teardown(stage)  # closes the policy engine

@@ -22,6 +22,7 @@ from astrai.train.strategies.grpo.loss import check_loss_options
 from astrai.train.strategies.grpo.packing import DEFAULT_TOKEN_BUDGET, RowPacking
 from astrai.train.strategies.grpo.reference import check_sync_options
 from astrai.train.strategies.grpo.rewards import WeightedReward, parse_rewards, plain_config
+from astrai.train.strategies.grpo.rollout_mode import Colocate, RolloutMode, parse_rollout
 from astrai.train.strategies.grpo.sampling import environment_factory, rollout_sampling
 
 
@@ -75,6 +76,9 @@ class GRPOOptions:
         max_turns: the model's turns per episode at most (with ``environment``).
         async_rollouts: ``{max_staleness: K, ...}`` samples the next ``K`` generation batches
             on a generator thread while the trainer trains; None: synchronous.
+        rollout: where rollouts are generated (``{mode: colocate}``, the default: the
+            trainer's engine; ``{mode: server, servers: [...]}``: rollout replicas,
+            :mod:`~astrai.train.strategies.grpo.rollout_mode`).
         padding_free: each micro-step's sequences packed into rows with restarting position
             ids, no pad token computed (TRL's name; same loss and gradients as padded).
         use_dynamic_bsz, ppo_max_token_len_per_gpu: verl's names: the packed rows hold at
@@ -114,6 +118,7 @@ class GRPOOptions:
     padding_free: bool = False
     use_dynamic_bsz: bool = False
     ppo_max_token_len_per_gpu: int = DEFAULT_TOKEN_BUDGET
+    rollout: RolloutMode = field(default_factory=Colocate)
 
     @classmethod
     def parse(
@@ -151,6 +156,7 @@ class GRPOOptions:
         padding_free: bool = False,
         use_dynamic_bsz: bool = False,
         ppo_max_token_len_per_gpu: int = DEFAULT_TOKEN_BUDGET,
+        rollout: Any = None,
     ) -> GRPOOptions:
         """The options as the YAML gives them, checked; every error names its key."""
         if num_generations < 2:
@@ -217,6 +223,7 @@ class GRPOOptions:
             padding_free=packing.padding_free,
             use_dynamic_bsz=packing.use_dynamic_bsz,
             ppo_max_token_len_per_gpu=packing.ppo_max_token_len_per_gpu,
+            rollout=parse_rollout(plain_config(rollout)),
         )
 
     @classmethod
