@@ -49,6 +49,17 @@ def _text(group: str, option: str) -> str:
     return (CONF_DIR / group / f"{option}.yaml").read_text()
 
 
+def _experiment_text(option: str) -> str:
+    """An experiment's file and those of the experiments its defaults list names (a variant
+    like grpo_8b_server keeps its base's overrides)."""
+    text = _text("experiment", option)
+    defaults = OmegaConf.create(text)
+    for entry in defaults.get("defaults", []):
+        if isinstance(entry, str) and entry != "_self_":
+            text += _experiment_text(entry)
+    return text
+
+
 def _composed(cfg: Any, group: str) -> dict[str, Any]:
     node = OmegaConf.select(cfg, group.replace("/", "."))
     return _leaves(OmegaConf.to_container(node, resolve=False))
@@ -97,7 +108,7 @@ def test_a_named_group_wins_over_every_preset(e: int) -> None:
     for p, preset in enumerate(PRESETS):
         i = e * len(PRESETS) + p
         named = {g: opts[(i + k) % len(opts)] for k, (g, opts) in enumerate(OPTIONS.items())}
-        if experiment and "/engine@strategy.engine" in _text("experiment", experiment):
+        if experiment and "/engine@strategy.engine" in _experiment_text(experiment):
             named["strategy"] = "grpo"  # it overrides GRPO's own engine: no other composes
         slots = [s.format(search=SEARCHES[i % len(SEARCHES)]) for s in preset]
         args = [*([f"+experiment={experiment}"] if experiment else []), *slots]
