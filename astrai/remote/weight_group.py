@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
+import sys
 import time
 
 import torch
@@ -35,6 +37,24 @@ ABORT_KEY = "abort"
 # their destructor would wait for it until the timeout, and a daemon thread killed in that
 # wait aborts the process at exit. Parked here until it completes, then dropped.
 _PARKED: list[tuple[dist.ProcessGroup, dist.Work]] = []
+
+
+def leave_parked_groups() -> None:
+    """At a normal stop: a parked group whose collective is still pending would hold the
+    interpreter's exit until the group's timeout (its destructor waits for that collective,
+    at the last garbage collection), so the process ends here instead, its logs flushed."""
+    pending = sum(not work.is_completed() for _, work in _PARKED)
+    if not pending:
+        return
+    logger.warning(
+        "%d weight group(s) still wait for a member that died: exiting without waiting "
+        "for their timeout",
+        pending,
+    )
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class GroupAborted(RuntimeError):

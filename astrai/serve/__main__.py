@@ -330,6 +330,9 @@ def serve(cfg: dict[str, Any]) -> None:
     finally:
         engine.shutdown()
         logger.info("server stopped")
+    from astrai.remote.weight_group import leave_parked_groups
+
+    leave_parked_groups()  # a weight group left by a dead member must not hold the exit
 
 
 def launch_replicas(cfg: dict[str, Any]) -> int:

@@ -71,6 +71,9 @@ def replicas(remote_model_dir, tmp_path_factory):
         sender = WeightSender(clients, timeout=60)
         yield [p for p, _ in procs], clients, sender, adapter
         sender.close()
+        # a survivor of the killed member's group stops at once, not after its timeout
+        running = [p for p, _ in procs if p.poll() is None]
+        assert [stop(p) for p in running] == [0] * len(running)
     finally:
         for proc, _ in procs:
             stop(proc)
