@@ -10,6 +10,7 @@ and its keys/values after the write are the slots
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,3 +51,31 @@ class KVCache:
     @property
     def is_decode(self) -> bool:
         return self.max_q_len == 1
+
+    def request_spans(self) -> Iterator[tuple[int, int, int, int]]:
+        """``(request, first query row, q_len, kv_len)`` of each request with new tokens this
+        step, from the host-side lengths (no device sync): the loops of the CPU paths that
+        attend request by request."""
+        start = 0
+        for i, (q_len, kv_len) in enumerate(zip(self.q_lens_host, self.seq_lens_host)):
+            if q_len == 0:
+                continue
+            if q_len > kv_len:
+                raise ValueError(f"request {i}: q_len {q_len} exceeds its kv length {kv_len}")
+            yield i, start, q_len, kv_len
+            start += q_len
+
+    def cached_rows(self, buf: torch.Tensor, request: int, kv_len: int) -> torch.Tensor:
+        """The first ``kv_len`` cache rows of ``request`` in ``buf`` (one layer's buffer): a
+        plain slice where requests own contiguous rows, else gathered through the page table."""
+        if self.row_stride is not None and self.req_pool_indices_host:
+            base = self.req_pool_indices_host[request] * self.row_stride
+            return buf[base : base + kv_len]
+        slots = self.req_to_token[self.req_pool_indices[request], :kv_len]
+        return buf.index_select(0, slots.to(torch.int64))
+
+
+def suffix_causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
+    """``[q_len, kv_len]`` boolean: query ``j`` (at position ``kv_len - q_len + j``) sees the
+    keys up to its own position."""
+    return torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(kv_len - q_len)

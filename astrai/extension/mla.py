@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from astrai.extension.backend import ATTN_BACKEND, BackendUnavailable, selected_backend
 from astrai.extension.invariance import batch_invariant_enabled
-from astrai.extension.kv_cache import KVCache
+from astrai.extension.kv_cache import KVCache, suffix_causal_mask
 
 
 def latent_attention(
@@ -84,40 +84,25 @@ def _extend(
     value_dim: int,
 ) -> torch.Tensor:
     """Prefill / extend / mixed steps: one causal SDPA call per request (host-side lengths)."""
-    rows = kv_cache.req_to_token[kv_cache.req_pool_indices, : kv_cache.max_len]
-    stride = kv_cache.row_stride if kv_cache.req_pool_indices_host else None
     out = q.new_empty(q.shape[0], q.shape[1], value_dim)
-    start = 0
-    for i, (q_len, kv_len) in enumerate(zip(kv_cache.q_lens_host, kv_cache.seq_lens_host)):
-        if q_len == 0:
-            continue
-        if q_len > kv_len:
-            raise ValueError(f"request {i}: q_len {q_len} exceeds its kv length {kv_len}")
+    for i, start, q_len, kv_len in kv_cache.request_spans():
         if q_len == kv_len:
             keys = latent[start : start + q_len]
-        elif stride is not None:
-            base = kv_cache.req_pool_indices_host[i] * stride
-            keys = buf[base : base + kv_len, 0]
         else:
-            keys = buf.index_select(0, rows[i, :kv_len].to(torch.int64))[:, 0]
+            keys = kv_cache.cached_rows(buf, i, kv_len)[:, 0]
         keys = keys.to(q.dtype)[None, None]  # [1, 1, L, W]
         queries = q[start : start + q_len].transpose(0, 1)[None]  # [1, H, q_len, W]
-        if q_len == kv_len:
-            mask, causal = None, True
-        else:
-            mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device)
-            mask, causal = mask.tril(kv_len - q_len), False
+        mask = None if q_len == kv_len else suffix_causal_mask(q_len, kv_len, q.device)
         o = F.scaled_dot_product_attention(
             queries,
             keys,
             keys[..., :value_dim],
             attn_mask=mask,
-            is_causal=causal,
+            is_causal=mask is None,
             scale=scale,
             enable_gqa=True,
         )
         out[start : start + q_len] = o[0].transpose(0, 1)
-        start += q_len
     return out
 
 
@@ -126,26 +111,13 @@ def _per_request(
 ) -> torch.Tensor:
     """Batch-invariant: request by request over its vectors read back from the cache, one
     query token without a mask, several with the causal mask of their place."""
-    stride = kv_cache.row_stride if kv_cache.req_pool_indices_host else None
     out = q.new_empty(q.shape[0], q.shape[1], value_dim)
-    start = 0
-    for i, (q_len, kv_len) in enumerate(zip(kv_cache.q_lens_host, kv_cache.seq_lens_host)):
-        if q_len == 0:
-            continue
-        if q_len > kv_len:
-            raise ValueError(f"request {i}: q_len {q_len} exceeds its kv length {kv_len}")
-        if stride is not None:
-            base = kv_cache.req_pool_indices_host[i] * stride
-            keys = buf[base : base + kv_len, 0]
-        else:
-            slots = kv_cache.req_to_token[kv_cache.req_pool_indices[i], :kv_len]
-            keys = buf.index_select(0, slots.to(torch.int64))[:, 0]
-        keys = keys.to(q.dtype)[None, None]  # [1, 1, L, W]
+    for i, start, q_len, kv_len in kv_cache.request_spans():
+        keys = kv_cache.cached_rows(buf, i, kv_len)[:, 0].to(q.dtype)[None, None]  # [1, 1, L, W]
         queries = q[start : start + q_len].transpose(0, 1)[None]  # [1, H, q_len, W]
         mask = None  # one query: every key; the whole sequence: the plain causal mask
         if 1 < q_len < kv_len:
-            mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device)
-            mask = mask.tril(kv_len - q_len)
+            mask = suffix_causal_mask(q_len, kv_len, q.device)
         o = F.scaled_dot_product_attention(
             queries,
             keys,
@@ -156,5 +128,4 @@ def _per_request(
             enable_gqa=True,
         )
         out[start : start + q_len] = o[0].transpose(0, 1)
-        start += q_len
     return out

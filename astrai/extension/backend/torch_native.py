@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from astrai.extension.backend.base import AttentionBackend, write_kv
 from astrai.extension.invariance import batch_invariant_enabled
-from astrai.extension.kv_cache import KVCache
+from astrai.extension.kv_cache import KVCache, suffix_causal_mask
 
 
 class TorchNativeBackend(AttentionBackend):
@@ -133,8 +133,6 @@ class TorchNativeBackend(AttentionBackend):
     ) -> torch.Tensor:
         gqa = q.shape[1] != kv_cache.k_buffer.shape[-2]
         k_buf, v_buf = kv_cache.k_buffer[layer_id], kv_cache.v_buffer[layer_id]
-        rows = kv_cache.req_to_token[kv_cache.req_pool_indices, : kv_cache.max_len]
-        stride = kv_cache.row_stride if kv_cache.req_pool_indices_host else None
         out = torch.empty_like(q)
         split = kv_cache.plan.get("decode_rows")
         if split is None:
@@ -143,37 +141,30 @@ class TorchNativeBackend(AttentionBackend):
             out[split.tokens] = TorchNativeBackend._decode(
                 q.index_select(0, split.tokens), split.cache, layer_id, scale
             )
-        start = 0
-        for i, (q_len, kv_len) in enumerate(zip(kv_cache.q_lens_host, kv_cache.seq_lens_host)):
-            if q_len == 0:
-                continue
+        for i, start, q_len, kv_len in kv_cache.request_spans():
             if i in split.rows:
-                start += q_len
                 continue
-            if q_len > kv_len:
-                raise ValueError(f"request {i}: q_len {q_len} exceeds its kv length {kv_len}")
             if q_len == kv_len:  # nothing cached: this step's own K/V are the whole context
                 keys, values = k[start : start + q_len], v[start : start + q_len]
-            elif stride is not None:  # contiguous rows: the prefix is a plain slice
-                base = kv_cache.req_pool_indices_host[i] * stride
-                keys, values = k_buf[base : base + kv_len], v_buf[base : base + kv_len]
-            else:
-                slots = rows[i, :kv_len]
-                keys, values = k_buf.index_select(0, slots), v_buf.index_select(0, slots)
+            else:  # a cached prefix: read back (a plain slice in contiguous rows)
+                keys = kv_cache.cached_rows(k_buf, i, kv_len)
+                values = kv_cache.cached_rows(v_buf, i, kv_len)
             # 4-D [1, heads, len, D]: CPU SDPA takes its fused kernel only for 4-D inputs.
             keys = keys.to(q.dtype).transpose(0, 1)[None]
             values = values.to(q.dtype).transpose(0, 1)[None]
             queries = q[start : start + q_len].transpose(0, 1)[None]
-            if q_len == kv_len:  # whole sequence computed now: the plain causal mask
-                mask, causal = None, True
-            else:  # cached prefix: query j sits at position kv_len - q_len + j
-                mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device)
-                mask, causal = mask.tril(kv_len - q_len), False
+            # the whole sequence computed now: the plain causal mask; else the suffix's
+            mask = None if q_len == kv_len else suffix_causal_mask(q_len, kv_len, q.device)
             o = F.scaled_dot_product_attention(
-                queries, keys, values, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa
+                queries,
+                keys,
+                values,
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=scale,
+                enable_gqa=gqa,
             )
             out[start : start + q_len] = o[0].transpose(0, 1)
-            start += q_len
         return out
 
 
@@ -182,33 +173,19 @@ def _per_request(q: torch.Tensor, kv_cache: KVCache, layer_id: int, scale: float
     (no padding to a longer neighbour), one query token without a mask, several with the
     causal mask of their place; nothing depends on the other requests of the step."""
     k_buf, v_buf = kv_cache.k_buffer[layer_id], kv_cache.v_buffer[layer_id]
-    stride = kv_cache.row_stride if kv_cache.req_pool_indices_host else None
     n_kv_heads = k_buf.shape[-2]
     out = torch.empty_like(q)
-    start = 0
-    for i, (q_len, kv_len) in enumerate(zip(kv_cache.q_lens_host, kv_cache.seq_lens_host)):
-        if q_len == 0:
-            continue
-        if q_len > kv_len:
-            raise ValueError(f"request {i}: q_len {q_len} exceeds its kv length {kv_len}")
-        if stride is not None:
-            base = kv_cache.req_pool_indices_host[i] * stride
-            keys, values = k_buf[base : base + kv_len], v_buf[base : base + kv_len]
-        else:
-            slots = kv_cache.req_to_token[kv_cache.req_pool_indices[i], :kv_len]
-            keys, values = k_buf.index_select(0, slots), v_buf.index_select(0, slots)
-        keys = keys.to(q.dtype).transpose(0, 1)[None]  # [1, Hkv, L, D]
-        values = values.to(q.dtype).transpose(0, 1)[None]
+    for i, start, q_len, kv_len in kv_cache.request_spans():
+        keys = kv_cache.cached_rows(k_buf, i, kv_len).to(q.dtype).transpose(0, 1)[None]
+        values = kv_cache.cached_rows(v_buf, i, kv_len).to(q.dtype).transpose(0, 1)[None]
         queries = q[start : start + q_len]
         if q_len == 1:  # one query: every key visible; the GQA group as its query rows
             grouped = queries.reshape(1, n_kv_heads, -1, q.shape[-1])
             o = F.scaled_dot_product_attention(grouped, keys, values, scale=scale)
             out[start] = o.reshape(q.shape[1:])
         else:  # query j sits at position kv_len - q_len + j
-            mask = None  # the whole sequence now: the plain causal mask
-            if q_len < kv_len:
-                mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device)
-                mask = mask.tril(kv_len - q_len)
+            # the whole sequence now: the plain causal mask
+            mask = None if q_len == kv_len else suffix_causal_mask(q_len, kv_len, q.device)
             o = F.scaled_dot_product_attention(
                 queries.transpose(0, 1)[None],
                 keys,
@@ -219,7 +196,6 @@ def _per_request(q: torch.Tensor, kv_cache: KVCache, layer_id: int, scale: float
                 enable_gqa=q.shape[1] != n_kv_heads,
             )
             out[start : start + q_len] = o[0].transpose(0, 1)
-        start += q_len
     return out
 
 
