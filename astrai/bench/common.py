@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import socket
+import subprocess
 import sysconfig
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -80,3 +83,31 @@ def report_header(cfg: dict[str, Any], model: Transformer, device: torch.device)
         "device": str(device),
         "threads": torch.get_num_threads(),
     }
+
+
+def free_port() -> int:
+    """A port free on 127.0.0.1 now (for a server process the benchmark starts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_healthy(
+    proc: subprocess.Popen, url: str, *, timeout: float = 600, log: Path | None = None
+) -> None:
+    """Wait until the server `proc` answers `url`/health; a server that exits or stays
+    silent past `timeout` seconds is killed and named (with its `log`'s tail when given)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            tail = f":\n{log.read_text(errors='replace')[-3000:]}" if log is not None else ""
+            raise RuntimeError(f"the server at {url} did not start (exit {proc.poll()}){tail}")
+        time.sleep(0.5)

@@ -33,7 +33,6 @@ import multiprocessing
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from astrai.bench.common import percentile
+from astrai.bench.common import free_port, percentile, wait_healthy
 
 logger = logging.getLogger(__name__)
 
@@ -339,28 +338,6 @@ def verdict(rows: list[dict[str, Any]], after: dict[str, Any], cfg: dict[str, An
 
 
 # ---------------------------------------------------------------------------- the run
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout: float = 600) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if httpx.get(url + "/health").status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            tail = log.read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"the server did not start (exit {proc.poll()}):\n{tail}")
-        time.sleep(0.5)
-
-
 def _idle_stats(url: str, timeout: float = 120) -> dict[str, Any]:
     """``/stats`` once nothing runs or waits (or after `timeout` seconds, as it is then)."""
     import httpx
@@ -406,7 +383,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="astrai-soak-") as tmp:
         root = Path(tmp)
         model_dir, adapters, stop_ids, header = _prepare(cfg, root)
-        port = _free_port()
+        port = free_port()
         url = f"http://127.0.0.1:{port}"
         log = root / "server.log"
         env = {**os.environ, **{str(k): str(v) for k, v in (cfg["soak_env"] or {}).items()}}
@@ -415,7 +392,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         with log.open("w") as out:
             proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
         try:
-            _wait_healthy(proc, url, log)
+            wait_healthy(proc, url, log=log)
             rss_start = rss_mib(proc.pid)
             spec = {
                 "adapters": list(adapters),

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,10 +24,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import torch
 
-from astrai.bench.common import bench_tokenizer
+from astrai.bench.common import bench_tokenizer, free_port, wait_healthy
 from astrai.model import ModelConfig, Transformer, save_pretrained
 from astrai.remote import ReplicaClient, WeightSender
 
@@ -37,14 +35,8 @@ logger = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def start_replica(model_dir: Path, threads: int) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -63,17 +55,8 @@ def start_replica(model_dir: Path, threads: int) -> tuple[subprocess.Popen, str]
         env={**os.environ, "OMP_NUM_THREADS": str(threads)},
     )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while True:
-        try:
-            if httpx.get(url + "/health").status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"the replica on {model_dir} did not start")
-        time.sleep(0.5)
+    wait_healthy(proc, url)
+    return proc, url
 
 
 def copy_seconds(tensors: list[torch.Tensor], repeats: int) -> list[float]:
