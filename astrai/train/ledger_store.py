@@ -185,7 +185,11 @@ class LedgerFile:
         prompts, completions = record["prompts"], record["completions"]
         masks = record.get("action_masks")
         count = len(completions)
-        extra = {"parts": record.get("parts", {}), "stats": record.get("stats", {})}
+        extra = {
+            "parts": record.get("parts", {}),
+            "stats": record.get("stats", {}),
+            "reward_columns": record.get("reward_columns", {}),
+        }
         extra["has_masks"] = masks is not None
         row = {**record, "count": count, "extra": json.dumps(extra)}
         for name, dtype in ROLLOUT_COLUMNS.items():
@@ -240,6 +244,7 @@ class LedgerFile:
         out["truncated"] = [bool(t) for t in per["truncated"]]
         out["rewards"] = [float(r) for r in per["reward"]]
         out["parts"], out["stats"] = extra["parts"], extra["stats"]
+        out["reward_columns"] = extra.get("reward_columns", {})  # older ledgers: none
         return out
 
     # ------------------------------------------------------------------ resume

@@ -210,22 +210,31 @@ def _values(
     return torch.tensor(values, dtype=torch.float32)
 
 
-def score(
+def score_columns(
     records: Sequence[Mapping[str, Any]], texts: Sequence[str], rewards: Sequence[Any]
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """Weighted sum of the rewards per completion ``[N]``, and each reward's mean.
+) -> dict[str, Tensor]:
+    """Each reward's unweighted values per completion ``[N]``, by its name (what GDPO's
+    per-reward normalisation and dynamic sampling's per-reward metric read).
 
     ``rewards`` is what :func:`parse_rewards` returns (other forms it accepts are parsed
     here). A reward with a ``batch(records, completions)`` method scores all at once."""
     if len(records) != len(texts):
         raise ValueError(f"score: {len(records)} records but {len(texts)} completions")
+    return {
+        item.name: _values(item, records, texts) for item in parse_rewards(rewards, where="rewards")
+    }
+
+
+def score(
+    records: Sequence[Mapping[str, Any]], texts: Sequence[str], rewards: Sequence[Any]
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Weighted sum of the rewards per completion ``[N]``, and each reward's mean."""
+    columns = score_columns(records, texts, rewards)
+    weights = {item.name: item.weight for item in parse_rewards(rewards, where="rewards")}
     total = torch.zeros(len(texts))
-    parts: dict[str, Tensor] = {}
-    for item in parse_rewards(rewards, where="rewards"):
-        vals = _values(item, records, texts)
-        parts[item.name] = vals.mean()
-        total += item.weight * vals
-    return total, parts
+    for name, vals in columns.items():
+        total += weights[name] * vals
+    return total, {name: vals.mean() for name, vals in columns.items()}
 
 
 def plain_config(config: Any) -> Any:

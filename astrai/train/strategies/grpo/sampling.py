@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from astrai.inference import InferenceEngine, SamplingParams
-from astrai.train.strategies.grpo.rewards import score
+from astrai.train.strategies.grpo.rewards import parse_rewards, score_columns
 
 
 def rollout_sampling(
@@ -47,7 +47,9 @@ class Samples:
     sampling policy's ``logprobs``, whether it was ``truncated``, its ``rewards`` (the
     environment's plus the weighted reward functions'), its ``action_masks`` (episodes only:
     1 on the model's tokens). ``parts`` are each reward's mean, ``stats`` the episodes'
-    metrics, ``version`` the engine's policy version that sampled them."""
+    metrics, ``version`` the engine's policy version that sampled them. ``reward_columns``:
+    each reward's unweighted value per completion, by name (episodes add ``environment``,
+    the environment's own reward), for per-reward normalisation and filtering."""
 
     prompts: list[list[int]]
     completions: list[list[int]]
@@ -58,6 +60,7 @@ class Samples:
     action_masks: list[list[int]] | None = None
     stats: dict[str, float] = field(default_factory=dict)
     version: int = 0
+    reward_columns: dict[str, list[float]] = field(default_factory=dict)
 
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -82,11 +85,18 @@ def check_results(results: Sequence[Any], prompts: Sequence[Sequence[int]], n: i
             )
 
 
-def _weighted(records: Sequence[Mapping[str, Any]], texts: Sequence[str], rewards: Sequence[Any]):
+def _weighted(
+    records: Sequence[Mapping[str, Any]], texts: Sequence[str], rewards: Sequence[Any]
+) -> tuple[torch.Tensor, dict[str, float], dict[str, list[float]]]:
+    """The weighted total per completion, each reward's mean, each reward's values."""
     if not rewards:
-        return torch.zeros(len(texts)), {}
-    total, parts = score(records, texts, rewards)
-    return total, {k: float(v) for k, v in parts.items()}
+        return torch.zeros(len(texts)), {}, {}
+    columns = score_columns(records, texts, rewards)
+    total = torch.zeros(len(texts))
+    for item in parse_rewards(rewards, where="rewards"):
+        total += item.weight * columns[item.name]
+    parts = {k: float(v.mean()) for k, v in columns.items()}
+    return total, parts, {k: v.tolist() for k, v in columns.items()}
 
 
 def engine_generate(
@@ -118,7 +128,7 @@ def sample_turns(
     results = generate(prompts, seed=seed, params=params)
     texts = [tokenizer.decode(r.token_ids, skip_special_tokens=True) for r in results]
     per = [r for r in records for _ in range(params.n)]
-    total, parts = _weighted(per, texts, rewards)
+    total, parts, columns = _weighted(per, texts, rewards)
     return Samples(
         prompts=[list(prompts[i // params.n]) for i in range(len(results))],
         completions=[list(r.token_ids) for r in results],
@@ -127,6 +137,7 @@ def sample_turns(
         rewards=total.tolist(),
         parts=parts,
         version=version,
+        reward_columns=columns,
     )
 
 
@@ -149,7 +160,7 @@ def sample_episodes(
         engine, tokenizer, make_env, records, params, max_turns=max_turns, seed=seed
     )
     per = [r for r in records for _ in range(params.n)]
-    extra, parts = _weighted(per, [e.final_text for e in episodes], rewards)
+    extra, parts, columns = _weighted(per, [e.final_text for e in episodes], rewards)
     count = max(len(episodes), 1)
     tokens = sum(len(e.action_mask) for e in episodes)
     total = [e.reward + float(x) for e, x in zip(episodes, extra.tolist())]
@@ -175,6 +186,7 @@ def sample_episodes(
         action_masks=[list(e.action_mask) for e in episodes],
         stats=stats,
         version=int(engine.policy_version),
+        reward_columns={"environment": [float(e.reward) for e in episodes], **columns},
     )
 
 
