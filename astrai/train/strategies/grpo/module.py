@@ -42,6 +42,7 @@ from astrai.train.strategies.grpo.async_source import (
     correct_staleness,
 )
 from astrai.train.strategies.grpo.dapo import GlobalTokenNormaliser
+from astrai.train.strategies.grpo.dynamic_sampling import DynamicSamplingSource, draw_prompts
 from astrai.train.strategies.grpo.engine_source import EngineSource, RolloutEngine
 from astrai.train.strategies.grpo.generation import (
     Generation,
@@ -124,6 +125,16 @@ class GRPOModule(GlobalTokenNormaliser, RolloutModule, LMModule):
                 self._seed,
                 weights=options.rollout.generator_weights,
             )
+        if options.dynamic_sampling is not None:  # zero-variance groups out, more prompts in
+            self.source = DynamicSamplingSource(
+                self.source,
+                options.dynamic_sampling,
+                options.num_generations,
+                lambda seed, count: draw_prompts(self.trainer.train_dataloader, seed, count),
+                over_ranks=_over_ranks,
+                rank=self._rank,
+                any_rank=lambda flag: bool(max_over_ranks(self._trainer)(int(flag))),
+            )
         self.staleness = Staleness()
         self.generation: Generation | None = None  # the rollouts being trained on
         self._gen_seconds = 0.0
@@ -166,6 +177,13 @@ class GRPOModule(GlobalTokenNormaliser, RolloutModule, LMModule):
     def engine(self) -> InferenceEngine:
         """The run's engine on the live weights, brought up to the current step."""
         return self.policy_engine.sync(int(self.global_step))
+
+    def _rank(self) -> tuple[int, int]:
+        """``(rank, world_size)`` of this process (one process: ``(0, 1)``)."""
+        trainer = self._trainer
+        if trainer is None:
+            return 0, 1
+        return int(trainer.global_rank), int(trainer.world_size)
 
     def _micro_step(self) -> int:
         try:

@@ -18,6 +18,7 @@ from typing import Any
 from astrai.inference import SamplingParams
 from astrai.train.strategies.grpo.advantages import check_advantage_options
 from astrai.train.strategies.grpo.async_source import AsyncRollouts
+from astrai.train.strategies.grpo.dynamic_sampling import DynamicSampling
 from astrai.train.strategies.grpo.loss import check_loss_options
 from astrai.train.strategies.grpo.packing import DEFAULT_TOKEN_BUDGET, RowPacking
 from astrai.train.strategies.grpo.reference import check_sync_options
@@ -84,6 +85,10 @@ class GRPOOptions:
         use_dynamic_bsz, ppo_max_token_len_per_gpu: verl's names: the packed rows hold at
             most that many tokens per forward (needs ``padding_free``;
             :mod:`~astrai.train.strategies.grpo.packing`).
+        dynamic_sampling: DAPO's dynamic sampling (verl's ``algorithm.filter_groups``):
+            ``{metric: reward | <a reward's name>, max_num_gen_batches: N (0: no cap),
+            at_cap: fill | raise}``: groups whose metric has no variance are dropped and more
+            prompts sampled (:mod:`~astrai.train.strategies.grpo.dynamic_sampling`); None: off.
     """
 
     num_generations: int = 8
@@ -119,6 +124,7 @@ class GRPOOptions:
     use_dynamic_bsz: bool = False
     ppo_max_token_len_per_gpu: int = DEFAULT_TOKEN_BUDGET
     rollout: RolloutMode = field(default_factory=Colocate)
+    dynamic_sampling: DynamicSampling | None = None
 
     @classmethod
     def parse(
@@ -157,6 +163,7 @@ class GRPOOptions:
         use_dynamic_bsz: bool = False,
         ppo_max_token_len_per_gpu: int = DEFAULT_TOKEN_BUDGET,
         rollout: Any = None,
+        dynamic_sampling: Any = None,
     ) -> GRPOOptions:
         """The options as the YAML gives them, checked; every error names its key."""
         if num_generations < 2:
@@ -224,6 +231,12 @@ class GRPOOptions:
             use_dynamic_bsz=packing.use_dynamic_bsz,
             ppo_max_token_len_per_gpu=packing.ppo_max_token_len_per_gpu,
             rollout=parse_rollout(plain_config(rollout)),
+            dynamic_sampling=DynamicSampling.parse(
+                plain_config(dynamic_sampling),
+                reward_names=[r.name for r in reward_items]
+                + (["environment"] if make_env is not None else []),
+                async_rollouts=async_rollouts is not None and async_rollouts is not False,
+            ),
         )
 
     @classmethod
