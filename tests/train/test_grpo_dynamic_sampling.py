@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 from grpo_helpers import TINY_GRPO_CLI, make_grpo, prompt_data, prompt_module
+from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 from train_helpers import REPO, checkpoint_differences, cli, quiet_trainer, run_dirs
 
@@ -234,6 +235,7 @@ def prompt_setup(tmp_path_factory):
     return prompt_data(tmp_path_factory.mktemp("grpo-dynsamp"))
 
 
+STEPS = 10
 DYNAMIC = dict(
     rewards=[SPARSE],
     dynamic_sampling={"metric": "reward", "max_num_gen_batches": 0, "at_cap": "fill"},
@@ -250,28 +252,27 @@ def _fit(root, tok, where: Path, *, ckpt_path=None, heard=None):
     ckpt = ModelCheckpoint(dirpath=where, filename="s{step}", every_n_train_steps=1, save_top_k=-1)
     trainer = quiet_trainer(
         default_root_dir=where,
-        max_steps=6,
+        max_steps=STEPS,
         callbacks=[ckpt],
         enable_checkpointing=True,
         limit_val_batches=0,
         use_distributed_sampler=False,
     )
-    trainer.fit(module, datamodule=prompt_module(root), ckpt_path=ckpt_path)
+    trainer.fit(module, datamodule=prompt_module(root, batch_size=3), ckpt_path=ckpt_path)
     return {k: v.clone() for k, v in module.state_dict().items()}
 
 
-@pytest.mark.slow
 def test_a_tiny_run_trains_on_varying_groups_and_resumes_exactly(prompt_setup, tmp_path):
-    """Six steps (mu = 2: three takes) with a reward flat on about half the prompts: every
+    """Ten steps (mu = 2: five takes of 3 prompts) with a reward flat on about half the prompts: every
     batch's groups vary; resumed from every checkpoint (between the two passes, between two
     takes, with groups queued), the run ends where the uninterrupted one does, bit for bit."""
     root, tok = prompt_setup
     heard: list[Samples] = []
     final = _fit(root, tok, tmp_path / "ref", heard=heard)
-    assert len(heard) == 3
+    assert len(heard) == STEPS // 2
     for samples in heard:
         groups = _groups(samples)
-        assert len(groups) == 2 and all(len(set(g)) > 1 for g in groups)
+        assert len(groups) == 3 and all(len(set(g)) > 1 for g in groups)
         assert samples.stats["dynamic_sampling/hit_cap"] == 0.0
     assert any(s.stats["dynamic_sampling/gen_batches"] > 1 for s in heard)
     assert any(s.stats["dynamic_sampling/zero_var_frac_before"] > 0 for s in heard)
@@ -279,7 +280,7 @@ def test_a_tiny_run_trains_on_varying_groups_and_resumes_exactly(prompt_setup, t
     queued = [name for name, c in saved.items() if c[CHECKPOINT_KEY][0]]
     assert queued, "no checkpoint with queued groups: the resume below would not cover them"
     for name in sorted(saved):
-        if name.startswith("s") and "step=6" not in name:
+        if name.startswith("s") and f"step={STEPS}" not in name:
             resumed = _fit(root, tok, tmp_path / name, ckpt_path=tmp_path / "ref" / name)
             different = [k for k, v in final.items() if not torch.equal(resumed[k], v)]
             assert not different, f"resumed from {name}: {different}"
@@ -290,7 +291,7 @@ CLI_RUN = [
     *TINY_GRPO_CLI,
     "data.batch_size=2",
     "strategy.rewards=[{_target_: test_grpo_dynamic_sampling.sparse_reward, _partial_: true}]",
-    "+strategy.dynamic_sampling={metric: reward, max_num_gen_batches: 8, at_cap: fill}",
+    "strategy.dynamic_sampling={metric: reward, max_num_gen_batches: 8, at_cap: fill}",
     "callbacks.model_checkpoint.every_n_train_steps=1",
     "callbacks.model_checkpoint.save_top_k=-1",
     "trainer.max_steps=6",
@@ -338,3 +339,71 @@ def test_kill_with_groups_queued_resumes_and_replays_bit_exact(tmp_path, data_di
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     checks = json.loads(out.read_text())
     assert [(c["step"], c["ok"]) for c in checks] == [(s, True) for s in range(2, 7)]
+
+
+# ------------------------------------------------------------------ two DDP ranks
+class RankStats(Callback):
+    """Each rank's generation metrics after every micro-step, one JSON line per step in
+    `<path>/rank<r>.jsonl` (a `+callbacks` entry of the DDP runs)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        with open(self.path / f"rank{trainer.global_rank}.jsonl", "a") as f:
+            f.write(json.dumps(pl_module.generation.metrics) + "\n")
+
+
+DDP = ["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "ledger=false"]
+
+
+@pytest.mark.slow
+def test_ddp_ranks_fill_their_own_batches_and_resume_exactly(tmp_path, data_dir):
+    """Two gloo processes: each rank fills its own batch with its own number of generation
+    batches (nothing waits on the other rank meanwhile); the checkpoint holds both ranks'
+    queues; killed after a checkpoint with groups queued and resumed, the run ends bit for
+    bit where the uninterrupted one does. At the cap with at_cap=raise, every rank stops
+    with the error (none is left waiting in a collective)."""
+    stats = tmp_path / "stats"
+    record = ["+callbacks.ranks._target_=test_grpo_dynamic_sampling.RankStats"]
+    cli(
+        [
+            *CLI_RUN,
+            *DDP,
+            *run_dirs(tmp_path / "ref", data_dir),
+            *record,
+            f"+callbacks.ranks.path={stats}",
+        ],
+        env=ENV,
+    )
+    per_rank = [
+        [json.loads(line) for line in (stats / f"rank{r}.jsonl").read_text().splitlines()]
+        for r in (0, 1)
+    ]
+    batches = [[m["dynamic_sampling/gen_batches"] for m in rows] for rows in per_rank]
+    assert batches[0] != batches[1], batches  # the ranks sampled differently, and finished
+    assert all(m["zero_var_frac"] == 0.0 for rows in per_rank for m in rows)  # no cap hit
+    ref = tmp_path / "ref" / "run"
+    ckpts = {
+        s: torch.load(ref / "checkpoints" / f"step{s:06d}.ckpt", weights_only=False)
+        for s in range(1, 6)
+    }
+    assert all(len(c[CHECKPOINT_KEY]) == 2 for c in ckpts.values())
+    queued = [s for s, c in ckpts.items() if any(c[CHECKPOINT_KEY])]
+    assert queued, "no checkpoint with queued groups"
+    where = tmp_path / "kill"
+    args = [*CLI_RUN, *DDP, *run_dirs(where, data_dir)]
+    kill = ["+callbacks.kill._target_=_callbacks.KillAtStep", f"+callbacks.kill.step={queued[0]}"]
+    killed = cli([*args, *kill], check=False, env=ENV)
+    assert killed.returncode != 0, killed.stderr[-3000:]
+    cli([*args, "ckpt_path=last"], env=ENV)
+    different = checkpoint_differences(ref, where / "run", 6)
+    assert not different, f"killed in step {queued[0] + 1}: {different}"
+
+    raising = "strategy.dynamic_sampling={metric: reward, max_num_gen_batches: 1, at_cap: raise}"
+    capped = [raising if a.startswith("strategy.dynamic_sampling=") else a for a in CLI_RUN]
+    capped += [*DDP, *run_dirs(tmp_path / "cap", data_dir)]
+    proc = cli(capped, check=False, env=ENV, timeout=300)
+    assert proc.returncode != 0
+    assert "max_num_gen_batches=1 generation batches reached" in proc.stderr
