@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,13 @@ from astrai.train.strategies.grpo.source import RecordingSource, RolloutSource
 G = 4
 HERE = Path(__file__).resolve().parent
 ENV = {"PYTHONPATH": str(HERE)}  # _callbacks (KillAtStep) and this module's reward
+
+
+def rank_split_reward(record: Mapping[str, Any], completion: str) -> float:
+    """Flat on rank 1, varying (a hash of the completion) on rank 0: only rank 1 falls short."""
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() == 1:
+        return 0.0
+    return float(zlib.crc32(completion.encode()) % 97)
 
 
 def sparse_reward(record: Mapping[str, Any], completion: str) -> float:
@@ -363,8 +371,7 @@ def test_ddp_ranks_fill_their_own_batches_and_resume_exactly(tmp_path, data_dir)
     """Two gloo processes: each rank fills its own batch with its own number of generation
     batches (nothing waits on the other rank meanwhile); the checkpoint holds both ranks'
     queues; killed after a checkpoint with groups queued and resumed, the run ends bit for
-    bit where the uninterrupted one does. At the cap with at_cap=raise, every rank stops
-    with the error (none is left waiting in a collective)."""
+    bit where the uninterrupted one does."""
     stats = tmp_path / "stats"
     record = ["+callbacks.ranks._target_=test_grpo_dynamic_sampling.RankStats"]
     cli(
@@ -401,9 +408,19 @@ def test_ddp_ranks_fill_their_own_batches_and_resume_exactly(tmp_path, data_dir)
     different = checkpoint_differences(ref, where / "run", 6)
     assert not different, f"killed in step {queued[0] + 1}: {different}"
 
-    raising = "strategy.dynamic_sampling={metric: reward, max_num_gen_batches: 1, at_cap: raise}"
-    capped = [raising if a.startswith("strategy.dynamic_sampling=") else a for a in CLI_RUN]
-    capped += [*DDP, *run_dirs(tmp_path / "cap", data_dir)]
-    proc = cli(capped, check=False, env=ENV, timeout=300)
+
+@pytest.mark.slow
+def test_ddp_raise_at_the_cap_stops_every_rank(tmp_path, data_dir):
+    """at_cap=raise with max_num_gen_batches=1 and a reward flat on rank 1 only: rank 1 is
+    short, rank 0 is not; both stop with the error (the ranks agree on the stop once per
+    take), rank 0 not left to fail later on a lost peer, or to wait for it."""
+    spec = "strategy.dynamic_sampling={metric: reward, max_num_gen_batches: 1, at_cap: raise}"
+    reward = "strategy.rewards=[{_target_: test_grpo_dynamic_sampling.rank_split_reward, _partial_: true}]"
+    replaced = {"strategy.dynamic_sampling=": spec, "strategy.rewards=": reward}
+    args = [next((v for k, v in replaced.items() if a.startswith(k)), a) for a in CLI_RUN]
+    proc = cli([*args, *DDP, *run_dirs(tmp_path, data_dir)], check=False, env=ENV, timeout=300)
     assert proc.returncode != 0
     assert "max_num_gen_batches=1 generation batches reached" in proc.stderr
+    assert "this rank: 0 of 2" in proc.stderr  # rank 1's own message
+    assert "this rank: enough of 2" in proc.stderr  # rank 0 stops with it too
+    assert not (tmp_path / "run" / "checkpoints" / "step000001.ckpt").exists()
