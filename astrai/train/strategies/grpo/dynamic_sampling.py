@@ -189,9 +189,7 @@ def draw_prompts(loader: Any, seed: int, count: int) -> dict[str, Any]:
         index = torch.randperm(size, generator=generator)[:count]
     else:
         index = torch.randint(size, (count,), generator=generator)
-    items = [dataset[int(i)] for i in index]
-    collate = loader.collate_fn
-    return collate(items) if collate is not None else torch.utils.data.default_collate(items)
+    return loader.collate_fn([dataset[int(i)] for i in index])
 
 
 # ---------------------------------------------------------------------- the source
