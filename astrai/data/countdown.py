@@ -162,11 +162,15 @@ def random_solution(numbers: Sequence[int], rng: random.Random) -> tuple[str, Fr
     return items[0][0], items[0][1]
 
 
-def weak_solve(numbers: Sequence[int], target: int) -> tuple[str, list[str], int]:
+def weak_solve(
+    numbers: Sequence[int], target: int, rng: random.Random | None = None, explore: float = 0.0
+) -> tuple[str, list[str], int]:
     """The weak solver's attempt: ``(expression, worked steps, its value)``.
 
     Left to right in the given order, each step takes the operator whose result is closest
-    to the target (ties: ``+ - * /`` order; ``/`` only when it divides exactly).
+    to the target (ties: ``+ - * /`` order; ``/`` only when it divides exactly), except that
+    with probability `explore` (drawn from `rng`) it takes one of them at random: a noisy
+    greedy search, so its demonstrations show more than one move per problem.
     """
     value, expression, steps = int(numbers[0]), str(numbers[0]), []
     for k, n in enumerate(numbers[1:]):
@@ -174,17 +178,26 @@ def weak_solve(numbers: Sequence[int], target: int) -> tuple[str, list[str], int
         options = [(value + n, "+"), (value - n, "-"), (value * n, "*")]
         if n != 0 and value % n == 0:
             options.append((value // n, "/"))
-        result, op = min(options, key=lambda option: abs(option[0] - target))
+        if rng is not None and explore > 0 and rng.random() < explore:
+            result, op = rng.choice(options)
+        else:
+            result, op = min(options, key=lambda option: abs(option[0] - target))
         steps.append(f"{value} {op} {n} = {result}")
         expression = f"{_wrap(expression, k == 0)} {op} {n}"
         value = result
     return expression, steps, value
 
 
-def demonstration(numbers: Sequence[int], target: int, slack: int) -> tuple[str | None, str]:
+def demonstration(
+    numbers: Sequence[int],
+    target: int,
+    slack: int,
+    rng: random.Random | None = None,
+    explore: float = 0.0,
+) -> tuple[str | None, str]:
     """The weak solver's written answer and how it fares: ``(text, "right")``, ``(text,
     "wrong")`` when it ends within `slack` of the target, else ``(None, "none")``."""
-    expression, steps, value = weak_solve(numbers, target)
+    expression, steps, value = weak_solve(numbers, target, rng, explore)
     if value != target and abs(value - target) > slack:
         return None, "none"
     text = f"{', '.join(steps)}. {format_answer(expression)}"
@@ -205,6 +218,7 @@ def countdown_problems(
     max_number: int = 10,
     max_target: int = 100,
     slack: int = 5,
+    explore: float = 0.5,
     unique: bool = False,
 ) -> list[dict[str, Any]]:
     """``n`` records ``{"id", "prompt", "numbers", "target", "answer", "solution",
@@ -221,7 +235,10 @@ def countdown_problems(
             f"max_target >= 1 and slack >= 0 (got n={n}, num_count={num_count}, "
             f"max_number={max_number}, max_target={max_target}, slack={slack})"
         )
+    if not 0.0 <= explore <= 1.0:
+        raise ValueError(f"countdown_problems: explore must be in [0, 1], got {explore!r}")
     rng = random.Random(f"countdown:{seed}")
+    solver_rng = random.Random(f"countdown/solver:{seed}")  # apart: the problems never move
     records: list[dict[str, Any]] = []
     seen: set[str] = set()
     attempts = 0
@@ -243,7 +260,7 @@ def countdown_problems(
             continue
         if unique:
             seen.add(key)
-        solution, solver = demonstration(numbers, target, slack)
+        solution, solver = demonstration(numbers, target, slack, solver_rng, explore)
         records.append(
             {
                 "id": f"countdown-{split or 'all'}-{seed}-{len(records)}",
@@ -291,7 +308,7 @@ def countdown_prompt_records(problems: list[dict[str, Any]]) -> list[dict[str, A
 
 
 PROBLEM_OPTIONS = frozenset(
-    {"val_fraction", "num_count", "max_number", "max_target", "slack", "unique"}
+    {"val_fraction", "num_count", "max_number", "max_target", "slack", "explore", "unique"}
 )
 
 
