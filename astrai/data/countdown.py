@@ -17,11 +17,15 @@ every answer, which lets more SFT beat every RL method there).
   once keeps every answer the same shape (three numbers, two operators), which a 5M model
   learns quickly from the demonstrations, while the choice and order of the operators and
   numbers still leaves the reward plenty to teach.
-- The weak solver keeps the given order, and at each step greedily picks the operator whose
-  result lands closest to the target (``/`` only when it divides exactly); no backtracking,
-  no reordering. When it reaches the target its demonstration is right; when it ends within
-  ``slack`` of it, it writes its answer anyway (a wrong demonstration); otherwise it gives up
-  and the problem has no demonstration.
+- The weak solver keeps the given order, and at each step picks the operator whose result
+  lands closest to the target (``/`` only when it divides exactly), or with probability
+  ``explore`` (0.5) a random one; no backtracking, no reordering. When it reaches the target
+  its demonstration is right; when it ends within ``slack`` of it, it writes its answer
+  anyway (a wrong demonstration); otherwise it gives up and the problem has no
+  demonstration. With the defaults it writes one for ~0.47 of the held-out problems, right
+  on ~0.21 (greedy alone would be right on ~0.40): its exploration is what gives an SFT
+  policy more than one move per problem, which a reward can then sort (a purely greedy
+  solver's SFT start is nearly deterministic and leaves GRPO no varied groups).
 
 Completions end ``The answer is <expression>.``; a demonstration works left to right first:
 ``5 * 3 = 15, 15 + 2 = 17. The answer is (5 * 3) + 2.``

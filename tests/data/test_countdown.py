@@ -198,6 +198,24 @@ def test_weak_solver_is_greedy_left_to_right() -> None:
     assert weak_solve([9, 3, 1], 3) == ("(9 / 3) * 1", ["9 / 3 = 3", "3 * 1 = 3"], 3)
 
 
+def test_the_solver_explores_apart_from_the_problems() -> None:
+    greedy = countdown_problems(400, seed=2, split="val", explore=0.0)
+    noisy = countdown_problems(400, seed=2, split="val")
+    assert [_key(p) for p in greedy] == [_key(p) for p in noisy]  # the same problems
+    for p in greedy:  # explore=0: the greedy attempt, written when within slack
+        expression, _, value = weak_solve(p["numbers"], p["target"])
+        assert (p["solution"] is None) == (abs(value - p["target"]) > 5)
+        assert p["solution"] is None or p["solution"].endswith(f"The answer is {expression}.")
+    moves = [a["solution"] != b["solution"] for a, b in zip(greedy, noisy)]
+    assert 0.2 < sum(moves) / len(moves) < 0.9
+    rescued = [
+        b for a, b in zip(greedy, noisy) if a["solver"] != "right" and b["solver"] == "right"
+    ]
+    assert rescued  # a random move finds answers greedy misses: the data holds more than one move
+    with pytest.raises(ValueError, match="explore must be in"):
+        countdown_problems(1, explore=1.5)
+
+
 def test_weak_demonstrations_are_often_wrong_or_absent() -> None:
     problems = countdown_problems(1000, seed=1, split="val")
     counts = {
