@@ -6,6 +6,8 @@
   for SFT chats, preference pairs (correct vs. wrong answer) and GRPO prompts. Train and val
   problems are disjoint (split by a hash of the expression), so evaluation never sees a
   training question.
+- ``countdown/sft`` and ``countdown/prompt``: the Countdown task of :mod:`astrai.data.countdown`
+  (reach a target from given numbers; demonstrations from a weak solver only).
 
 Everything is reproducible from its arguments. ``python -m astrai.data.prepare`` reads these
 directly with ``input=builtin:stdlib/train``, ``builtin:arithmetic/sft``,
@@ -16,7 +18,6 @@ with :func:`write_builtin_jsonl`.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import random
 import sysconfig
@@ -24,27 +25,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from astrai.data.countdown import (
+    PROBLEM_OPTIONS,
+    countdown_problems,
+    countdown_prompt_records,
+    countdown_sft_records,
+)
 from astrai.data.rewards import format_answer
+from astrai.data.splits import in_split
 from astrai.data.storage import write_jsonl
 
 SKIP_DIRS = frozenset(
     {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
 )
-SPLITS = ("train", "val")
-
-
-def _hash_fraction(text: str) -> float:
-    """A stable number in [0, 1) per string (Python's hash() is salted per process)."""
-    return int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:8], "big") / 2**64
-
-
-def _in_split(key: str, split: str | None, val_fraction: float) -> bool:
-    if split is None:
-        return True
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS} or None, got {split!r}")
-    is_val = _hash_fraction(key) < val_fraction
-    return is_val if split == "val" else not is_val
 
 
 # -------------------------------------------------------------------------------- stdlib corpus
@@ -81,7 +74,7 @@ def stdlib_files(
     out: list[tuple[str, Path]] = []
     total = 0
     for rel, path in found:
-        if not _in_split(rel, split, val_fraction):
+        if not in_split(rel, split, val_fraction):
             continue
         size = path.stat().st_size
         if max_bytes is not None and total + size > max_bytes and out:
@@ -170,7 +163,7 @@ def arithmetic_problems(
         expression = " ".join(
             [str(terms[0])] + [f"{op} {t}" for op, t in zip(chosen_ops, terms[1:])]
         )
-        if not _in_split(expression, split, val_fraction) or expression in seen:
+        if not in_split(expression, split, val_fraction) or expression in seen:
             continue
         if unique:
             seen.add(expression)
@@ -360,6 +353,8 @@ BUILTIN_NAMES = (
     "arithmetic/preference",
     "arithmetic/prompt",
     "arithmetic/tools",
+    "countdown/sft",
+    "countdown/prompt",
 )
 
 
@@ -373,10 +368,12 @@ def builtin_records(
 ) -> Iterator[dict[str, Any]]:
     """Records of a built-in source by name, e.g. ``stdlib/val`` or ``arithmetic/sft/val``.
 
-    Arithmetic names take an optional split suffix (``/train`` default, ``/val``); ``n``,
-    ``seed`` and further ``options`` go to :func:`arithmetic_problems` or
-    :func:`stdlib_files`; ``arithmetic/tools`` also takes ``tool_fraction``
-    (the tool chats below).
+    Arithmetic and countdown names take an optional split suffix (``/train`` default,
+    ``/val``); ``n``, ``seed`` and further ``options`` go to :func:`arithmetic_problems`,
+    :func:`~astrai.data.countdown.countdown_problems` or :func:`stdlib_files`;
+    ``arithmetic/tools`` also takes ``tool_fraction`` (the tool chats below).
+    ``countdown/sft`` holds the weak solver's demonstrations of the ``n`` problems drawn
+    (fewer records: it gives up on some), ``countdown/prompt`` every problem.
     """
     parts = name.strip("/").split("/")
     source = parts[0]
@@ -404,9 +401,16 @@ def builtin_records(
         if task == "tools":
             yield from tool_records(problems, options.get("tool_fraction", 0.5), seed=seed)
             return
+    if source == "countdown" and 2 <= len(parts) <= 3 and parts[1] in ("sft", "prompt"):
+        split = parts[2] if len(parts) == 3 else (split or "train")
+        chosen = {k: v for k, v in options.items() if k in PROBLEM_OPTIONS}
+        problems = countdown_problems(n, seed, split=split, **chosen)
+        builder = countdown_sft_records if parts[1] == "sft" else countdown_prompt_records
+        yield from builder(problems)
+        return
     raise ValueError(
         f"unknown builtin data {name!r}; available: {', '.join(BUILTIN_NAMES)} "
-        f"(arithmetic names accept a /train or /val suffix)"
+        f"(arithmetic and countdown names accept a /train or /val suffix)"
     )
 
 

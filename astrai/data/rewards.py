@@ -144,3 +144,5 @@ def closeness(record: Mapping[str, Any], completion: str) -> float:
 
 register_reward("math_answer")(math_answer)
 register_reward_path("code_tests", "astrai.eval.code_reward.CodeTests")
+register_reward_path("countdown", "astrai.data.countdown.countdown_reward")
+register_reward_path("countdown_format", "astrai.data.countdown.countdown_format")

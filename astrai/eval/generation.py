@@ -2,7 +2,8 @@
 
 Records come from a JSONL file (``{"prompt": str | "messages": [...], "answer": ...}``), from
 a list given in code or config, or from a built-in task (``arithmetic``: held-out problems
-with their answers; ``stdlib``: the first lines of held-out standard-library files).
+with their answers; ``countdown``: held-out Countdown problems with their numbers and target;
+``stdlib``: the first lines of held-out standard-library files).
 Metrics are rewards from :mod:`astrai.data.rewards` by name (``exact_match``: the
 completion's final number against ``answer``), averaged over the records that have the
 fields they need, plus ``completion_len`` (generated tokens per prompt). ``answer_regex``
@@ -19,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from astrai.data.builtin import arithmetic_problems, stdlib_records
+from astrai.data.countdown import countdown_problems, countdown_prompt_records
 from astrai.data.rewards import RewardFn, get_reward
 from astrai.eval.suite import Suite, SuiteResult, progress_bar
 from astrai.eval.tasks import DataError, read_records, text_field
@@ -31,7 +33,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["TASKS", "GenerationSuite", "builtin_prompts", "extract_answer", "regex_match"]
 
-TASKS = ("arithmetic", "stdlib")
+TASKS = ("arithmetic", "countdown", "stdlib")
 
 
 def builtin_prompts(
@@ -40,13 +42,19 @@ def builtin_prompts(
     """Fixed evaluation records of a built-in task and whether they are chat-shaped.
 
     ``arithmetic``: held-out (val split) problems with their ``answer`` (``options`` go to
-    ``arithmetic_problems``, e.g. ``max_operand``, ``ops``); ``stdlib``: the first lines of
-    held-out standard-library files, as raw-text prompts for pretrained models.
+    ``arithmetic_problems``, e.g. ``max_operand``, ``ops``); ``countdown``: distinct held-out
+    Countdown problems with their ``numbers`` and ``target`` (``options`` go to
+    ``countdown_problems``); ``stdlib``: the first lines of held-out standard-library files,
+    as raw-text prompts for pretrained models.
     """
     if task == "arithmetic":
         options.setdefault("unique", True)  # n distinct held-out problems
         problems = arithmetic_problems(n, seed=seed, split="val", **options)
         return [{"prompt": p["prompt"], "answer": p["answer"]} for p in problems], True
+    if task == "countdown":
+        options.setdefault("unique", True)
+        problems = countdown_problems(n, seed=seed, split="val", **options)
+        return countdown_prompt_records(problems), True
     if task == "stdlib":
         out = []
         for rec in stdlib_records("val"):
@@ -108,11 +116,13 @@ class GenerationSuite(Suite):
         name: metric namespace.
         path: JSONL (or JSON array) of records ``{"prompt" | "messages", "answer", ...}``.
         prompts: instead, records (or plain prompt strings) given directly.
-        task: instead, a built-in task: ``arithmetic`` or ``stdlib``.
+        task: instead, a built-in task: ``arithmetic``, ``countdown`` or ``stdlib``.
         num_prompts: how many built-in prompts.
-        task_options: options of the built-in task (arithmetic: ``max_operand``, ``ops``, ...).
+        task_options: options of the built-in task (arithmetic: ``max_operand``, ``ops``, ...;
+            countdown: ``max_number``, ``max_target``, ...).
         limit: read at most this many records of `path`.
-        chat: render prompts with the chat template (None: for ``arithmetic`` and for
+        chat: render prompts with the chat template (None: for the built-in tasks but
+            ``stdlib``, and for
             ``messages`` records; raw text otherwise).
         max_tokens, temperature, top_p, top_k, seed: sampling (temperature 0 = greedy;
             prompt ``i`` draws with seed ``seed + i``).
