@@ -11,6 +11,7 @@ the resolved values: ``epsilon_high`` and ``scale_rewards`` with their defaults 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -283,6 +284,7 @@ class GRPOOptions:
     def split(cls, kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         """``kwargs`` as (GRPO's options, the rest: ``LMModule``'s)."""
         names = {f.name for f in dataclasses.fields(cls)}
+        names |= set(inspect.signature(cls.parse).parameters)  # e.g. reward_aggregation
         mine = {k: v for k, v in kwargs.items() if k in names}
         return mine, {k: v for k, v in kwargs.items() if k not in names}
 
