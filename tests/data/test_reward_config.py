@@ -175,3 +175,19 @@ def test_rewards_registered_by_path_are_imported_on_first_use():
     finally:
         REWARDS.pop("test_lazy_fn")
         REWARDS.pop("test_lazy_missing")
+
+
+def test_timeout_and_failure_value_are_the_entry_s_and_a_target_s_own_timeout_stays():
+    plain, code = parse_rewards(
+        [
+            {"name": "exact_match", "timeout": 1.5, "failure_value": -1},
+            {"_target_": "astrai.eval.code_reward.CodeTests", "timeout": 2, "call_timeout": 30},
+        ]
+    )
+    assert (plain.timeout, plain.failure_value) == (1.5, -1.0)
+    assert code.timeout == 30.0 and code.fn.timeout == 2.0  # CodeTests' per-program timeout
+    assert pickle.loads(pickle.dumps(plain)).timeout == 1.5
+    with pytest.raises(ValueError, match="not both"):
+        parse_rewards(
+            [{"_target_": f"{HERE}.fails_on_b", "_partial_": True, "timeout": 1, "call_timeout": 2}]
+        )

@@ -88,6 +88,26 @@ def _failure_value(value: Any, where: str) -> float:
     return failure
 
 
+def _takes_timeout(target: Any) -> bool:
+    """Whether a ``_target_`` takes a ``timeout`` argument of its own (e.g. ``CodeTests``:
+    seconds per program), which then stays the target's."""
+    try:
+        return "timeout" in inspect.signature(get_object(str(target))).parameters
+    except Exception:  # not importable or no signature: _built reports it
+        return False
+
+
+def _call_timeout(spec: dict[str, Any], where: str) -> Any:
+    """The entry's time limit per call (taken out of ``spec``): ``call_timeout``, or
+    ``timeout`` unless the ``_target_`` takes a ``timeout`` itself."""
+    limit = spec.pop("call_timeout", None)
+    if "timeout" in spec and not ("_target_" in spec and _takes_timeout(spec["_target_"])):
+        if limit is not None:
+            raise ValueError(f"{where}: give timeout or call_timeout, not both")
+        limit = spec.pop("timeout")
+    return limit
+
+
 def _registered(name: Any, where: str) -> RewardFn:
     if not isinstance(name, str) or not name:
         raise ValueError(f"{where}: a reward name must be a non-empty string, got {name!r}")
@@ -150,7 +170,7 @@ def _reward_of(entry: Any, where: str) -> WeightedReward:
     weight = _weight(spec.pop("weight", 1.0), where)
     name = spec.pop("name", None)
     limits = {
-        "timeout": _timeout(spec.pop("timeout", None), where),
+        "timeout": _timeout(_call_timeout(spec, where), where),
         "failure_value": _failure_value(spec.pop("failure_value", 0.0), where),
     }
     if "_target_" in spec:
@@ -178,9 +198,11 @@ def parse_rewards(rewards: Any, where: str = "strategy.rewards") -> list[Weighte
 
     Accepted: a name, a ``{name: weight}`` mapping, or a list whose entries are a registered
     name, ``{name, weight}``, a ``(name, weight)`` pair, or ``{_target_, weight?, name?,
-    _partial_?, timeout?, failure_value?, **kwargs}`` (a function with ``_partial_: true`` or a class whose instance is
+    _partial_?, **kwargs}`` (a function with ``_partial_: true`` or a class whose instance is
     the reward; Hydra builds it after ``weight``, default 1, and ``name``, default the
-    target's last dotted component, are taken out). Log names must be unique."""
+    target's last dotted component, are taken out). Every entry may add ``timeout``
+    (seconds per call; ``call_timeout`` when the target takes a ``timeout`` of its own, as
+    ``CodeTests`` does) and ``failure_value``. Log names must be unique."""
     rewards = plain_config(rewards)
     if isinstance(rewards, str):
         entries: list[tuple[Any, str]] = [(rewards, where)]
