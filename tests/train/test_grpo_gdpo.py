@@ -168,3 +168,40 @@ def test_a_grpo_step_uses_gdpo_and_the_overlong_column(prompt_setup, aggregation
 def test_reward_aggregation_reaches_the_options_through_the_module_kwargs():
     mine, rest = GRPOOptions.split({"reward_aggregation": "sum", "lr": 1.0})
     assert mine == {"reward_aggregation": "sum"} and rest == {"lr": 1.0}
+
+
+@pytest.mark.slow  # a tiny GRPO run through python -m astrai.train (~30 s)
+def test_a_tiny_run_with_gdpo_overlong_and_a_failing_reward(tmp_path, data_dir):
+    from pathlib import Path
+
+    from grpo_helpers import TINY_GRPO_CLI
+    from train_helpers import cli, run_dirs
+
+    from astrai.train.logs import read_metrics
+
+    here = {"PYTHONPATH": str(Path(__file__).resolve().parent)}  # _rewards
+    cli(
+        [
+            *TINY_GRPO_CLI,
+            "data.batch_size=2",
+            "trainer.max_steps=2",
+            "trainer.log_every_n_steps=1",
+            "strategy.reward_aggregation=normalize_then_sum",
+            "strategy.overlong_penalty={len: 4, penalty_factor: 0.5}",
+            "strategy.reward_workers=2",
+            "strategy.rewards=[{_target_: _rewards.length_mod3, _partial_: true}, "
+            "{_target_: _rewards.raises_on_even, _partial_: true, failure_value: -1, timeout: 5}]",
+            *run_dirs(tmp_path, data_dir),
+        ],
+        env=here,
+    )
+    metrics = read_metrics(tmp_path / "run")
+    for key in (
+        "train/reward/overlong",
+        "train/reward/raises_on_even",
+        "train/reward/raises_on_even/failures",
+        "train/reward/length_mod3/failures",
+    ):
+        assert key in metrics, (key, sorted(metrics))
+    assert sum(v for _, v in metrics["train/reward/raises_on_even/failures"]) > 0
+    assert all(v == 0 for _, v in metrics["train/reward/length_mod3/failures"])
