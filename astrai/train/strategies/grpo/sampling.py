@@ -103,7 +103,8 @@ def engine_generate(
 ) -> list[Any]:
     """``params.n`` results per prompt, prompt-major (``run_batch``'s order and seeds);
     ``on_group(i, results)`` as soon as prompt ``i``'s are finished."""
-    results = engine.run_batch(prompts, params, seed=seed, return_details=True, on_group=on_group)
+    hook = {} if on_group is None else {"on_group": on_group}  # engine-likes without it
+    results = engine.run_batch(prompts, params, seed=seed, return_details=True, **hook)
     check_results(results, prompts, params.n, engine.max_seq_len)
     return results
 
