@@ -54,6 +54,7 @@ def prompt_groups(
     structured: StructuredOutput | Sequence[StructuredOutput | None] | None,
     check: Callable[[list[int], SamplingParams], Rejection | None],
     backend: str | None,
+    on_group: Callable[[int, list[BatchResult]], None] | None = None,
 ) -> list[tuple[list[Task], Rejection | None]]:
     """`run_batch`'s groups, one per prompt, each checked (`check`: its `Rejection`, or
     None) before anything runs: prompt `i` seeded `seed + i * n`, with its own output
@@ -67,6 +68,7 @@ def prompt_groups(
             p = dataclasses.replace(p, structured=constraints[i])
         ids = list(prompt_ids)
         groups.append((group_tasks(ids, p, backend), check(ids, p)))
+    watch_groups(groups, on_group)
     return groups
 
 
@@ -81,6 +83,33 @@ def batch_output(task: Task, *, return_logprobs: bool, return_details: bool) -> 
     if return_logprobs:
         return ids, list(task.logprobs)
     return ids
+
+
+def watch_groups(
+    groups: Sequence[tuple[list[Task], Rejection | None]],
+    on_group: Callable[[int, list[BatchResult]], None] | None,
+) -> None:
+    """`run_batch`'s per-group hook: `on_group(i, results)` (`BatchResult`s) as soon as
+    every task of group `i` is finished (on the engine's thread, between steps: keep it short, e.g. hand the
+    outputs to a pool), so a caller scores a group while the engine generates the others.
+    A rejected group is never reported; None: no hook."""
+    if on_group is None:
+        return
+    for i, (tasks, rejection) in enumerate(groups):
+        if rejection is not None:
+            continue
+        left = [len(tasks)]
+
+        def done(_: Task, i: int = i, tasks: list[Task] = tasks, left: list[int] = left) -> None:
+            left[0] -= 1
+            if left[0] == 0:
+                outputs = [
+                    batch_output(t, return_logprobs=True, return_details=True) for t in tasks
+                ]
+                on_group(i, outputs)
+
+        for t in tasks:
+            t.on_finish = done
 
 
 def single(params: SamplingParams, api: str) -> SamplingParams:

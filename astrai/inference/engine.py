@@ -474,6 +474,7 @@ class InferenceEngine:
         return_logprobs: bool = False,
         return_details: bool = False,
         structured: StructuredOutput | Sequence[StructuredOutput | None] | None = None,
+        on_group: Callable[[int, list[BatchResult]], None] | None = None,
         **sampling: Any,
     ) -> list[Any]:
         """Generate for every prompt on the calling thread; results in input order.
@@ -485,7 +486,8 @@ class InferenceEngine:
         (`submit_group`). `structured`: one output constraint for every prompt, or one per
         prompt (`astrai.inference.structured`); None: `params.structured`. Returns token-id
         lists, `(ids, logprobs)` pairs (`return_logprobs`) or `BatchResult`s
-        (`return_details`). A rejected prompt gets finish reason `rejected` and an error, a
+        (`return_details`); `on_group(i, results)` as soon as prompt `i`'s finish
+        (`watch_groups`). A rejected prompt gets finish reason `rejected` and an error, a
         faulting request `aborted`; neither blocks the others. Invalid settings raise
         ValueError before anything runs. The background loop is paused for the call. RL
         wants `logprobs_mode="scaled"` (its trainer's forward divides by the temperature too).
@@ -493,7 +495,7 @@ class InferenceEngine:
         self._awake("run_batch")
         params = params_from(params, sampling).validate(vocab_size=self.vocab_size)
         groups = prompt_groups(
-            prompt_ids_list, params, structured, self._checked, selected_backend()
+            prompt_ids_list, params, structured, self._checked, selected_backend(), on_group
         )
         self._run_here([groups])
         return [

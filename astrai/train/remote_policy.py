@@ -206,10 +206,16 @@ class PolicyAt:
         *,
         seed: int | None = None,
         return_details: bool = True,
+        on_group: Callable[[int, list[RemoteResult]], None] | None = None,
     ) -> list[RemoteResult]:
+        """The replicas' results; ``on_group(i, results)`` per prompt once they arrive."""
         with self.policy.channel.lock:
             self.policy.bring_up(self.step)
-            return self.policy.pool.run_batch(prompts, params, seed=seed)
+            results = self.policy.pool.run_batch(prompts, params, seed=seed)
+        if on_group is not None:
+            for i in range(len(prompts)):
+                on_group(i, results[i * params.n : (i + 1) * params.n])
+        return results
 
 
 def replica_channel(

@@ -6,7 +6,8 @@ import pickle
 import pytest
 from omegaconf import OmegaConf
 
-from astrai.train.strategies.grpo.rewards import WeightedReward, parse_rewards, score
+from astrai.train.strategies.grpo.reward_pool import score
+from astrai.train.strategies.grpo.rewards import WeightedReward, parse_rewards
 
 HERE = __name__  # rewards defined below are plugged in by import path, as a user's would be
 
@@ -121,7 +122,9 @@ def test_a_reward_with_batch_is_scored_through_it():
         ({"_target_": f"{HERE}.Contains", "_partial_": True, "word": "x"}, ValueError, "drop"),
         ({"_target_": f"{HERE}.Contains"}, ValueError, "word"),  # constructor's own error
         ({"name": "format"}, ValueError, "already used by strategy.rewards\\[0\\]"),
-        ({"name": "code_tests", "timeout": 2}, ValueError, r"unknown keys \['timeout'\]"),
+        ({"name": "code_tests", "retries": 2}, ValueError, r"unknown keys \['retries'\]"),
+        ({"name": "code_tests", "timeout": 0}, ValueError, r"rewards\[1\].timeout"),
+        ({"name": "code_tests", "failure_value": "x"}, ValueError, r"rewards\[1\].failure_value"),
         ({"weight": 2}, KeyError, "needs 'name'.*or '_target_'"),
         ({"name": "exact_match", "weight": "high"}, ValueError, r"rewards\[1\].weight"),
         (length_at_most, TypeError, "already built"),
@@ -137,15 +140,21 @@ def test_no_reward_at_all_is_refused():
         parse_rewards([])
 
 
-def test_a_reward_that_raises_names_itself_and_the_completion():
-    rewards = parse_rewards([{"_target_": f"{HERE}.fails_on_b", "_partial_": True}])
-    with pytest.raises(RuntimeError, match=r"'fails_on_b' failed on completion 1: ValueError"):
-        score([{}, {}, {}], ["a", "b", "c"], rewards)
-    with pytest.raises(RuntimeError, match="'exact_match' failed on completion 0: KeyError"):
-        score([{}], ["The answer is 5."], ["exact_match"])  # the record lacks 'answer'
+def test_a_reward_that_raises_gives_its_failure_value_and_logs_once(caplog):
+    # #48 changed this: a raising or non-finite reward used to stop the run with a
+    # RuntimeError; it now gives its failure_value (default 0.0), counted and logged once.
+    rewards = parse_rewards(
+        [{"_target_": f"{HERE}.fails_on_b", "_partial_": True, "failure_value": -1.0}]
+    )
+    with caplog.at_level("WARNING"):
+        total, _ = score([{}, {}, {}, {}], ["a", "b", "c", "b"], rewards)
+    assert total.tolist() == [0.0, -1.0, 0.0, -1.0]
+    logged = [r for r in caplog.records if "'fails_on_b' failed" in r.getMessage()]
+    assert len(logged) == 1 and "ValueError: boom" in logged[0].getMessage()
+    total, _ = score([{}], ["The answer is 5."], ["exact_match"])  # the record lacks 'answer'
+    assert total.tolist() == [0.0]
     nan = parse_rewards([{"_target_": f"{HERE}.returns_nan", "_partial_": True}])
-    with pytest.raises(RuntimeError, match="'returns_nan' returned nan for completion 0"):
-        score([{}], ["a"], nan)
+    assert score([{}], ["a"], nan)[0].tolist() == [0.0]
 
 
 def test_rewards_registered_by_path_are_imported_on_first_use():
@@ -166,3 +175,19 @@ def test_rewards_registered_by_path_are_imported_on_first_use():
     finally:
         REWARDS.pop("test_lazy_fn")
         REWARDS.pop("test_lazy_missing")
+
+
+def test_timeout_and_failure_value_are_the_entry_s_and_a_target_s_own_timeout_stays():
+    plain, code = parse_rewards(
+        [
+            {"name": "exact_match", "timeout": 1.5, "failure_value": -1},
+            {"_target_": "astrai.eval.code_reward.CodeTests", "timeout": 2, "call_timeout": 30},
+        ]
+    )
+    assert (plain.timeout, plain.failure_value) == (1.5, -1.0)
+    assert code.timeout == 30.0 and code.fn.timeout == 2.0  # CodeTests' per-program timeout
+    assert pickle.loads(pickle.dumps(plain)).timeout == 1.5
+    with pytest.raises(ValueError, match="not both"):
+        parse_rewards(
+            [{"_target_": f"{HERE}.fails_on_b", "_partial_": True, "timeout": 1, "call_timeout": 2}]
+        )

@@ -18,7 +18,8 @@ from astrai.model.reward import render_for_reward
 from astrai.train.learned_reward import LearnedReward
 from astrai.train.optim import adamw, constant
 from astrai.train.preference import reward_inputs
-from astrai.train.strategies.grpo.rewards import parse_rewards, score
+from astrai.train.strategies.grpo.reward_pool import score
+from astrai.train.strategies.grpo.rewards import parse_rewards
 from astrai.train.strategies.reward import RewardModule
 
 RECORDS = [

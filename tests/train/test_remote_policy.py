@@ -114,3 +114,12 @@ def test_a_push_that_reached_no_replica_is_tried_again(replicas, monkeypatch):
     with pytest.raises(ReplicaUnavailable, match="no replica reachable"):
         policy.sync(1)
     assert channel.holds() == 0, "a failed push leaves the replicas' step as it was"
+
+
+def test_on_group_reports_each_prompts_results_once_they_arrive(replicas):
+    _, _, channel = replicas
+    at = _policy({0: 10.0}, channel).sync(0)
+    groups: dict[int, list] = {}
+    results = at.run_batch([[1, 2], [3]], PARAMS, seed=0, on_group=groups.__setitem__)
+    assert sorted(groups) == [0, 1]
+    assert groups[0] + groups[1] == results and len(groups[0]) == PARAMS.n

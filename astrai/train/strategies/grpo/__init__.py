@@ -4,7 +4,8 @@ sources it trains on (engine, asynchronous, ledger replay); docs/training.md ("G
 from astrai.train.strategies.grpo.generation import Rollouts, build_rollouts
 from astrai.train.strategies.grpo.module import GRPOModule
 from astrai.train.strategies.grpo.options import GRPOOptions
-from astrai.train.strategies.grpo.rewards import parse_rewards, score
+from astrai.train.strategies.grpo.reward_pool import score
+from astrai.train.strategies.grpo.rewards import parse_rewards
 from astrai.train.strategies.grpo.source import RolloutSource
 
 __all__ = [

@@ -22,7 +22,8 @@ ranks (None: one process).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -166,3 +167,92 @@ def compute_advantages(
     if scale == "none":
         return returns * mask.to(rewards.dtype)
     return masked_whiten(returns, mask, all_sum)
+
+
+#: ``multi_objective_aggregation`` (TRL's values); ``reward_aggregation`` (the issue's) spells
+#: ``sum_then_normalize`` as ``sum``
+AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+_ISSUE_NAMES = {"sum": "sum_then_normalize", "normalize_then_sum": "normalize_then_sum"}
+
+
+def check_aggregation(
+    multi_objective_aggregation: str | None,
+    reward_aggregation: str | None,
+    advantage: str,
+    scale_rewards: str,
+) -> str:
+    """The resolved aggregation of several rewards (TRL's name; default
+    ``sum_then_normalize``); a ValueError names the key. GDPO (``normalize_then_sum``)
+    normalises each reward within its group, sums them weighted and normalises over the
+    batch: it is GRPO's group scaling, so it needs ``advantage: grpo`` and
+    ``scale_rewards: group``."""
+    ours = multi_objective_aggregation
+    if ours is not None and ours not in AGGREGATIONS:
+        raise ValueError(
+            f"GRPO multi_objective_aggregation must be one of {AGGREGATIONS}, got {ours!r}"
+        )
+    if reward_aggregation is not None:
+        if reward_aggregation not in _ISSUE_NAMES:
+            raise ValueError(
+                f"GRPO reward_aggregation must be one of {tuple(_ISSUE_NAMES)}, "
+                f"got {reward_aggregation!r}"
+            )
+        theirs = _ISSUE_NAMES[reward_aggregation]
+        if ours is not None and ours != theirs:
+            raise ValueError(
+                f"GRPO reward_aggregation={reward_aggregation!r} and "
+                f"multi_objective_aggregation={ours!r} disagree: set one of them"
+            )
+        ours = theirs
+    ours = ours or "sum_then_normalize"
+    if ours == "normalize_then_sum" and (advantage != "grpo" or scale_rewards != "group"):
+        raise ValueError(
+            "GRPO multi_objective_aggregation=normalize_then_sum (GDPO) normalises each reward "
+            "in its group and the sum over the batch: it needs advantage=grpo and "
+            f"scale_rewards=group, got advantage={advantage!r}, scale_rewards={scale_rewards!r}"
+        )
+    return ours
+
+
+def gdpo_advantages(
+    columns: Tensor,
+    weights: Tensor,
+    num_generations: int,
+    eps: float = 1e-4,
+    all_sum: AllSum | None = None,
+) -> Tensor:
+    """GDPO (TRL 1.16's ``normalize_then_sum``): each reward column of ``columns`` ``[N, K]``
+    normalised within its group (unbiased std), summed with ``weights`` ``[K]``, then the
+    sum normalised over the whole batch (all ranks): ``[N]``."""
+    k = columns.shape[1]
+    grouped = columns.view(-1, num_generations, k)
+    _check_groups(grouped[..., 0])
+    mean_k = grouped.mean(dim=1, keepdim=True)
+    std_k = grouped.std(dim=1, keepdim=True)
+    normalised = ((grouped - mean_k) / (std_k + eps)).view(-1, k)
+    rewards = (normalised * weights.to(columns).unsqueeze(0)).sum(dim=1)
+    count = torch.tensor(float(rewards.numel()), device=rewards.device)
+    totals = _sum(torch.stack([rewards.sum(), count]), all_sum)
+    return (rewards - totals[0] / totals[1]) / (batch_std(rewards, all_sum) + eps)
+
+
+def aggregated_advantages(
+    rewards: Tensor,
+    columns: Mapping[str, Sequence[float]],
+    weights: Mapping[str, float],
+    num_generations: int,
+    *,
+    aggregation: str = "sum_then_normalize",
+    eps: float = 1e-4,
+    all_sum: AllSum | None = None,
+    **estimator: Any,
+) -> Tensor:
+    """The advantages of a generation batch: of the weighted total ``rewards`` ``[N]`` by the
+    estimator (``sum_then_normalize``), or GDPO's of the reward ``columns`` by name
+    (``normalize_then_sum``; a column without a weight, e.g. ``environment``, weighs 1)."""
+    if aggregation == "normalize_then_sum":
+        names = list(columns)
+        matrix = torch.tensor([list(columns[n]) for n in names], dtype=rewards.dtype).T
+        w = torch.tensor([float(weights.get(n, 1.0)) for n in names], dtype=rewards.dtype)
+        return gdpo_advantages(matrix.to(rewards.device), w, num_generations, eps, all_sum)
+    return compute_advantages(rewards, num_generations, eps=eps, all_sum=all_sum, **estimator)

@@ -18,6 +18,8 @@ import torch
 from astrai.inference import SamplingParams
 from astrai.train.policy_engine import PolicyEngine
 from astrai.train.remote_policy import RemotePolicy
+from astrai.train.strategies.grpo.overlong import Overlong
+from astrai.train.strategies.grpo.reward_pool import DEFAULT_WORKERS, RewardPool
 from astrai.train.strategies.grpo.rewards import WeightedReward
 from astrai.train.strategies.grpo.sampling import (
     Samples,
@@ -51,21 +53,31 @@ class EngineSource(RolloutSource):
         rewards: Sequence[WeightedReward],
         make_env: Callable[[], Any] | None = None,
         max_turns: int = 4,
+        reward_workers: int = DEFAULT_WORKERS,
+        overlong: Overlong | None = None,
     ) -> None:
         self.engine = engine
         self.params = params
         self.tokenizer = tokenizer
         self.rewards = list(rewards)
+        self.pool = RewardPool(self.rewards, reward_workers, overlong)
         self.make_env = make_env
         self.max_turns = int(max_turns)
         self.step = 0
         self.generate: Generate = self.engine_generate
 
     def engine_generate(
-        self, prompts: Sequence[Sequence[int]], *, seed: int | None, params: SamplingParams
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        seed: int | None,
+        params: SamplingParams,
+        on_group: Callable[[int, list[Any]], None] | None = None,
     ) -> list[Any]:
-        """``params.n`` results per prompt from the engine, brought up to the step."""
-        return engine_generate(self.engine.sync(self.step), prompts, seed=seed, params=params)
+        """``params.n`` results per prompt from the engine, brought up to the step
+        (``on_group``: each prompt's as soon as they are finished)."""
+        engine = self.engine.sync(self.step)
+        return engine_generate(engine, prompts, seed=seed, params=params, on_group=on_group)
 
     def take(self, batch: Mapping[str, Any], seed: int, step: int) -> Samples:
         started = time.perf_counter()
@@ -90,8 +102,9 @@ class EngineSource(RolloutSource):
                     records,
                     params,
                     seed=seed,
-                    rewards=self.rewards,
+                    rewards=self.pool,
                     version=self.step,
+                    overlap=self.generate == self.engine_generate,
                 )
             return sample_episodes(
                 self.engine.sync(self.step),
@@ -101,7 +114,7 @@ class EngineSource(RolloutSource):
                 params,
                 max_turns=self.max_turns,
                 seed=seed,
-                rewards=self.rewards,
+                rewards=self.pool,
             )
 
 

@@ -35,7 +35,7 @@ from astrai.likelihood import TokenScores, next_token_targets
 from astrai.train.module import LMModule, ReferencePolicy
 from astrai.train.policy_engine import PolicyEngine
 from astrai.train.ranks import gather_over_ranks, max_over_ranks, sum_over_ranks
-from astrai.train.strategies.grpo.advantages import PER_TOKEN, compute_advantages
+from astrai.train.strategies.grpo.advantages import PER_TOKEN, aggregated_advantages
 from astrai.train.strategies.grpo.async_source import (
     AsyncSource,
     Staleness,
@@ -152,6 +152,8 @@ class GRPOModule(GlobalTokenNormaliser, RolloutModule, LMModule):
             rewards=o.rewards,
             make_env=o.environment,
             max_turns=o.max_turns,
+            reward_workers=o.reward_workers,
+            overlong=o.overlong_penalty,
         )
 
     def _generator_source(self, weights: Any) -> tuple[EngineSource, RolloutEngine]:
@@ -248,9 +250,12 @@ class GRPOModule(GlobalTokenNormaliser, RolloutModule, LMModule):
         mask = None
         if o.advantage in PER_TOKEN:
             mask = action_mask(lengths, samples.action_masks, self.device)
-        adv = compute_advantages(
+        adv = aggregated_advantages(
             samples.reward_tensor.to(self.device),
+            samples.reward_columns,
+            o.reward_weights,
             o.num_generations,
+            aggregation=o.multi_objective_aggregation,
             advantage=o.advantage,
             scale_rewards=o.scale_rewards,
             mask=mask,

@@ -11,17 +11,20 @@ the resolved values: ``epsilon_high`` and ``scale_rewards`` with their defaults 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from astrai.inference import SamplingParams
-from astrai.train.strategies.grpo.advantages import check_advantage_options
+from astrai.train.strategies.grpo.advantages import check_advantage_options, check_aggregation
 from astrai.train.strategies.grpo.async_source import AsyncRollouts
 from astrai.train.strategies.grpo.dynamic_sampling import DynamicSampling
 from astrai.train.strategies.grpo.loss import check_loss_options
+from astrai.train.strategies.grpo.overlong import NoOverlong, Overlong, OverlongPenalty
 from astrai.train.strategies.grpo.packing import DEFAULT_TOKEN_BUDGET, RowPacking
 from astrai.train.strategies.grpo.reference import check_sync_options
+from astrai.train.strategies.grpo.reward_pool import DEFAULT_WORKERS
 from astrai.train.strategies.grpo.rewards import WeightedReward, parse_rewards, plain_config
 from astrai.train.strategies.grpo.rollout_mode import Colocate, RolloutMode, parse_rollout
 from astrai.train.strategies.grpo.sampling import environment_factory, rollout_sampling
@@ -31,6 +34,31 @@ def check_count(name: str, value: object) -> None:
     """A GRPO count option is an int >= 1 (a bool is not)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"GRPO {name} must be an int >= 1, got {value!r}")
+
+
+def check_reward_workers(value: object) -> int:
+    check_count("reward_workers", value)
+    return int(value)  # type: ignore[call-overload]
+
+
+def check_overlong(
+    overlong: Overlong, rewards: list[WeightedReward], make_env: Callable[[], Any] | None
+) -> Overlong:
+    """``overlong_penalty`` is a single-turn column named ``overlong``: not with episodes,
+    nor beside a reward of that name."""
+    if isinstance(overlong, NoOverlong):
+        return overlong
+    if make_env is not None:
+        raise ValueError(
+            "GRPO overlong_penalty: not with strategy.environment (an episode's length is "
+            "not one generation's max_new_tokens); set overlong_penalty=null"
+        )
+    if any(item.name == overlong.name for item in rewards):
+        raise ValueError(
+            f"GRPO overlong_penalty: a reward is already named {overlong.name!r} (the "
+            "penalty's column); rename it"
+        )
+    return overlong
 
 
 @dataclass(frozen=True)
@@ -89,6 +117,16 @@ class GRPOOptions:
             ``{metric: reward | <a reward's name>, max_num_gen_batches: N (0: no cap),
             at_cap: fill | raise}``: groups whose metric has no variance are dropped and more
             prompts sampled (:mod:`~astrai.train.strategies.grpo.dynamic_sampling`); None: off.
+        reward_workers: synchronous reward calls running at once (a thread pool; ``async``
+            rewards run on an event loop); each group is scored as soon as it is generated
+            (:mod:`~astrai.train.strategies.grpo.reward_pool`).
+        multi_objective_aggregation: ``sum_then_normalize`` (the weighted sum is the reward)
+            or ``normalize_then_sum`` (GDPO: each reward normalised in its group, then summed
+            and normalised over the batch); TRL's name; ``reward_aggregation`` (``sum`` |
+            ``normalize_then_sum``) is accepted as the same.
+        overlong_penalty: DAPO's soft overlong punishment (``{len: L_cache, penalty_factor}``)
+            as the reward column ``overlong``; held as its
+            :class:`~astrai.train.strategies.grpo.overlong.OverlongPenalty` (or a no-op).
     """
 
     num_generations: int = 8
@@ -125,6 +163,9 @@ class GRPOOptions:
     ppo_max_token_len_per_gpu: int = DEFAULT_TOKEN_BUDGET
     rollout: RolloutMode = field(default_factory=Colocate)
     dynamic_sampling: DynamicSampling | None = None
+    reward_workers: int = DEFAULT_WORKERS
+    multi_objective_aggregation: str = "sum_then_normalize"
+    overlong_penalty: Overlong = field(default_factory=NoOverlong)
 
     @classmethod
     def parse(
@@ -164,6 +205,10 @@ class GRPOOptions:
         ppo_max_token_len_per_gpu: int = DEFAULT_TOKEN_BUDGET,
         rollout: Any = None,
         dynamic_sampling: Any = None,
+        reward_workers: int = DEFAULT_WORKERS,
+        multi_objective_aggregation: str | None = None,
+        reward_aggregation: str | None = None,
+        overlong_penalty: Any = None,
     ) -> GRPOOptions:
         """The options as the YAML gives them, checked; every error names its key."""
         if num_generations < 2:
@@ -231,10 +276,20 @@ class GRPOOptions:
             use_dynamic_bsz=packing.use_dynamic_bsz,
             ppo_max_token_len_per_gpu=packing.ppo_max_token_len_per_gpu,
             rollout=parse_rollout(plain_config(rollout)),
+            reward_workers=check_reward_workers(reward_workers),
+            multi_objective_aggregation=check_aggregation(
+                multi_objective_aggregation, reward_aggregation, advantage, scale
+            ),
+            overlong_penalty=check_overlong(
+                OverlongPenalty.parse(plain_config(overlong_penalty), sampling.max_tokens),
+                reward_items,
+                make_env,
+            ),
             dynamic_sampling=DynamicSampling.parse(
                 plain_config(dynamic_sampling),
                 reward_names=[r.name for r in reward_items]
-                + (["environment"] if make_env is not None else []),
+                + (["environment"] if make_env is not None else [])
+                + (["overlong"] if overlong_penalty is not None else []),
                 async_rollouts=async_rollouts is not None and async_rollouts is not False,
             ),
         )
@@ -243,6 +298,7 @@ class GRPOOptions:
     def split(cls, kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         """``kwargs`` as (GRPO's options, the rest: ``LMModule``'s)."""
         names = {f.name for f in dataclasses.fields(cls)}
+        names |= set(inspect.signature(cls.parse).parameters)  # e.g. reward_aggregation
         mine = {k: v for k, v in kwargs.items() if k in names}
         return mine, {k: v for k, v in kwargs.items() if k not in names}
 
@@ -261,3 +317,10 @@ class GRPOOptions:
     def val_sampling(self) -> SamplingParams:
         """Greedy validation generations."""
         return SamplingParams(max_tokens=self.val_max_new_tokens, temperature=0.0)
+
+    @property
+    def reward_weights(self) -> dict[str, float]:
+        """Each reward column's weight by name (the rewards', ``overlong``'s when on)."""
+        weights = {item.name: item.weight for item in self.rewards}
+        weights[self.overlong_penalty.name] = self.overlong_penalty.weight
+        return weights

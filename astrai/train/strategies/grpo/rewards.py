@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
-import torch
 from hydra.errors import InstantiationException
 from hydra.utils import get_object, instantiate
 from omegaconf import OmegaConf
-from torch import Tensor
 
 from astrai.data.rewards import RewardFn, get_reward
 
@@ -21,13 +19,26 @@ from astrai.data.rewards import RewardFn, get_reward
 class WeightedReward(tuple):
     """One parsed ``strategy.rewards`` entry: the ``(name, weight)`` pair it is logged and
     summed under, which it compares equal to (the config's short form), plus the built
-    callable :attr:`fn` that scores."""
+    callable :attr:`fn` that scores, its :attr:`timeout` (seconds per call; None: none) and
+    the :attr:`failure_value` a failed, non-finite or timed-out call gives
+    (:mod:`~astrai.train.strategies.grpo.reward_pool`)."""
 
     fn: RewardFn
+    timeout: float | None
+    failure_value: float
 
-    def __new__(cls, name: str, weight: float, fn: RewardFn) -> WeightedReward:
+    def __new__(
+        cls,
+        name: str,
+        weight: float,
+        fn: RewardFn,
+        timeout: float | None = None,
+        failure_value: float = 0.0,
+    ) -> WeightedReward:
         self = super().__new__(cls, (name, weight))
         self.fn = fn
+        self.timeout = timeout
+        self.failure_value = failure_value
         return self
 
     @property
@@ -39,7 +50,7 @@ class WeightedReward(tuple):
         return self[1]
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self[0], self[1], self.fn))
+        return (type(self), (self[0], self[1], self.fn, self.timeout, self.failure_value))
 
     def __repr__(self) -> str:
         return f"WeightedReward({self[0]!r}, {self[1]!r}, {self.fn!r})"
@@ -53,6 +64,48 @@ def _weight(value: Any, where: str) -> float:
     if not math.isfinite(weight):
         raise ValueError(f"{where}.weight must be a finite number, got {value!r}")
     return weight
+
+
+def _timeout(value: Any, where: str) -> float | None:
+    if value is None:
+        return None
+    try:
+        timeout = float(value)
+    except (TypeError, ValueError):
+        timeout = math.nan
+    if not (math.isfinite(timeout) and timeout > 0):
+        raise ValueError(f"{where}.timeout must be a number of seconds > 0 or null, got {value!r}")
+    return timeout
+
+
+def _failure_value(value: Any, where: str) -> float:
+    try:
+        failure = float(value)
+    except (TypeError, ValueError):
+        failure = math.nan
+    if not math.isfinite(failure):
+        raise ValueError(f"{where}.failure_value must be a finite number, got {value!r}")
+    return failure
+
+
+def _takes_timeout(target: Any) -> bool:
+    """Whether a ``_target_`` takes a ``timeout`` argument of its own (e.g. ``CodeTests``:
+    seconds per program), which then stays the target's."""
+    try:
+        return "timeout" in inspect.signature(get_object(str(target))).parameters
+    except Exception:  # not importable or no signature: _built reports it
+        return False
+
+
+def _call_timeout(spec: dict[str, Any], where: str) -> Any:
+    """The entry's time limit per call (taken out of ``spec``): ``call_timeout``, or
+    ``timeout`` unless the ``_target_`` takes a ``timeout`` itself."""
+    limit = spec.pop("call_timeout", None)
+    if "timeout" in spec and not ("_target_" in spec and _takes_timeout(spec["_target_"])):
+        if limit is not None:
+            raise ValueError(f"{where}: give timeout or call_timeout, not both")
+        limit = spec.pop("timeout")
+    return limit
 
 
 def _registered(name: Any, where: str) -> RewardFn:
@@ -116,12 +169,16 @@ def _reward_of(entry: Any, where: str) -> WeightedReward:
     spec = dict(entry)
     weight = _weight(spec.pop("weight", 1.0), where)
     name = spec.pop("name", None)
+    limits = {
+        "timeout": _timeout(_call_timeout(spec, where), where),
+        "failure_value": _failure_value(spec.pop("failure_value", 0.0), where),
+    }
     if "_target_" in spec:
         if name is None:
             name = str(spec["_target_"]).rsplit(".", 1)[-1]
         elif not isinstance(name, str) or not name:
             raise ValueError(f"{where}.name must be a non-empty string, got {name!r}")
-        return WeightedReward(name, weight, _built(spec, where))
+        return WeightedReward(name, weight, _built(spec, where), **limits)
     if name is None:
         raise KeyError(
             f"{where} needs 'name' (a registered reward) or '_target_' (an import path); "
@@ -130,9 +187,9 @@ def _reward_of(entry: Any, where: str) -> WeightedReward:
     if spec:
         raise ValueError(
             f"{where}: unknown keys {sorted(spec)} for registered reward {name!r} (takes "
-            "name and weight); options go with `_target_: <import path>`"
+            "name, weight, timeout and failure_value); options go with `_target_: <import path>`"
         )
-    return WeightedReward(name, weight, _registered(name, where))
+    return WeightedReward(name, weight, _registered(name, where), **limits)
 
 
 def parse_rewards(rewards: Any, where: str = "strategy.rewards") -> list[WeightedReward]:
@@ -143,7 +200,9 @@ def parse_rewards(rewards: Any, where: str = "strategy.rewards") -> list[Weighte
     name, ``{name, weight}``, a ``(name, weight)`` pair, or ``{_target_, weight?, name?,
     _partial_?, **kwargs}`` (a function with ``_partial_: true`` or a class whose instance is
     the reward; Hydra builds it after ``weight``, default 1, and ``name``, default the
-    target's last dotted component, are taken out). Log names must be unique."""
+    target's last dotted component, are taken out). Every entry may add ``timeout``
+    (seconds per call; ``call_timeout`` when the target takes a ``timeout`` of its own, as
+    ``CodeTests`` does) and ``failure_value``. Log names must be unique."""
     rewards = plain_config(rewards)
     if isinstance(rewards, str):
         entries: list[tuple[Any, str]] = [(rewards, where)]
@@ -167,74 +226,6 @@ def parse_rewards(rewards: Any, where: str = "strategy.rewards") -> list[Weighte
             )
         seen[item.name] = at
     return items
-
-
-def _values(
-    item: WeightedReward, records: Sequence[Mapping[str, Any]], texts: Sequence[str]
-) -> Tensor:
-    """One reward's values ``[N]``; an error names the reward and the completion."""
-    batch = getattr(item.fn, "batch", None)
-    if callable(batch):
-        try:
-            raw = list(batch(records, texts))
-        except Exception as err:
-            raise RuntimeError(
-                f"reward {item.name!r} failed on a batch of {len(texts)} completions: "
-                f"{type(err).__name__}: {err}"
-            ) from err
-        if len(raw) != len(texts):
-            raise RuntimeError(
-                f"reward {item.name!r}: batch returned {len(raw)} values for {len(texts)} "
-                "completions"
-            )
-    else:
-        raw = []
-        for i, (rec, txt) in enumerate(zip(records, texts)):
-            try:
-                raw.append(item.fn(rec, txt))
-            except Exception as err:
-                raise RuntimeError(
-                    f"reward {item.name!r} failed on completion {i}: {type(err).__name__}: {err}"
-                ) from err
-    values = []
-    for i, v in enumerate(raw):
-        try:
-            value = float(v)
-        except (TypeError, ValueError):
-            value = math.nan
-        if not math.isfinite(value):
-            raise RuntimeError(
-                f"reward {item.name!r} returned {v!r} for completion {i}, not a finite number"
-            )
-        values.append(value)
-    return torch.tensor(values, dtype=torch.float32)
-
-
-def score_columns(
-    records: Sequence[Mapping[str, Any]], texts: Sequence[str], rewards: Sequence[Any]
-) -> dict[str, Tensor]:
-    """Each reward's unweighted values per completion ``[N]``, by its name (what GDPO's
-    per-reward normalisation and dynamic sampling's per-reward metric read).
-
-    ``rewards`` is what :func:`parse_rewards` returns (other forms it accepts are parsed
-    here). A reward with a ``batch(records, completions)`` method scores all at once."""
-    if len(records) != len(texts):
-        raise ValueError(f"score: {len(records)} records but {len(texts)} completions")
-    return {
-        item.name: _values(item, records, texts) for item in parse_rewards(rewards, where="rewards")
-    }
-
-
-def score(
-    records: Sequence[Mapping[str, Any]], texts: Sequence[str], rewards: Sequence[Any]
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """Weighted sum of the rewards per completion ``[N]``, and each reward's mean."""
-    columns = score_columns(records, texts, rewards)
-    weights = {item.name: item.weight for item in parse_rewards(rewards, where="rewards")}
-    total = torch.zeros(len(texts))
-    for name, vals in columns.items():
-        total += weights[name] * vals
-    return total, {name: vals.mean() for name, vals in columns.items()}
 
 
 def plain_config(config: Any) -> Any:

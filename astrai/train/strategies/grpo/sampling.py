@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from astrai.inference import InferenceEngine, SamplingParams
-from astrai.train.strategies.grpo.rewards import parse_rewards, score_columns
+from astrai.train.strategies.grpo.reward_pool import RewardPool, reward_pool
 
 
 def rollout_sampling(
@@ -86,17 +86,11 @@ def check_results(results: Sequence[Any], prompts: Sequence[Sequence[int]], n: i
 
 
 def _weighted(
-    records: Sequence[Mapping[str, Any]], texts: Sequence[str], rewards: Sequence[Any]
+    pool: RewardPool, columns: Mapping[str, torch.Tensor], count: int
 ) -> tuple[torch.Tensor, dict[str, float], dict[str, list[float]]]:
-    """The weighted total per completion, each reward's mean, each reward's values."""
-    if not rewards:
-        return torch.zeros(len(texts)), {}, {}
-    columns = score_columns(records, texts, rewards)
-    total = torch.zeros(len(texts))
-    for item in parse_rewards(rewards, where="rewards"):
-        total += item.weight * columns[item.name]
+    """The weighted total per completion, each column's mean, each column's values."""
     parts = {k: float(v.mean()) for k, v in columns.items()}
-    return total, parts, {k: v.tolist() for k, v in columns.items()}
+    return pool.weighted(columns, count), parts, {k: v.tolist() for k, v in columns.items()}
 
 
 def engine_generate(
@@ -105,9 +99,12 @@ def engine_generate(
     *,
     seed: int | None,
     params: SamplingParams,
+    on_group: Callable[[int, list[Any]], None] | None = None,
 ) -> list[Any]:
-    """``params.n`` results per prompt, prompt-major (``run_batch``'s order and seeds)."""
-    results = engine.run_batch(prompts, params, seed=seed, return_details=True)
+    """``params.n`` results per prompt, prompt-major (``run_batch``'s order and seeds);
+    ``on_group(i, results)`` as soon as prompt ``i``'s are finished."""
+    hook = {} if on_group is None else {"on_group": on_group}  # engine-likes without it
+    results = engine.run_batch(prompts, params, seed=seed, return_details=True, **hook)
     check_results(results, prompts, params.n, engine.max_seq_len)
     return results
 
@@ -120,15 +117,27 @@ def sample_turns(
     params: SamplingParams,
     *,
     seed: int | None,
-    rewards: Sequence[Any],
+    rewards: Sequence[Any] | RewardPool,
     version: int,
+    overlap: bool = False,
 ) -> Samples:
     """Single-turn rollouts: ``params.n`` completions per prompt from one call of
-    ``generate(prompts, seed=, params=)`` (:func:`engine_generate`)."""
-    results = generate(prompts, seed=seed, params=params)
-    texts = [tokenizer.decode(r.token_ids, skip_special_tokens=True) for r in results]
-    per = [r for r in records for _ in range(params.n)]
-    total, parts, columns = _weighted(per, texts, rewards)
+    ``generate(prompts, seed=, params=)`` (:func:`engine_generate`). ``overlap``: it also
+    takes ``on_group=``, and each group is scored while the others generate."""
+    pool = reward_pool(rewards)
+    scoring = pool.session([r for r in records for _ in range(params.n)], params.n)
+
+    def decoded(results: Sequence[Any]) -> list[str]:
+        return [tokenizer.decode(r.token_ids, skip_special_tokens=True) for r in results]
+
+    if overlap:
+        hook = lambda i, group: scoring.group(i, decoded(group))  # noqa: E731
+        results = generate(prompts, seed=seed, params=params, on_group=hook)
+    else:
+        results = generate(prompts, seed=seed, params=params)
+    texts = decoded(results)
+    columns, failures = scoring.finish(texts, [len(r.token_ids) for r in results])
+    total, parts, columns = _weighted(pool, columns, len(texts))
     return Samples(
         prompts=[list(prompts[i // params.n]) for i in range(len(results))],
         completions=[list(r.token_ids) for r in results],
@@ -136,6 +145,7 @@ def sample_turns(
         truncated=[r.finish_reason == "length" for r in results],
         rewards=total.tolist(),
         parts=parts,
+        stats=failures,
         version=version,
         reward_columns=columns,
     )
@@ -150,7 +160,7 @@ def sample_episodes(
     *,
     max_turns: int,
     seed: int | None,
-    rewards: Sequence[Any],
+    rewards: Sequence[Any] | RewardPool,
 ) -> Samples:
     """Multi-turn rollouts: ``params.n`` episodes per record; the reward is the environment's
     sum plus the reward functions' on each episode's final assistant message."""
@@ -160,7 +170,9 @@ def sample_episodes(
         engine, tokenizer, make_env, records, params, max_turns=max_turns, seed=seed
     )
     per = [r for r in records for _ in range(params.n)]
-    extra, parts, columns = _weighted(per, [e.final_text for e in episodes], rewards)
+    pool = reward_pool(rewards)
+    scored, failures = pool.score(per, [e.final_text for e in episodes])
+    extra, parts, columns = _weighted(pool, scored, len(episodes))
     count = max(len(episodes), 1)
     tokens = sum(len(e.action_mask) for e in episodes)
     total = [e.reward + float(x) for e, x in zip(episodes, extra.tolist())]
@@ -175,6 +187,7 @@ def sample_episodes(
         # mean reward of the episodes that called a tool / did not (0.0 when there are none)
         "episode/reward_with_tools": sum(used) / len(used) if used else 0.0,
         "episode/reward_without_tools": sum(unused) / len(unused) if unused else 0.0,
+        **failures,
     }
     return Samples(
         prompts=[list(e.prompt_ids) for e in episodes],
