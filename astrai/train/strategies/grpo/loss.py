@@ -43,11 +43,13 @@ from torch import Tensor
 
 from astrai.train.strategies.grpo.policy_losses import (
     AGGREGATION,
-    LOSS_TYPES,
     PolicyLossParams,
     policy_term,
 )
 
+#: PPO's clipped objective under TRL's four aggregations (the newer objectives' names are
+#: in policy_losses.LOSS_TYPES)
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 IS_LEVELS = ("token", "sequence")
 #: TRL's ``vllm_importance_sampling_mode`` values: the off-policy correction's granularity and
 #: what happens outside ``[clip_min, clip_max]`` (truncated to it, or masked to 0)
@@ -71,8 +73,8 @@ def check_loss_options(
     top_entropy_quantile: float = 1.0,
 ) -> tuple[float, float]:
     """Raise a ValueError naming the bad field; return ``(epsilon_low, epsilon_high)``."""
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"GRPO loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+    if loss_type not in AGGREGATION:
+        raise ValueError(f"GRPO loss_type must be one of {tuple(AGGREGATION)}, got {loss_type!r}")
     if not 0.0 <= float(epsilon) < 1.0:
         raise ValueError(f"GRPO epsilon must be in [0, 1), got {epsilon}")
     high = float(epsilon if epsilon_high is None else epsilon_high)
