@@ -10,9 +10,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from astrai.train.strategies.grpo.policy_losses import global_token_normalised
+
 
 class GlobalTokenNormaliser:
-    """A LightningModule mixin for a ``dapo`` loss (``loss_type``): each micro-batch
+    """A LightningModule mixin for a loss normalised like ``dapo`` (``loss_type`` dapo, cispo,
+    clip_cov, kl_cov: :func:`~astrai.train.strategies.grpo.policy_losses.global_token_normalised`): each micro-batch
     backpropagates ``sum / max_new_tokens`` and counts its tokens
     (:meth:`count_window_tokens`); the gradients are rescaled to ``sum / T`` once the last
     micro-batch is in."""
@@ -38,7 +41,7 @@ class GlobalTokenNormaliser:
         the completion-token count of the window summed over all ranks (TRL's
         ``num_items_in_batch``). Lightning divided each micro-batch's loss by
         ``accumulate_grad_batches`` and DDP averaged the ranks, hence the factors."""
-        if self.loss_type == "dapo" and optimizer_closure is not None:
+        if global_token_normalised(self.loss_type) and optimizer_closure is not None:
             closure = optimizer_closure
 
             def optimizer_closure() -> Any:

@@ -23,18 +23,32 @@ the rollout policy) and the loss aggregates ``l`` over the completion tokens (``
   TRL's normaliser: that global count divided by the number of processes, since DDP averages
   the ranks' gradients.
 
+The newer objectives (``cispo``, ``sapo``, ``gmpo``, ``clip_cov``, ``kl_cov``) are in
+:mod:`~astrai.train.strategies.grpo.policy_losses`, each with its aggregation among these
+four. ``entropy_coef`` subtracts TRL's entropy bonus (the mean entropy over the acting tokens)
+and ``off_policy_mask`` (TRL's ``get_off_policy_mask``) multiplies the policy term.
+
 Advantages come from :mod:`astrai.train.strategies.grpo.advantages`: one per completion
 ``[N]`` or one per token ``[N, T]`` (REINFORCE++).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
+from astrai.train.strategies.grpo.policy_losses import (
+    AGGREGATION,
+    PolicyLossParams,
+    policy_term,
+)
+
+#: PPO's clipped objective under TRL's four aggregations (the newer objectives' names are
+#: in policy_losses.LOSS_TYPES)
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 IS_LEVELS = ("token", "sequence")
 #: TRL's ``vllm_importance_sampling_mode`` values: the off-policy correction's granularity and
@@ -59,8 +73,8 @@ def check_loss_options(
     top_entropy_quantile: float = 1.0,
 ) -> tuple[float, float]:
     """Raise a ValueError naming the bad field; return ``(epsilon_low, epsilon_high)``."""
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"GRPO loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+    if loss_type not in AGGREGATION:
+        raise ValueError(f"GRPO loss_type must be one of {tuple(AGGREGATION)}, got {loss_type!r}")
     if not 0.0 <= float(epsilon) < 1.0:
         raise ValueError(f"GRPO epsilon must be in [0, 1), got {epsilon}")
     high = float(epsilon if epsilon_high is None else epsilon_high)
@@ -156,8 +170,14 @@ def grpo_loss(
     delta: float | None = None,
     entropy_mask: Tensor | None = None,
     is_weight: Tensor | None = None,
+    params: PolicyLossParams | None = None,
+    entropies: Tensor | None = None,
+    entropy_coef: float = 0.0,
+    entropy_scale: float | Tensor = 1.0,
+    off_policy_mask: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """The clipped-ratio policy loss plus ``kl_coef`` * k3 KL, aggregated as ``loss_type``.
+    """The policy loss of ``loss_type`` plus ``kl_coef`` * k3 KL, aggregated as ``loss_type``
+    says (:data:`~astrai.train.strategies.grpo.policy_losses.AGGREGATION`).
 
     Args:
         logp: current policy log-probs of the sampled tokens ``[N, T]`` (with grad).
@@ -167,7 +187,8 @@ def grpo_loss(
         mask: 1 on completion tokens ``[N, T]`` (0 on truncated completions with
             ``mask_truncated_completions``).
         epsilon, epsilon_high: the ratio is clipped to ``[1 - epsilon, 1 + epsilon_high]``
-            (``epsilon_high`` None: ``epsilon``; DAPO's "clip-higher" uses 0.28).
+            (``epsilon_high`` None: ``epsilon``; DAPO's "clip-higher" uses 0.28; ``cispo``:
+            ``epsilon_high`` is eps_max, the weight's upper bound).
         ref_logp: reference log-probs ``[N, T]`` (needed when ``kl_coef > 0``).
         use_bias_correction_kl: weight the per-token k3 by the importance weight.
         max_completion_length: ``dr_grpo``'s constant (the rollout's ``max_new_tokens``).
@@ -181,15 +202,26 @@ def grpo_loss(
             the policy term; the KL term keeps every completion token (as TRL).
         is_weight: the off-policy correction (:func:`importance_sampling_ratio`, ``[N, T]`` or
             ``[N, 1]``) multiplying the policy term, not the KL (as TRL).
+        params: the newer objectives' parameters (epsilon, epsilon_high and delta above win).
+        entropies, entropy_coef: TRL's entropy bonus: ``loss - entropy_coef * H`` with ``H``
+            the mean of ``entropies`` over the completion tokens (and ``entropy_mask``'s);
+            ``entropy_scale`` multiplies it (the dapo normaliser's deferral).
+        off_policy_mask: TRL's off-policy sequence mask
+            (:func:`~astrai.train.strategies.grpo.policy_losses.off_policy_mask`) multiplying
+            the policy term.
     Returns:
         the loss and detached metrics (TRL's names): ``kl`` (token mean of k3),
-        ``clip_ratio/low_mean`` (tokens, or sequences at the sequence level, with
-        ``w < 1 - epsilon`` and ``A < 0``: the clip is active), ``clip_ratio/high_mean``
-        (``w > 1 + epsilon_high`` and ``A > 0``), ``clip_ratio/region_mean`` (either),
-        ``ratio`` (mean of ``w``).
+        ``clip_ratio/low_mean`` (tokens, or sequences at the sequence level, whose clip is
+        active with ``A < 0``), ``clip_ratio/high_mean`` (with ``A > 0``; ``cispo``: the
+        weight capped at eps_max; ``clip_cov``: also the covariance-selected tokens),
+        ``clip_ratio/region_mean`` (either) for the objectives that clip, ``ratio`` (mean
+        of ``w``).
     """
     eps_low, eps_high = check_loss_options(
         loss_type, epsilon, epsilon_high, importance_sampling_level=importance_sampling_level
+    )
+    params = dataclasses.replace(
+        params or PolicyLossParams(), epsilon=eps_low, epsilon_high=eps_high, delta=delta
     )
     mask = mask.to(logp.dtype)
     adv = advantages.to(logp.dtype)
@@ -209,10 +241,10 @@ def grpo_loss(
             kl = kl * ratio
         metrics["kl"] = _masked_mean(kl, mask)
 
-    clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
-    if delta is not None:
-        ratio = torch.clamp(ratio, max=float(delta))
-    per_token = -torch.minimum(ratio * adv, clipped * adv)
+    term = policy_term(loss_type, logp, old_logp, log_ratio, adv, mask, params)
+    per_token = term.loss
+    if off_policy_mask is not None:
+        per_token = per_token * off_policy_mask.to(per_token.dtype)
     if entropy_mask is not None:
         per_token = per_token * entropy_mask.to(per_token.dtype)
     if is_weight is not None:
@@ -222,11 +254,12 @@ def grpo_loss(
     per_token = per_token.expand_as(mask)  # a sequence-level term with no KL is [N, 1]
 
     masked = per_token * mask
-    if loss_type == "grpo":
+    aggregation = AGGREGATION[loss_type]
+    if aggregation == "grpo":
         loss = (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
-    elif loss_type == "bnpo":
+    elif aggregation == "bnpo":
         loss = masked.sum() / mask.sum().clamp(min=1.0)
-    elif loss_type == "dr_grpo":
+    elif aggregation == "dr_grpo":
         if not max_completion_length:
             raise ValueError("grpo_loss: loss_type dr_grpo needs max_completion_length")
         loss = masked.sum() / (per_token.shape[0] * max_completion_length)
@@ -234,10 +267,19 @@ def grpo_loss(
         n = mask.sum() if num_items is None else torch.as_tensor(num_items, dtype=logp.dtype)
         loss = masked.sum() / n.clamp(min=1.0)
 
-    low = ((ratio < 1.0 - eps_low) & (adv < 0)).to(logp.dtype)
-    high = ((ratio > 1.0 + eps_high) & (adv > 0)).to(logp.dtype)
-    metrics["clip_ratio/low_mean"] = _masked_mean(low, mask)
-    metrics["clip_ratio/high_mean"] = _masked_mean(high, mask)
-    metrics["clip_ratio/region_mean"] = _masked_mean(torch.maximum(low, high), mask)
+    if entropies is not None and entropy_coef:
+        acting = mask if entropy_mask is None else mask * entropy_mask.to(mask.dtype)
+        bonus = (entropies * acting).sum() / acting.sum().clamp(min=1.0)
+        metrics["entropy_bonus"] = bonus.detach()
+        loss = loss - entropy_coef * entropy_scale * bonus
+    if off_policy_mask is not None:
+        metrics["off_policy_masked"] = 1.0 - off_policy_mask.float().mean().detach()
+    if term.low is not None and term.high is not None:
+        low, high = term.low.to(logp.dtype), term.high.to(logp.dtype)
+        metrics["clip_ratio/low_mean"] = _masked_mean(low, mask)
+        metrics["clip_ratio/high_mean"] = _masked_mean(high, mask)
+        metrics["clip_ratio/region_mean"] = _masked_mean(torch.maximum(low, high), mask)
+    elif term.high is not None:
+        metrics["clip_ratio/high_mean"] = _masked_mean(term.high.to(logp.dtype), mask)
     metrics["ratio"] = _masked_mean(ratio, mask)
     return loss, metrics

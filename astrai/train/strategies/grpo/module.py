@@ -53,6 +53,7 @@ from astrai.train.strategies.grpo.generation import (
 )
 from astrai.train.strategies.grpo.loss import grpo_loss, high_entropy_mask
 from astrai.train.strategies.grpo.options import GRPOOptions
+from astrai.train.strategies.grpo.policy_losses import global_token_normalised, off_policy_mask
 from astrai.train.strategies.grpo.reference import (
     load_reference_state,
     reference_state,
@@ -350,9 +351,19 @@ class GRPOModule(GlobalTokenNormaliser, RolloutModule, LMModule):
                 entropy, mask, self.options.top_entropy_quantile, gather_over_ranks(self._trainer)
             )
         ref_logp = self._reference_logp(generation, index, r)
-        # dapo under a trainer: the gradient is that of sum / max_new_tokens, rescaled to the
-        # window's global token count in `optimizer_step`; the value is this batch's mean.
-        deferred = self.loss_type == "dapo" and self._trainer is not None and self.training
+        # dapo's normalisation under a trainer: the gradient is that of sum / max_new_tokens,
+        # rescaled to the window's global token count in `optimizer_step`; the value is this
+        # batch's mean. The entropy bonus is pre-scaled by tokens / max_new_tokens so that the
+        # rescale leaves it a token-weighted mean of the micro-batches' bonuses.
+        deferred = (
+            global_token_normalised(self.loss_type) and self._trainer is not None and self.training
+        )
+        n_tokens = mask.sum()
+        opsm = None
+        if self.options.off_policy_mask_threshold is not None:
+            opsm = off_policy_mask(
+                part.advantages, logp, r.old_logp, mask, self.options.off_policy_mask_threshold
+            )
         loss, metrics = grpo_loss(
             logp,
             r.old_logp,
@@ -370,9 +381,13 @@ class GRPOModule(GlobalTokenNormaliser, RolloutModule, LMModule):
             delta=self.options.delta,
             entropy_mask=keep,
             is_weight=part.is_weight,
+            params=self.options.policy_loss,
+            entropies=entropy,
+            entropy_coef=self.options.entropy_coef,
+            entropy_scale=n_tokens / self.max_new_tokens if deferred else 1.0,
+            off_policy_mask=opsm,
         )
         if deferred:
-            n_tokens = mask.sum()
             self.count_window_tokens(n_tokens)
             mean = loss.detach() * self.max_new_tokens / n_tokens.clamp(min=1.0)
             loss = loss + (mean - loss.detach())

@@ -23,6 +23,10 @@ from astrai.train.strategies.grpo.dynamic_sampling import DynamicSampling
 from astrai.train.strategies.grpo.loss import check_loss_options
 from astrai.train.strategies.grpo.overlong import NoOverlong, Overlong, OverlongPenalty
 from astrai.train.strategies.grpo.packing import DEFAULT_TOKEN_BUDGET, RowPacking
+from astrai.train.strategies.grpo.policy_losses import (
+    PolicyLossParams,
+    check_policy_loss_options,
+)
 from astrai.train.strategies.grpo.reference import check_sync_options
 from astrai.train.strategies.grpo.reward_pool import DEFAULT_WORKERS
 from astrai.train.strategies.grpo.rewards import WeightedReward, parse_rewards, plain_config
@@ -127,6 +131,17 @@ class GRPOOptions:
         overlong_penalty: DAPO's soft overlong punishment (``{len: L_cache, penalty_factor}``)
             as the reward column ``overlong``; held as its
             :class:`~astrai.train.strategies.grpo.overlong.OverlongPenalty` (or a no-op).
+        sapo_temperature_pos, sapo_temperature_neg: ``sapo``'s temperatures for tokens with a
+            positive / non-positive advantage (TRL's names and defaults).
+        clip_cov_ratio, clip_cov_lb, clip_cov_ub: ``clip_cov``'s fraction of tokens and the
+            covariance window they are drawn from (verl's names and defaults).
+        kl_cov_ratio, ppo_kl_coef: ``kl_cov``'s fraction of tokens by covariance and the weight
+            of their ``|log-ratio|`` penalty (verl's names and defaults).
+        entropy_coef: TRL's entropy bonus: the loss minus this times the mean entropy over the
+            acting tokens (0: off; > 0 refused for now: the heads' entropy has no gradient).
+        off_policy_mask_threshold: TRL's off-policy sequence mask (DeepSeek-V3.2): a sequence
+            with a negative advantage whose mean ``old_logp - logp`` exceeds it carries no
+            policy loss (None: off).
     """
 
     num_generations: int = 8
@@ -166,6 +181,15 @@ class GRPOOptions:
     reward_workers: int = DEFAULT_WORKERS
     multi_objective_aggregation: str = "sum_then_normalize"
     overlong_penalty: Overlong = field(default_factory=NoOverlong)
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    clip_cov_ratio: float = 0.0002
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002
+    ppo_kl_coef: float = 1.0
+    entropy_coef: float = 0.0
+    off_policy_mask_threshold: float | None = None
 
     @classmethod
     def parse(
@@ -209,6 +233,15 @@ class GRPOOptions:
         multi_objective_aggregation: str | None = None,
         reward_aggregation: str | None = None,
         overlong_penalty: Any = None,
+        sapo_temperature_pos: float = 1.0,
+        sapo_temperature_neg: float = 1.05,
+        clip_cov_ratio: float = 0.0002,
+        clip_cov_lb: float = 1.0,
+        clip_cov_ub: float = 5.0,
+        kl_cov_ratio: float = 0.0002,
+        ppo_kl_coef: float = 1.0,
+        entropy_coef: float = 0.0,
+        off_policy_mask_threshold: float | None = None,
     ) -> GRPOOptions:
         """The options as the YAML gives them, checked; every error names its key."""
         if num_generations < 2:
@@ -225,6 +258,19 @@ class GRPOOptions:
             importance_sampling_level=importance_sampling_level,
             delta=delta,
             top_entropy_quantile=top_entropy_quantile,
+        )
+        check_policy_loss_options(
+            loss_type,
+            importance_sampling_level=importance_sampling_level,
+            sapo_temperature_pos=sapo_temperature_pos,
+            sapo_temperature_neg=sapo_temperature_neg,
+            clip_cov_ratio=clip_cov_ratio,
+            clip_cov_lb=clip_cov_lb,
+            clip_cov_ub=clip_cov_ub,
+            kl_cov_ratio=kl_cov_ratio,
+            ppo_kl_coef=ppo_kl_coef,
+            entropy_coef=entropy_coef,
+            off_policy_mask_threshold=off_policy_mask_threshold,
         )
         scale = check_advantage_options(advantage, scale_rewards, gamma)
         check_count("num_iterations", num_iterations)
@@ -292,6 +338,17 @@ class GRPOOptions:
                 + (["overlong"] if overlong_penalty is not None else []),
                 async_rollouts=async_rollouts is not None and async_rollouts is not False,
             ),
+            sapo_temperature_pos=float(sapo_temperature_pos),
+            sapo_temperature_neg=float(sapo_temperature_neg),
+            clip_cov_ratio=float(clip_cov_ratio),
+            clip_cov_lb=float(clip_cov_lb),
+            clip_cov_ub=float(clip_cov_ub),
+            kl_cov_ratio=float(kl_cov_ratio),
+            ppo_kl_coef=float(ppo_kl_coef),
+            entropy_coef=float(entropy_coef),
+            off_policy_mask_threshold=(
+                None if off_policy_mask_threshold is None else float(off_policy_mask_threshold)
+            ),
         )
 
     @classmethod
@@ -312,6 +369,23 @@ class GRPOOptions:
     def packing(self) -> RowPacking:
         """The training forwards' layout (padded, or packed by token budget)."""
         return RowPacking(self.padding_free, self.use_dynamic_bsz, self.ppo_max_token_len_per_gpu)
+
+    @property
+    def policy_loss(self) -> PolicyLossParams:
+        """The objectives' parameters (:mod:`~astrai.train.strategies.grpo.policy_losses`)."""
+        return PolicyLossParams(
+            epsilon=self.epsilon,
+            epsilon_high=self.epsilon_high,
+            delta=self.delta,
+            sapo_temperature_pos=self.sapo_temperature_pos,
+            sapo_temperature_neg=self.sapo_temperature_neg,
+            clip_cov_ratio=self.clip_cov_ratio,
+            clip_cov_lb=self.clip_cov_lb,
+            clip_cov_ub=self.clip_cov_ub,
+            kl_cov_ratio=self.kl_cov_ratio,
+            ppo_kl_coef=self.ppo_kl_coef,
+            seed=self.rollout_seed,
+        )
 
     @property
     def val_sampling(self) -> SamplingParams:
