@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -61,13 +62,15 @@ def token_logprobs(logits: Tensor, targets: Tensor, ignore_index: int = IGNORE_I
     return -nll.view_as(targets)
 
 
-def token_entropy(logits: Tensor, mask: Tensor, chunk: int = 1024) -> Tensor:
-    """Entropy of each position's distribution ``[N, T, V] -> [N, T]`` (fp32, no gradient),
-    computed only where ``mask`` is set (0 elsewhere) and ``chunk`` positions at a time, so no
-    second ``[N, T, V]`` tensor exists."""
-    out = torch.zeros(mask.shape, dtype=torch.float32, device=logits.device)
-    where = mask.bool().nonzero(as_tuple=True)
-    with torch.no_grad():
+class _TokenEntropy(torch.autograd.Function):
+    """Entropy of each masked position's distribution, chunk by chunk; the backward
+    recomputes each chunk's softmax (``dH/dz = -p * (log p + H)``), so nothing of size
+    ``[positions, V]`` is kept for it."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: Tensor, mask: Tensor, chunk: int) -> Tensor:
+        out = torch.zeros(mask.shape, dtype=torch.float32, device=logits.device)
+        where = mask.bool().nonzero(as_tuple=True)
         rows = logits[where]
         values = []
         for start in range(0, rows.shape[0], chunk):
@@ -75,7 +78,34 @@ def token_entropy(logits: Tensor, mask: Tensor, chunk: int = 1024) -> Tensor:
             values.append(-(logp.exp() * logp).sum(-1))
         if values:
             out[where] = torch.cat(values)
-    return out
+        ctx.chunk = chunk
+        ctx.save_for_backward(logits, mask, out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None]:
+        logits, mask, entropy = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return None, None, None
+        out = torch.zeros_like(logits)
+        where = mask.bool().nonzero(as_tuple=True)
+        rows, h, g = logits[where], entropy[where], grad[where]
+        parts = []
+        for start in range(0, rows.shape[0], ctx.chunk):
+            part = slice(start, start + ctx.chunk)
+            logp = torch.log_softmax(rows[part].float(), dim=-1)
+            dz = -logp.exp() * (logp + h[part, None]) * g[part, None]
+            parts.append(dz.to(logits.dtype))
+        if parts:
+            out[where] = torch.cat(parts)
+        return out, None, None
+
+
+def token_entropy(logits: Tensor, mask: Tensor, chunk: int = 1024) -> Tensor:
+    """Entropy of each position's distribution ``[N, T, V] -> [N, T]`` (fp32; with gradient:
+    GRPO's entropy bonus), computed only where ``mask`` is set (0 elsewhere) and ``chunk``
+    positions at a time, so no second ``[N, T, V]`` tensor exists."""
+    return _TokenEntropy.apply(logits, mask, chunk)
 
 
 #: tokens per block of the chunked LM head when a strategy does not say

@@ -78,8 +78,7 @@ def vocab_parallel_scores(
     if label_smoothing:
         smooth = torch.where(keep, lse - sums[2] / (v_local * mesh.size()), 0.0)
     ent = None
-    if entropy:
-        with torch.no_grad():
-            ez = _SumOverRanks.apply((e * z).sum(-1), group)
-            ent = torch.where(keep, lse - ez / sums[0], 0.0)
+    if entropy:  # with gradient (GRPO's entropy bonus), through the ranks' sums
+        ez = _SumOverRanks.apply((e * z).sum(-1), group)
+        ent = torch.where(keep, lse - ez / sums[0], 0.0)
     return TokenScores(logp, ent, smooth)

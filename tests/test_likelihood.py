@@ -54,3 +54,22 @@ def test_evaluation_imports_nothing_from_training():
     ]
     assert "astrai.likelihood" in imported
     assert not [m for m in imported if m and m.startswith("astrai.train")], imported
+
+
+def test_the_dense_entropy_has_the_gradient_of_autograd_in_float64():
+    """`token_entropy` (chunked positions, the backward recomputing each chunk's softmax) has
+    the value and gradient of autograd through ``-(p * log p).sum()``, 0 on masked-out
+    positions: GRPO's entropy bonus on the dense head."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(2, 5, 37, generator=g, requires_grad=True)
+    mask = torch.tensor([[0, 1, 1, 1, 0], [1, 1, 0, 1, 1]])
+    coef = torch.randn(2, 5, generator=g)
+    got = likelihood.token_entropy(logits, mask, chunk=3)
+    (grad,) = torch.autograd.grad((got * coef).sum(), logits)
+    ref_in = logits.detach().double().requires_grad_(True)
+    logp = torch.log_softmax(ref_in, -1)
+    ref = -(logp.exp() * logp).sum(-1) * mask
+    (want,) = torch.autograd.grad((ref * coef.double()).sum(), ref_in)
+    torch.testing.assert_close(got.double(), ref.detach(), rtol=0.0, atol=1e-6)
+    torch.testing.assert_close(grad.double(), want, rtol=0.0, atol=1e-6)
+    assert bool((grad[mask == 0] == 0).all())

@@ -50,7 +50,8 @@ class HeadSettings:
         chunk_size: target tokens per block (``strategy.logits_chunk_size``).
         vocab_chunk_size: vocabulary rows per block (of this process's head rows).
         temperature: the logits are divided by it (GRPO's sampling temperature; TRL's).
-        entropy: also return each token's entropy (a metric: no gradient).
+        entropy: also return each token's entropy (with gradient: GRPO's entropy bonus; the
+            backward pays for it only when the entropy's gradient is not zero).
         label_smoothing: also return each token's mean over the vocabulary of ``-log p``
             (with gradient), the term label-smoothed cross entropy mixes in.
         dtype: of the softmax arithmetic and the scores: fp32, as the dense path's
@@ -76,7 +77,7 @@ class HeadSettings:
 
 class TokenScores(NamedTuple):
     """Per target position (0 where the target is ignored), in ``HeadSettings.dtype`` (fp32):
-    ``logp`` (with gradient), ``entropy`` (no gradient; None unless asked) and
+    ``logp`` (with gradient), ``entropy`` (with gradient; None unless asked) and
     ``smooth`` (mean over the vocabulary of ``-log p``, with gradient; None unless asked)."""
 
     logp: Tensor
@@ -171,15 +172,14 @@ class _ChunkedHead(torch.autograd.Function):
         smooth = lse - total[3] / total[4] if s.label_smoothing else empty
         ctx.plan = plan
         ctx.vocab = total[4]
-        ctx.save_for_backward(targets, lse, *tensors)
-        ctx.mark_non_differentiable(entropy)
+        ctx.save_for_backward(targets, lse, entropy, *tensors)
         return logp, entropy, smooth
 
     @staticmethod
     def backward(
         ctx: Any, g_logp: Tensor | None, g_entropy: Tensor | None, g_smooth: Tensor | None
     ) -> tuple[Tensor | None, ...]:
-        targets, lse, *tensors = ctx.saved_tensors
+        targets, lse, entropy, *tensors = ctx.saved_tensors
         k = len(tensors) // 2
         xs, ws = tensors[:k], tensors[k:]
         plan: _Plan = ctx.plan
@@ -190,6 +190,10 @@ class _ChunkedHead(torch.autograd.Function):
         smoothing = s.label_smoothing and g_smooth is not None and g_smooth.numel() > 0
         g_sm = g_smooth.to(dt) if smoothing else None
         coef = g_sm - g_lp if g_sm is not None else -g_lp  # of softmax in d(out)/d(z)
+        # the entropy's gradient (GRPO's entropy bonus): dH/dz = -p * (log p + H)
+        g_h = None
+        if s.entropy and g_entropy is not None and bool(g_entropy.any()):
+            g_h = g_entropy.to(dt)
         local = targets - plan.shard.start
         gx = [
             torch.zeros(x.shape, dtype=torch.promote_types(dt, x.dtype), device=x.device)
@@ -211,7 +215,14 @@ class _ChunkedHead(torch.autograd.Function):
                 rows = slice(r0, r1)
                 # one [tokens, vocab] block, updated in place into the logits' gradient
                 grad = _logits(xs, ws, rows, cols).to(dt).div_(s.temperature)
-                grad.sub_(lse[rows, None]).exp_().mul_(coef[rows, None])  # softmax * coef
+                grad.sub_(lse[rows, None])  # log p
+                if g_h is None:
+                    grad.exp_().mul_(coef[rows, None])  # softmax * coef
+                else:  # p * coef - g_h * p * (log p + H)
+                    p = torch.exp(grad)
+                    grad.add_(entropy[rows, None]).mul_(-g_h[rows, None]).add_(coef[rows, None])
+                    grad.mul_(p)
+                    del p
                 if g_sm is not None:
                     grad.sub_((g_sm[rows] / ctx.vocab[rows])[:, None])
                 col = local[rows] - c0

@@ -1,6 +1,7 @@
 """The chunked LM head (`astrai.model.head`) against the dense computation in plain torch:
 full logits, `log_softmax`, `cross_entropy` (with label smoothing) and the entropy, values and
-every gradient to 1e-6 in fp32, and `gradcheck` in float64."""
+every gradient (the entropy's too: GRPO's entropy bonus) to 1e-6 in fp32, and `gradcheck` in
+float64."""
 
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ def _dense(x, w, targets, temperature):
 )
 def test_chunked_scores_equal_the_dense_ones_with_gradients(chunk, vchunk, temperature):
     """Uneven blocks (13 tokens by 3 / 5, 50 rows by 7 / 64), temperature != 1: log-probs,
-    entropy, label smoothing's term and the gradients of hidden and head weight."""
+    entropy, label smoothing's term and the gradients of hidden and head weight through all
+    but the entropy (its gradient: the next test)."""
     g = torch.Generator().manual_seed(0)
     n, d, v = 13, 8, 50
     x = torch.randn(n, d, generator=g, requires_grad=True)
@@ -55,9 +57,35 @@ def test_chunked_scores_equal_the_dense_ones_with_gradients(chunk, vchunk, tempe
     torch.testing.assert_close(got.logp, logp, **TOL)
     torch.testing.assert_close(got.smooth, smooth, **TOL)
     torch.testing.assert_close(got.entropy, entropy.detach(), **TOL)
-    assert not got.entropy.requires_grad
+    assert got.entropy.requires_grad  # GRPO's entropy bonus trains through it
     torch.testing.assert_close(gx, x.grad, **TOL)
     torch.testing.assert_close(gw, w.grad, **TOL)
+
+
+@pytest.mark.parametrize(
+    "chunk,vchunk,temperature", [(1024, 8192, 1.0), (3, 7, 0.7), (5, 64, 1.3), (1, 1, 2.0)]
+)
+def test_the_entropy_gradient_equals_autograd_in_float64(chunk, vchunk, temperature):
+    """The entropy's gradient (``-p * (log p + H)`` per block in the backward) against
+    autograd through ``-(p * log p).sum()`` in float64, to 1e-6 of the gradient's scale: fp32
+    autograd itself is that far from float64 here (its largest entries are about 5)."""
+    g = torch.Generator().manual_seed(0)
+    n, d, v = 13, 8, 50
+    x = torch.randn(n, d, generator=g, requires_grad=True)
+    w = torch.randn(v, d, generator=g, requires_grad=True)
+    t = torch.randint(0, v, (n,), generator=g)
+    coef = torch.randn(n, generator=g)
+    settings = HeadSettings(chunk, vchunk, temperature, entropy=True)
+    got = chunked_token_scores([x], [w], t, settings)
+    grads = torch.autograd.grad((got.entropy * coef).sum() + got.logp.sum(), (x, w))
+    xd, wd = (p.detach().double().requires_grad_(True) for p in (x, w))
+    full = torch.log_softmax((xd @ wd.T) / temperature, -1)
+    entropy = -(full.exp() * full).sum(-1)
+    picked = full.gather(1, t[:, None])[:, 0]
+    refs = torch.autograd.grad((entropy * coef.double()).sum() + picked.sum(), (xd, wd))
+    for mine, ref in zip(grads, refs):
+        scale = max(1.0, ref.abs().max().item())
+        torch.testing.assert_close(mine.double(), ref, rtol=0.0, atol=1e-6 * scale)
 
 
 def test_label_smoothed_cross_entropy_from_the_scores():
@@ -92,11 +120,11 @@ def test_gradcheck_float64():
     x = torch.randn(5, 3, generator=g, dtype=torch.float64, requires_grad=True)
     w = torch.randn(11, 3, generator=g, dtype=torch.float64, requires_grad=True)
     t = torch.randint(0, 11, (5,), generator=g)
-    settings = HeadSettings(2, 4, 1.7, label_smoothing=True, dtype=torch.float64)
+    settings = HeadSettings(2, 4, 1.7, entropy=True, label_smoothing=True, dtype=torch.float64)
 
     def f(x, w):
         out = chunked_token_scores([x], [w], t, settings)
-        return out.logp, out.smooth
+        return out.logp, out.smooth, out.entropy
 
     assert torch.autograd.gradcheck(f, (x, w))
 
@@ -195,7 +223,7 @@ class _Split(VocabShard):
 def _split_case():
     g = torch.Generator().manual_seed(7)
     x, w = torch.randn(11, 6, generator=g), torch.randn(40, 6, generator=g)
-    return x, w, torch.randint(0, 40, (11,), generator=g), torch.randn(2, 11, generator=g)
+    return x, w, torch.randint(0, 40, (11,), generator=g), torch.randn(3, 11, generator=g)
 
 
 def _split_worker(rank: int, init: str, out: str) -> None:
@@ -205,7 +233,7 @@ def _split_worker(rank: int, init: str, out: str) -> None:
     local = w[rank * 20 : (rank + 1) * 20].clone().requires_grad_(True)
     settings = HeadSettings(4, 6, 0.8, entropy=True, label_smoothing=True)
     got = chunked_token_scores([x], [local], t, settings, _Split(rank * 20))
-    (got.logp * coef[0] + got.smooth * coef[1]).sum().backward()
+    (got.logp * coef[0] + got.smooth * coef[1] + got.entropy * coef[2]).sum().backward()
     torch.save(
         {"scores": [s.detach() for s in got], "gx": x.grad, "gw": local.grad}, f"{out}/{rank}.pt"
     )
@@ -223,7 +251,7 @@ def test_a_vocabulary_split_over_two_processes_equals_the_whole(tmp_path):
     w.requires_grad_(True)
     logp, full = _dense(x, w, t, 0.8)[1:]
     smooth, entropy = -full.mean(-1), -(full.exp() * full).sum(-1)
-    (logp * coef[0] + smooth * coef[1]).sum().backward()
+    (logp * coef[0] + smooth * coef[1] + entropy * coef[2]).sum().backward()
     for rank in range(2):
         got = torch.load(tmp_path / f"{rank}.pt")
         for mine, ref in zip(got["scores"], (logp, entropy, smooth)):

@@ -366,7 +366,6 @@ def test_the_new_losses_differ_on_this_batch():
         ({"loss_type": "kl_cov", "kl_cov_ratio": 2.0}, "kl_cov_ratio"),
         ({"loss_type": "kl_cov", "ppo_kl_coef": -1.0}, "ppo_kl_coef"),
         ({"entropy_coef": -0.1}, "entropy_coef"),
-        ({"entropy_coef": 0.01}, "entropy_coef"),  # the heads' entropy has no gradient yet
         ({"off_policy_mask_threshold": 0.0}, "off_policy_mask_threshold"),
         (
             {"loss_type": "cispo", "importance_sampling_level": "sequence"},

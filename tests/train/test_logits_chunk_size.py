@@ -171,16 +171,25 @@ def prompt_setup(tmp_path_factory):
     return prompt_data(tmp_path_factory.mktemp("grpo-chunk"))
 
 
-def test_grpo_temperature_entropy_mask_and_kl(prompt_setup, monkeypatch):
+@pytest.mark.parametrize("entropy_coef", [0.0, 0.1])
+def test_grpo_temperature_entropy_mask_and_kl(prompt_setup, monkeypatch, entropy_coef):
     """Fixed off-policy completions; temperature 0.7, the top half of tokens by entropy,
-    kl_coef 0.1: loss, kl, entropy, clip ratios and every gradient of the two paths agree."""
+    kl_coef 0.1, with and without TRL's entropy bonus (its gradient goes through each head's
+    own entropy backward): loss, kl, entropy, clip ratios and every gradient of the two paths
+    agree."""
     root, tok = prompt_setup
     prompts = [tok.encode("What is 2 + 3?"), tok.encode("What is 3 * 4?")]
     texts = ["The answer is 5.", "The answer is 6.", "5", "x", "12", "The answer is 12.", "1", "2"]
     completions = [tok.encode(t) for t in texts]
     gen = torch.Generator().manual_seed(1)
     old = [(-3 * torch.rand(len(c), generator=gen)).tolist() for c in completions]
-    options = dict(temperature=0.7, top_entropy_quantile=0.5, kl_coef=0.1, loss_type="grpo")
+    options = dict(
+        temperature=0.7,
+        top_entropy_quantile=0.5,
+        kl_coef=0.1,
+        loss_type="grpo",
+        entropy_coef=entropy_coef,
+    )
 
     def make(**kw):
         module = make_grpo(root, tok, **options, **kw)

@@ -393,7 +393,7 @@ class GRPOModule(GlobalTokenNormaliser, RolloutModule, LMModule):
             loss = loss + (mean - loss.detach())
         metrics.update({k: torch.tensor(v) for k, v in generation.metrics.items()})
         metrics["completion_len"] = r.completion_lengths.mean()
-        metrics["entropy"] = (entropy * r.mask).sum() / r.mask.sum().clamp(min=1.0)
+        metrics["entropy"] = (entropy.detach() * r.mask).sum() / r.mask.sum().clamp(min=1.0)
         return loss, metrics
 
     def _reference_logp(

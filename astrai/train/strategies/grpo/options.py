@@ -138,7 +138,7 @@ class GRPOOptions:
         kl_cov_ratio, ppo_kl_coef: ``kl_cov``'s fraction of tokens by covariance and the weight
             of their ``|log-ratio|`` penalty (verl's names and defaults).
         entropy_coef: TRL's entropy bonus: the loss minus this times the mean entropy over the
-            acting tokens (0: off; > 0 refused for now: the heads' entropy has no gradient).
+            acting tokens (0: off), its gradient through the head's entropy.
         off_policy_mask_threshold: TRL's off-policy sequence mask (DeepSeek-V3.2): a sequence
             with a negative advantage whose mean ``old_logp - logp`` exceeds it carries no
             policy loss (None: off).

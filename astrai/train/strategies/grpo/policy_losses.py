@@ -239,15 +239,6 @@ def check_policy_loss_options(
         raise ValueError(f"GRPO ppo_kl_coef must be >= 0, got {ppo_kl_coef}")
     if not float(entropy_coef) >= 0.0:
         raise ValueError(f"GRPO entropy_coef must be >= 0, got {entropy_coef}")
-    if float(entropy_coef) > 0.0:
-        # grpo_loss applies TRL's bonus, but the LM heads (astrai/model/head.py's chunked
-        # head, likelihood.token_entropy, vocab_parallel) return the entropy as a metric
-        # without gradient, so in training the bonus would do nothing: refused until they
-        # carry one.
-        raise ValueError(
-            f"GRPO entropy_coef > 0 needs a differentiable entropy from the LM head, which "
-            f"returns it without gradient (a metric) for now; got {entropy_coef}"
-        )
     if off_policy_mask_threshold is not None and not float(off_policy_mask_threshold) > 0.0:
         raise ValueError(
             f"GRPO off_policy_mask_threshold must be > 0 or null, got {off_policy_mask_threshold}"
