@@ -176,3 +176,51 @@ def test_sft_start_then_the_preference_recipes(
     )
     keys = set(read_metrics(tmp_path / "grpo"))
     assert {"train/reward/learned", "train/reward_mean"} <= keys, sorted(keys)
+
+
+# the Countdown recipes' own suite (their experiments drop the arithmetic one)
+COUNTDOWN_FAST = [
+    "debug=fast",
+    SMALL_TOKENIZER,
+    "callbacks.eval.suites.countdown.num_prompts=4",
+    "callbacks.eval.suites.countdown.max_tokens=8",
+    *QUIET,
+]
+
+
+def test_countdown_start_then_dapo_from_it(tmp_path: Path, data_dir: Path) -> None:
+    """tiny_sft_countdown_start, then tiny_dapo from its export as the record runs them:
+    dynamic sampling and the overlong penalty reach the metrics."""
+    cli(
+        [
+            "experiment=tiny_sft_countdown_start",
+            *COUNTDOWN_FAST,
+            "data.train.prepare.builtin.n=64",  # the weak solver writes about half of them
+            "data.val.prepare.builtin.n=16",
+            "data.batch_size=4",
+            *_dirs(tmp_path, data_dir, "start"),
+        ]
+    )
+    start = tmp_path / "outputs" / "tiny_sft_countdown_start" / "latest" / "export"
+    assert (start / "model.safetensors").is_file()
+    cli(
+        [
+            "experiment=tiny_dapo",
+            *COUNTDOWN_FAST,
+            "data.train.prepare.builtin.n=32",
+            "data.batch_size=2",
+            "strategy.num_generations=4",
+            "strategy.max_new_tokens=8",
+            "strategy.overlong_penalty.len=2",
+            *_dirs(tmp_path, data_dir, "dapo"),
+        ]
+    )
+    keys = set(read_metrics(tmp_path / "dapo"))
+    for key in (
+        "train/dynamic_sampling/gen_batches",
+        "train/dynamic_sampling/zero_var_frac_before",
+        "train/reward/overlong",
+        "train/reward/countdown",
+        "eval/countdown/countdown",
+    ):
+        assert key in keys, (key, sorted(keys))
