@@ -14,6 +14,31 @@ from astrai.train.strategies.grpo.reward_pool import RewardPool
 from astrai.train.strategies.grpo.rewards import parse_rewards
 
 
+class PoolingServer(BaseHTTPRequestHandler):
+    """vLLM's Pooling API for a reward model: per input, one value per token (its length in
+    tokens of one character), the last the sequence's reward: ``len(input) / 10``; answered
+    out of index order, as a server may."""
+
+    bodies: ClassVar[list[dict]] = []
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).bodies.append({"path": self.path, **body})
+        data = [
+            {"index": i, "object": "pooling", "data": [[k / 10] for k in range(1, len(t) + 1)]}
+            for i, t in enumerate(body["input"])
+        ]
+        out = json.dumps({"object": "list", "data": data[::-1]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+
+    def log_message(self, *args):
+        pass
+
+
 class RewardServer(BaseHTTPRequestHandler):
     """reward = 1.0 when the label ends the query, else the query's length / 100; a query
     containing "crash" answers 500, "short" answers one reward too few."""
@@ -113,6 +138,42 @@ def test_chat_prompts_and_the_synchronous_call(server):
     record = {"messages": [{"role": "user", "content": "say hi"}], "answer": "hi"}
     assert reward(record, " hi") == 1.0
     with pytest.raises(ValueError, match="format"):
+        RemoteReward(server, format="grpc")
+    with pytest.raises(ValueError, match="model"):
         RemoteReward(server, format="openai")
     with pytest.raises(ValueError, match="url"):
         RemoteReward("localhost:5000")
+
+
+def test_the_openai_format_is_vllms_pooling_api():
+    """``format: openai``: ``{model, input}`` to ``/pooling``, the reward the last token's value
+    of each input's ``data``, matched by ``index``."""
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), PoolingServer)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}/pooling"
+        rewards = parse_rewards(
+            [
+                {
+                    "_target_": "astrai.data.remote_reward.RemoteReward",
+                    "url": url,
+                    "format": "openai",
+                    "model": "rm",
+                    "name": "rm",
+                }
+            ]
+        )
+        PoolingServer.bodies.clear()
+        records = [{"prompt": "ab"}] * 2 + [{"prompt": "c"}] * 2
+        columns, failures = (
+            RewardPool(rewards, 2).session(records, 2).finish(["x", "yyy", "", "zz"])
+        )
+        assert columns["rm"].tolist() == pytest.approx([0.3, 0.5, 0.1, 0.3])
+        assert failures == {"reward/rm/failures": 0.0}
+        bodies = sorted(PoolingServer.bodies, key=lambda b: b["input"][0])
+        assert bodies == [
+            {"path": "/pooling", "model": "rm", "input": ["abx", "abyyy"]},
+            {"path": "/pooling", "model": "rm", "input": ["c", "czz"]},
+        ]
+    finally:
+        httpd.shutdown()
