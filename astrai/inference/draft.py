@@ -44,7 +44,7 @@ import torch
 
 from astrai.inference.cache import PagePool
 from astrai.inference.speculative import Proposer, SpeculativeConfig
-from astrai.model.layers import mark_cache_resident
+from astrai.model.layers import engine_forward, mark_cache_resident
 from astrai.model.mla_config import kv_geometry
 
 if TYPE_CHECKING:
@@ -218,9 +218,10 @@ class DraftModelProposer(Proposer):
         ends = torch.tensor(q_lens).cumsum(0) - 1
         ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        logits = self.model.forward_packed(
-            ids, pos, kv_cache, ends.to(self.device), max_position=max(positions)
-        )
+        with engine_forward():
+            logits = self.model.forward_packed(
+                ids, pos, kv_cache, ends.to(self.device), max_position=max(positions)
+            )
         return logits.argmax(-1).tolist()
 
     def verified(self, task: Task, proposed: int, accepted: int) -> None:

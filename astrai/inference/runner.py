@@ -43,7 +43,7 @@ from astrai.inference.task import Task
 from astrai.inference.verify import sample_step, with_drafts
 from astrai.inference.workspace import InferenceWorkspace
 from astrai.model import Transformer
-from astrai.model.layers import mark_cache_resident
+from astrai.model.layers import engine_forward, mark_cache_resident
 from astrai.model.packed import refresh_packs
 
 logger = logging.getLogger(__name__)
@@ -87,7 +87,8 @@ class ModelRunner:
         self.workspace: InferenceWorkspace | None = None
         self.graph_runner: DecodeGraphRunner | None = None
         self.graph_batch = min(max_batch_size, pool.max_batch_size)
-        self._build_graphs(decode_graphs, self.graph_batch)
+        with engine_forward():  # captured with the engine's packs
+            self._build_graphs(decode_graphs, self.graph_batch)
         # Last step's samples on the device, while the decoding rows may feed them next.
         self._last_sampled: torch.Tensor | None = None
         # Seeded requests' generators, alive as long as their task: a request's draws stay
@@ -231,7 +232,14 @@ class ModelRunner:
         self, plan: StepPlan, previous: torch.Tensor | None, logits_idx: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, bool, list[PromptScores] | None]:
         """Logits `[len(plan.samplers), vocab]`, whether a captured graph produced them, and
-        the prompt log-probs of the plan (None when no row asks)."""
+        the prompt log-probs of the plan (None when no row asks); the model runs with the
+        engine's packs (`engine_forward`)."""
+        with engine_forward():
+            return self._model_forward(plan, previous, logits_idx)
+
+    def _model_forward(
+        self, plan: StepPlan, previous: torch.Tensor | None, logits_idx: torch.Tensor | None
+    ) -> tuple[torch.Tensor, bool, list[PromptScores] | None]:
         graphs = self.graph_runner
         padded = None
         adapted = self.adapters.active(plan.tasks)

@@ -6,7 +6,9 @@ Training and serving run these same modules, which is why log-probs agree betwee
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +19,27 @@ from astrai.extension.linear import last_level_cache_bytes, prepack_weight
 from astrai.extension.lora import LoRALayer
 from astrai.model.config import ModelConfig
 from astrai.model.documents import DocumentSpans, training_attention
+
+#: on while an engine runs the model (`engine_forward`): only then do the projections use the
+#: engine's packs and its cache-residency choice, so building an engine on a model leaves that
+#: model's own forward (a training step's no-grad scoring, a reference, an export's check)
+#: computing exactly what it computed before
+_ENGINE_FORWARD: ContextVar[bool] = ContextVar("astrai_engine_forward", default=False)
+
+
+@contextmanager
+def engine_forward() -> Iterator[None]:
+    """The engine's forwards (its runner, graph capture, draft model) run inside this."""
+    token = _ENGINE_FORWARD.set(True)
+    try:
+        yield
+    finally:
+        _ENGINE_FORWARD.reset(token)
+
+
+def in_engine_forward() -> bool:
+    """Whether an engine's forward is running (`engine_forward`)."""
+    return _ENGINE_FORWARD.get()
 
 
 class Linear(nn.Linear):
@@ -35,10 +58,11 @@ class Linear(nn.Linear):
     lora: LoRALayer | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        engine = _ENGINE_FORWARD.get()
         pack = self.pack
-        if pack is not None and not torch.is_grad_enabled() and pack.serves(self):
+        if engine and pack is not None and not torch.is_grad_enabled() and pack.serves(self):
             return pack(x)[0]
-        out = linear(x, self.weight, self.bias, small_on_aten=self.cache_resident)
+        out = linear(x, self.weight, self.bias, small_on_aten=engine and self.cache_resident)
         if self.lora is not None:
             self.lora.apply(x, out)
         return out
@@ -388,6 +412,7 @@ class Attention(nn.Module):
         if (
             packed is not None
             and not torch.is_grad_enabled()
+            and _ENGINE_FORWARD.get()
             and packed.serves(self.q_proj, self.k_proj, self.v_proj)
         ):  # inference: one product for the three (astrai.model.packed)
             q, k, v = packed(x)
@@ -452,6 +477,7 @@ class MLP(nn.Module):
         if (
             packed is not None
             and not torch.is_grad_enabled()
+            and _ENGINE_FORWARD.get()
             and packed.serves(self.gate_proj, self.up_proj)
         ):
             gate, up = packed(x)

@@ -9,7 +9,7 @@ import torch
 from astrai.extension import onednn_linear_enabled
 from astrai.inference import InferenceEngine
 from astrai.model import preset_model
-from astrai.model.layers import MLP, Attention, PackedLinear
+from astrai.model.layers import MLP, Attention, PackedLinear, engine_forward
 from astrai.model.lora import LoRAConfig, inject_lora
 from astrai.model.packed import (
     pack_projections,
@@ -44,7 +44,8 @@ def _inject_live_lora(model: torch.nn.Module, config: LoRAConfig) -> None:
 
 
 def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
+    """The model's no-grad forward as an engine runs it (with its packs)."""
+    with torch.no_grad(), engine_forward():
         return model(ids)
 
 
@@ -171,6 +172,28 @@ def _tokenizer() -> AutoTokenizer:
     from astrai.bench.common import bench_tokenizer
 
     return bench_tokenizer(384)
+
+
+def test_building_an_engine_leaves_the_models_own_forward_bit_identical():
+    """The packs and the cache-residency choice an engine puts on the model serve only the
+    engine's forwards: the model's own no-grad forward (a trainer's scoring, a reference)
+    computes exactly what it did before the engine was built, and while it lives."""
+    model, tok = _model(), _tokenizer()
+    ids = torch.randint(
+        0, model.config.vocab_size, (3, 17), generator=torch.Generator().manual_seed(0)
+    )
+    with torch.no_grad():
+        before = model(ids)
+    engine = InferenceEngine(model, tok, start=False)
+    try:
+        assert _packs(model)  # the engine did pack the model
+        with torch.no_grad():
+            assert torch.equal(model(ids), before)
+        engine.run_batch([[5, 6, 7]], max_tokens=4, temperature=0.0)
+        with torch.no_grad():
+            assert torch.equal(model(ids), before)
+    finally:
+        engine.shutdown()
 
 
 def test_engines_share_packs_and_the_last_one_drops_them():
