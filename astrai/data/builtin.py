@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import random
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ from astrai.data.countdown import (
     countdown_sft_records,
 )
 from astrai.data.rewards import format_answer
-from astrai.data.splits import in_split
+from astrai.data.splits import draw_in_split, in_split
 from astrai.data.storage import write_jsonl
 
 SKIP_DIRS = frozenset(
@@ -147,36 +147,35 @@ def arithmetic_problems(
             f"'+-*' (got n={n}, max_terms={max_terms}, max_operand={max_operand}, ops={ops!r})"
         )
     rng = random.Random(seed)
-    records: list[dict[str, Any]] = []
-    seen: set[str] = set()
-    attempts = 0
-    while len(records) < n:
-        attempts += 1
-        if attempts > 1000 * (n + 10):
-            raise ValueError(
-                f"arithmetic_problems: cannot draw {n} {'distinct ' if unique else ''}problems "
-                f"of split {split!r} (max_operand={max_operand}, ops={ops!r}); ask for fewer"
-            )
+
+    def draw() -> tuple[str, Callable[[int], dict[str, Any]]]:
         k = rng.randint(2, max_terms)
         terms = [rng.randint(0, max_operand) for _ in range(k)]
         chosen_ops = [rng.choice(ops) for _ in range(k - 1)]
         expression = " ".join(
             [str(terms[0])] + [f"{op} {t}" for op, t in zip(chosen_ops, terms[1:])]
         )
-        if not in_split(expression, split, val_fraction) or expression in seen:
-            continue
-        if unique:
-            seen.add(expression)
-        answer = str(_evaluate(terms, chosen_ops))
-        records.append(
-            {
-                "id": f"arith-{split or 'all'}-{seed}-{len(records)}",
+
+        def build(index: int) -> dict[str, Any]:
+            answer = str(_evaluate(terms, chosen_ops))
+            return {
+                "id": f"arith-{split or 'all'}-{seed}-{index}",
                 "prompt": f"What is {expression}?",
                 "expression": expression,
                 "answer": answer,
                 "solution": solution_text(expression, answer, solution),
             }
-        )
+
+        return expression, build
+
+    records = draw_in_split(
+        draw,
+        n,
+        split=split,
+        val_fraction=val_fraction,
+        unique=unique,
+        what=f"arithmetic_problems (max_operand={max_operand}, ops={ops!r})",
+    )
     return records
 
 

@@ -37,12 +37,12 @@ import ast
 import random
 import re
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from fractions import Fraction
 from typing import Any
 
 from astrai.data.rewards import ANSWER_PREFIX, format_answer
-from astrai.data.splits import in_split
+from astrai.data.splits import draw_in_split
 
 OPS = ("+", "-", "*", "/")
 #: the longest answer text the reward parses (a valid one over three small numbers is ~20)
@@ -243,31 +243,18 @@ def countdown_problems(
         raise ValueError(f"countdown_problems: explore must be in [0, 1], got {explore!r}")
     rng = random.Random(f"countdown:{seed}")
     solver_rng = random.Random(f"countdown/solver:{seed}")  # apart: the problems never move
-    records: list[dict[str, Any]] = []
-    seen: set[str] = set()
-    attempts = 0
-    while len(records) < n:
-        attempts += 1
-        if attempts > 1000 * (n + 10):
-            raise ValueError(
-                f"countdown_problems: cannot draw {n} {'distinct ' if unique else ''}problems "
-                f"of split {split!r} (num_count={num_count}, max_number={max_number}, "
-                f"max_target={max_target}); ask for fewer"
-            )
+
+    def draw() -> tuple[str, Callable[[int], dict[str, Any]]] | None:
         numbers = [rng.randint(1, max_number) for _ in range(num_count)]
         answer, value = random_solution(numbers, rng)
         if value.denominator != 1 or not 1 <= value <= max_target:
-            continue
+            return None
         target = int(value)
-        key = f"{' '.join(map(str, sorted(numbers)))} -> {target}"
-        if not in_split(key, split, val_fraction) or key in seen:
-            continue
-        if unique:
-            seen.add(key)
-        solution, solver = demonstration(numbers, target, slack, solver_rng, explore)
-        records.append(
-            {
-                "id": f"countdown-{split or 'all'}-{seed}-{len(records)}",
+
+        def build(index: int) -> dict[str, Any]:
+            solution, solver = demonstration(numbers, target, slack, solver_rng, explore)
+            return {
+                "id": f"countdown-{split or 'all'}-{seed}-{index}",
                 "prompt": problem_prompt(numbers, target),
                 "numbers": numbers,
                 "target": target,
@@ -275,7 +262,20 @@ def countdown_problems(
                 "solution": solution,
                 "solver": solver,
             }
-        )
+
+        return f"{' '.join(map(str, sorted(numbers)))} -> {target}", build
+
+    records: list[dict[str, Any]] = draw_in_split(
+        draw,
+        n,
+        split=split,
+        val_fraction=val_fraction,
+        unique=unique,
+        what=(
+            f"countdown_problems (num_count={num_count}, max_number={max_number}, "
+            f"max_target={max_target})"
+        ),
+    )
     return records
 
 
