@@ -148,6 +148,7 @@ def test_kl_in_reward_takes_the_kl_out_of_the_loss(prompt_setup):
         ({"use_kl_in_reward": True, "kl_coef": 0.0}, "use_kl_in_reward.*kl_coef"),
         ({"num_generations": 0}, "num_generations"),
         ({"lora": {"r": 4}}, "lora"),
+        ({"async_rollouts": {"max_staleness": 1}}, "async_rollouts"),
     ],
 )
 def test_bad_settings_are_refused_before_the_model_is_built(prompt_setup, tmp_path, kw, message):

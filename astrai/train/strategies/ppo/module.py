@@ -74,14 +74,14 @@ class PPOModule(GRPOModule):
                 "strategy=ppo with strategy.lora: not supported (the critic copies the "
                 "policy's backbone); set strategy.lora=null"
             )
-        ppo = PPOOptions.parse(**mine, kl_coef=float(rest.get("kl_coef", 0.04)))
-        super().__init__(**rest)
-        self.ppo = ppo
-        if self.options.async_rollouts is not None:
+        if rest.get("async_rollouts") not in (None, False):
             raise ValueError(
                 "strategy=ppo with strategy.async_rollouts: not supported (the critic scores "
                 "each generation batch at rollout time); set strategy.async_rollouts=null"
             )
+        ppo = PPOOptions.parse(**mine, kl_coef=float(rest.get("kl_coef", 0.04)))
+        super().__init__(**rest)
+        self.ppo = ppo
         source = ppo.critic.init
         if source == "policy":
             self.critic = ValueModel.from_policy(self.model)
