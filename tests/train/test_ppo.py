@@ -120,6 +120,27 @@ def test_the_policy_loss_is_grpos_at_equal_advantages(prompt_setup):
     assert all(p.grad is not None for p in ppo.critic.parameters())
 
 
+def test_padding_free_forwards_give_the_padded_losses(prompt_setup):
+    """``padding_free``: the critic runs on the packed rows like the policy; the value loss,
+    the total loss and the critic's gradients equal the padded forward's."""
+    root, _ = prompt_setup
+    padded, packed = (
+        make_ppo(root, loss_type="bnpo"),
+        make_ppo(root, loss_type="bnpo", padding_free=True),
+    )
+    batch = {"prompt_ids": _generation().prompt_ids}
+    padded.generation, packed.generation = _generation(), _generation()
+    a_loss, a = padded.compute_loss(batch)
+    b_loss, b = packed.compute_loss(batch)
+    torch.testing.assert_close(b["critic/value_loss"], a["critic/value_loss"], rtol=0, atol=1e-6)
+    torch.testing.assert_close(b_loss, a_loss, rtol=0, atol=1e-6)
+    a_loss.backward()
+    b_loss.backward()
+    b_grads = _grads(packed.critic)
+    for name, grad in _grads(padded.critic).items():
+        torch.testing.assert_close(b_grads[name], grad, rtol=1e-4, atol=1e-6)
+
+
 def test_kl_in_reward_takes_the_kl_out_of_the_loss(prompt_setup):
     root, _ = prompt_setup
     ppo = make_ppo(root, use_kl_in_reward=True, kl_penalty="low_var_kl")

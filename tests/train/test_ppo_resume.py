@@ -84,3 +84,32 @@ def test_ppo_killed_anywhere_resumes_and_replays_bit_exact(tmp_path, data_dir):
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     checks = json.loads(out.read_text())
     assert [(c["step"], c["ok"]) for c in checks] == [(s, True) for s in range(2, STEPS + 1)]
+
+
+def test_two_ddp_ranks_train_the_critic_alone_in_its_warm_up(tmp_path, data_dir):
+    """Under DDP (2 gloo ranks, unused parameters not allowed: trainer=ddp's default) the
+    warm-up steps still compute the policy's loss (weighted 0) so every parameter gets a
+    gradient; the policy's are then dropped: it does not move in steps 1-2, the critic does,
+    and from step 3 both do."""
+    run = tmp_path / "run"
+    args = [
+        *PPO,
+        *run_dirs(tmp_path, data_dir),
+        "trainer=ddp",
+        "trainer.accelerator=cpu",
+        "trainer.devices=2",
+        "ledger=false",
+        "trainer.max_steps=3",
+    ]
+    cli(args, env=ENV)
+    states = [
+        torch.load(run / "checkpoints" / f"step{s:06d}.ckpt", weights_only=False)["state_dict"]
+        for s in (1, 2, 3)
+    ]
+
+    def moved(a: dict, b: dict, prefix: str) -> bool:
+        return any(not torch.equal(a[k], b[k]) for k in a if k.startswith(prefix))
+
+    assert not moved(states[0], states[1], "model.")
+    assert moved(states[0], states[1], "critic.")
+    assert moved(states[1], states[2], "model.") and moved(states[1], states[2], "critic.")

@@ -204,14 +204,10 @@ class PPOModule(GRPOModule):
             global_token_normalised(self.loss_type) and self._trainer is not None and self.training
         )
         warming = self.critic_warming_up and self.training
-        if warming:  # the critic alone: no policy forward, so no policy gradient at all
-            loss = torch.zeros((), device=self.device)
-            metrics = {k: torch.tensor(v) for k, v in generation.metrics.items()}
-            metrics["completion_len"] = r.completion_lengths.mean()
-            if deferred:
-                self.count_window_tokens(n_tokens)
-        else:
-            loss, metrics = self.policy_loss(generation, index, part)
+        loss, metrics = self.policy_loss(generation, index, part)
+        metrics["policy_loss"] = loss.detach()
+        if warming:  # the critic alone: the policy's gradients are dropped before the step
+            loss = loss * 0.0  # (computed all the same, so DDP sees every parameter used)
         assert part.values is not None and part.returns is not None
         values = r.forward(self.critic)[:, :-1].float()
         vf_loss, clipfrac = clipped_value_loss(
@@ -221,12 +217,12 @@ class PPOModule(GRPOModule):
         if deferred:  # as the policy loss: sum / max_new_tokens, rescaled to the window's T
             scaled = critic_loss * n_tokens / self.max_new_tokens
             critic_loss = scaled + (critic_loss.detach() - scaled.detach())
-        policy_flops = 0.0 if warming else self.flops_per_token
-        self.flops_per_batch = (policy_flops + self.critic_flops_per_token) * r.input_ids.numel()
+        self.flops_per_batch = (
+            self.flops_per_token + self.critic_flops_per_token
+        ) * r.input_ids.numel()
         metrics["critic/value_loss"] = vf_loss.detach()
         metrics["critic/vf_clipfrac"] = clipfrac
         metrics["critic/warmup"] = torch.tensor(float(warming))
-        metrics["policy_loss"] = loss.detach()
         return loss + critic_loss, metrics
 
     # ------------------------------------------------------------------ optimisation
@@ -270,7 +266,13 @@ class PPOModule(GRPOModule):
             torch.nn.utils.clip_grad_norm_(critic, self.ppo.critic.grad_clip)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """GRPO's gradient statistics and checks, the critic's gradient norm; during the
+        critic's warm-up the policy's (zero) gradients are dropped, so the optimizer skips
+        its parameters: no update, no weight decay, no step in its Adam moments."""
         super().on_before_optimizer_step(optimizer)
+        if self.critic_warming_up:
+            for p in self.model.parameters():
+                p.grad = None
         grads = [p.grad for p in self.critic.parameters() if p.grad is not None]
         if grads:
             norm = torch.linalg.vector_norm(
