@@ -1,7 +1,7 @@
 """Value-model (PPO critic) directories against transformers: our export loads as
 ``AutoModelForTokenClassification`` (the class verl's critic is) and its logits ``[B, S, 1]``
-equal our values for the llama, qwen2, qwen3 and a Qwen3-MoE family; it loads back here
-bit-exact; transformers' own token-classification export, a reward model's export and a
+equal our values for the llama (tied embeddings, as ``model=tiny``), qwen2, qwen3 and a
+Qwen3-MoE family; it loads back here bit-exact; transformers' own token-classification export, a reward model's export and a
 causal LM's load as critics; ``from_policy`` copies the backbone; ``check_value_source``
 refuses what is not a model, naming the path and what is missing, without reading a tensor."""
 
@@ -33,7 +33,7 @@ TEXTS = [
 ] * 20
 TINY = dict(num_hidden_layers=2, num_key_value_heads=1, initializer_range=0.2)
 FAMILIES = {
-    "llama": ("LlamaForTokenClassification", {}),
+    "llama": ("LlamaForTokenClassification", dict(tie_word_embeddings=True)),  # as tiny
     "qwen2": ("Qwen2ForTokenClassification", dict(attention_bias=True)),
     "qwen3": ("Qwen3ForTokenClassification", dict(qk_norm=True, head_dim=8)),
     "qwen3_moe": (
