@@ -1,9 +1,10 @@
 """Value-model (PPO critic) directories against transformers: our export loads as
 ``AutoModelForTokenClassification`` (the class verl's critic is) and its logits ``[B, S, 1]``
 equal our values for the llama (tied embeddings, as ``model=tiny``), qwen2, qwen3 and a
-Qwen3-MoE family; it loads back here bit-exact; transformers' own token-classification export, a reward model's export and a
-causal LM's load as critics; ``from_policy`` copies the backbone; ``check_value_source``
-refuses what is not a model, naming the path and what is missing, without reading a tensor."""
+Qwen3-MoE family; it loads back here bit-exact; transformers' own token-classification
+export, a reward model's export and a causal LM's load as critics; ``from_policy`` copies
+the backbone; ``check_value_source`` refuses what is not a model, naming the path and what
+is missing, without reading a tensor."""
 
 from __future__ import annotations
 
