@@ -200,9 +200,18 @@ def test_a_critic_path_that_is_not_a_model_is_refused_before_loading(prompt_setu
         make_ppo(root, model=no_model, critic={"init": str(tmp_path / "tok_only")})
 
 
-def test_one_completion_per_prompt_is_allowed(prompt_setup):
-    root, _ = prompt_setup
-    assert make_ppo(root, num_generations=1).options.num_generations == 1
+def test_one_completion_per_prompt_trains(prompt_setup, tmp_path):
+    """``num_generations: 1`` (verl's PPO default): GRPO refuses it, PPO trains with it."""
+    root, tok = prompt_setup
+    with pytest.raises(ValueError, match="num_generations"):
+        make_grpo(root, tok, num_generations=1)
+    module = make_ppo(root, num_generations=1)
+    assert module.options.num_generations == 1
+    before = {k: v.clone() for k, v in module.critic.state_dict().items()}
+    trainer = quiet_trainer(default_root_dir=tmp_path, max_steps=2, limit_val_batches=0)
+    trainer.fit(module, datamodule=prompt_module(root, batch_size=4))
+    assert len(module.generation.completions) == 4
+    assert any(not torch.equal(before[k], v) for k, v in module.critic.state_dict().items())
 
 
 def test_the_critic_starts_from_a_given_export(prompt_setup, tmp_path):
