@@ -170,6 +170,9 @@ def test_kl_in_reward_takes_the_kl_out_of_the_loss(prompt_setup):
         ({"num_generations": 0}, "num_generations"),
         ({"lora": {"r": 4}}, "lora"),
         ({"async_rollouts": {"max_staleness": 1}}, "async_rollouts"),
+        ({"advantage": "rloo"}, "advantage.*GAE"),
+        ({"scale_rewards": "batch"}, "scale_rewards.*GAE"),
+        ({"multi_objective_aggregation": "normalize_then_sum"}, "multi_objective_aggregation"),
     ],
 )
 def test_bad_settings_are_refused_before_the_model_is_built(prompt_setup, tmp_path, kw, message):

@@ -49,6 +49,13 @@ log = logging.getLogger(__name__)
 
 #: where the critic's export goes inside the policy's export directory
 CRITIC_DIR = "critic"
+#: GRPO's advantage options that GAE replaces, at the values that mean "unused"
+GAE_REPLACES: dict[str, Any] = {
+    "advantage": "grpo",
+    "scale_rewards": None,
+    "multi_objective_aggregation": None,
+    "reward_aggregation": None,
+}
 
 
 def completion_aligned(
@@ -79,6 +86,13 @@ class PPOModule(GRPOModule):
                 "strategy=ppo with strategy.async_rollouts: not supported (the critic scores "
                 "each generation batch at rollout time); set strategy.async_rollouts=null"
             )
+        for key, default in GAE_REPLACES.items():
+            if rest.get(key, default) != default:
+                raise ValueError(
+                    f"strategy=ppo with strategy.{key}={rest[key]!r}: PPO's advantages are "
+                    f"GAE's over the critic's values (gamma, lam), not GRPO's estimator; "
+                    f"leave strategy.{key} at {default!r}"
+                )
         ppo = PPOOptions.parse(**mine, kl_coef=float(rest.get("kl_coef", 0.04)))
         super().__init__(**rest)
         self.ppo = ppo
