@@ -51,7 +51,8 @@ class CriticOptions:
         lr: the critic's learning rate: its own parameter group in the run's one optimizer
             (the schedule's multiplier applies to it too).
         warmup_steps: verl's ``critic_warmup``: the first this many optimizer steps train
-            the critic alone (no policy loss, the policy's weights do not move).
+            the critic alone (the policy loss weighted 0, its gradients dropped: the policy's
+            weights do not move).
         cliprange_value: the prediction's clip around the rollout-time value (TRL, verl).
         vf_coef: the value loss's weight in the total loss (TRL).
         grad_clip: the critic's gradient-norm clip, apart from the policy's
