@@ -23,40 +23,27 @@ preference batch, so a reward model scores exactly what it was trained on.
 
 from __future__ import annotations
 
-import json
-import logging
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors import SafetensorError, safe_open
-from torch import nn
 
-from astrai.model import hf_deepseek, hf_moe
-from astrai.model.directory import CONFIG_NAME, INDEX_NAME
-from astrai.model.hub import (
-    DEFAULT_MAX_SHARD_SIZE,
-    CheckpointError,
-    check_state,
-    config_to_hf,
-    from_hf_key,
-    hf_model_type,
-    read_config,
-    read_hf_state,
-    to_hf_key,
-    weight_files,
-    write_weights,
+from astrai.model.hub import DEFAULT_MAX_SHARD_SIZE, CheckpointError
+from astrai.model.scalar_head import (
+    SCORE_KEY,
+    ScalarHeadModel,
+    head_config_to_hf,
+    load_head_model,
+    pad_token_id_for,
+    save_head_model,
+    stored_tensor_names,
 )
-from astrai.model.transformer import Transformer
 
 if TYPE_CHECKING:
     from astrai.model.config import ModelConfig
 
-logger = logging.getLogger(__name__)
-
-SCORE_KEY = "score.weight"
 DEFAULT_MAX_BATCH_TOKENS = 8192
 
 __all__ = [
@@ -74,66 +61,15 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------- the model
-class RewardModel(Transformer):
-    """A `Transformer` without ``lm_head`` and with ``score = Linear(hidden, 1, bias=False)``.
+class RewardModel(ScalarHeadModel):
+    """A `Transformer` without ``lm_head`` and with ``score = Linear(hidden, 1, bias=False)``
+    (`ScalarHeadModel`: LoRA, gradient checkpointing, ``model.compile`` and the rest work
+    unchanged). ``forward`` returns the reward of every position ``[B, S]``
+    (``return_hidden=True``: the final-normed hidden states); a sequence's reward is the value
+    at its last token. ``from_backbone(policy)`` takes a policy's blocks over and adds a
+    freshly initialised head (transformers' normal(0, initializer_range))."""
 
-    A subclass, so that everything that works on the policy (LoRA, gradient checkpointing,
-    ``model.compile``, MoE router statistics, parameter counts) works here unchanged.
-    ``forward`` returns the reward of every position ``[B, S]`` (``return_hidden=True``: the
-    final-normed hidden states); a sequence's reward is the value at its last token.
-    """
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__(config)
-        del self.lm_head  # a reward model has no vocabulary projection
-        weight = self.embed_tokens.weight
-        self.score = nn.Linear(
-            config.hidden_size, 1, bias=False, device=weight.device, dtype=weight.dtype
-        )
-        if weight.device.type != "meta":
-            self.reset_score()
-
-    @classmethod
-    def from_backbone(cls, backbone: Transformer) -> RewardModel:
-        """A reward model that takes over ``backbone``'s blocks (shared, not copied: LoRA
-        adapters and loaded weights stay) and adds a freshly initialised head; the
-        backbone's ``lm_head`` is left behind."""
-        with torch.device("meta"):
-            model = cls(backbone.config)
-        for name, child in backbone.named_children():
-            if name != "lm_head":
-                setattr(model, name, child)
-        for attr in ("gradient_checkpointing", "compile_training", "lora_config"):
-            if hasattr(backbone, attr):
-                setattr(model, attr, getattr(backbone, attr))
-        weight = model.embed_tokens.weight
-        model.score = nn.Linear(
-            model.config.hidden_size, 1, bias=False, device=weight.device, dtype=weight.dtype
-        )
-        model.reset_score()
-        return model
-
-    @torch.no_grad()
-    def reset_score(self, generator: torch.Generator | None = None) -> None:
-        """transformers' initialisation of the head: normal(0, initializer_range)."""
-        self.score.weight.normal_(0.0, self.config.initializer_range, generator=generator)
-
-    def tie_weights(self) -> None:
-        """No output embedding to tie."""
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        *,
-        return_hidden: bool = False,
-    ) -> torch.Tensor:
-        hidden = super().forward(input_ids, position_ids, attention_mask, return_hidden=True)
-        return hidden if return_hidden else self.score(hidden).squeeze(-1)
-
-    def forward_packed(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        raise TypeError("a reward model scores sequences (score_sequences); it does not generate")
+    score_bias = False
 
 
 def last_token_rewards(
@@ -229,26 +165,7 @@ def reward_config_to_hf(
     config: ModelConfig, dtype: torch.dtype = torch.float32, pad_token_id: int | None = None
 ) -> dict[str, Any]:
     """The family's ``config.json`` as a one-label ``*ForSequenceClassification``."""
-    data = config_to_hf(config, dtype)
-    data["architectures"] = [
-        a.replace("ForCausalLM", "ForSequenceClassification") for a in data["architectures"]
-    ]
-    data.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
-    if pad_token_id is not None:
-        data["pad_token_id"] = int(pad_token_id)
-    return data
-
-
-def _pad_id(model: RewardModel, tokenizer: Any) -> int | None:
-    for value in (
-        getattr(tokenizer, "pad_token_id", None),
-        model.config.pad_token_id,
-        getattr(tokenizer, "eos_token_id", None),
-        model.config.eos_token_id,
-    ):
-        if value is not None:
-            return int(value)
-    return None
+    return head_config_to_hf(config, "SequenceClassification", dtype, pad_token_id)
 
 
 def save_reward_model(
@@ -265,54 +182,16 @@ def save_reward_model(
     ``pad_token_id`` is the tokenizer's (else the model's, else EOS): the token
     transformers pools before. Each file is written under a temporary name and renamed.
     """
-    if any(".lora_" in name for name, _ in model.named_parameters()):
-        raise ValueError(
-            "save_reward_model: the model has unmerged LoRA adapters; merge_lora(model) first"
-        )
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    config = model.config
-    state = {}
-    for name, tensor in model.state_dict().items():
-        t = tensor.detach().to(dtype) if dtype is not None else tensor.detach()
-        key = SCORE_KEY if name == SCORE_KEY else to_hf_key(name)
-        state[key] = t.to("cpu").contiguous()
-    stored_dtype = state[SCORE_KEY].dtype
-    state = hf_deepseek.state_to_hf(state, config, unstack=True)
-    state = hf_moe.state_to_hf(state, hf_model_type(config))
-    names = write_weights(state, path, max_shard_size)
-    (path / "generation_config.json").unlink(missing_ok=True)  # a causal export's, if any
-    _write(path / CONFIG_NAME, reward_config_to_hf(config, stored_dtype, _pad_id(model, tokenizer)))
-    if tokenizer is not None:
-        tokenizer.save_pretrained(path)
-    logger.info("saved reward model (%d tensors, %d file(s)) to %s", len(state), len(names), path)
-    return path
-
-
-def _write(file: Path, data: dict[str, Any]) -> None:
-    tmp = file.with_name(f".{file.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    os.replace(tmp, file)
-
-
-def _tensor_names(path: Path) -> set[str]:
-    """Names of the stored tensors, from the index or the safetensors headers (no data)."""
-    index = path / INDEX_NAME
-    if index.is_file():
-        try:
-            return set(json.loads(index.read_text())["weight_map"])
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
-            raise CheckpointError(f"{index}: not a valid safetensors index ({err!r})") from None
-    names: set[str] = set()
-    for file in weight_files(path):
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                names.update(f.keys())
-        except (SafetensorError, OSError) as err:
-            raise CheckpointError(
-                f"{file}: corrupt or truncated safetensors file ({err})"
-            ) from None
-    return names
+    stored_dtype = dtype if dtype is not None else model.score.weight.dtype
+    hf_config = reward_config_to_hf(model.config, stored_dtype, pad_token_id_for(model, tokenizer))
+    return save_head_model(
+        model,
+        path,
+        hf_config,
+        tokenizer=tokenizer,
+        dtype=dtype,
+        max_shard_size=max_shard_size,
+    )
 
 
 def reward_dir_problem(path: str | os.PathLike) -> str | None:
@@ -324,7 +203,7 @@ def reward_dir_problem(path: str | os.PathLike) -> str | None:
     if not path.is_dir():
         return f"reward model directory not found: {path}"
     try:
-        names = _tensor_names(path)
+        names = stored_tensor_names(path)
     except (FileNotFoundError, CheckpointError) as err:
         return str(err)
     if SCORE_KEY not in names:
@@ -349,20 +228,5 @@ def load_reward_model(
     problem = reward_dir_problem(path)
     if problem is not None:
         raise CheckpointError(problem)
-    path = Path(path).expanduser()
-    config = read_config(path)
-    with torch.device("meta"):
-        model = RewardModel(config)
-    expected = {
-        (SCORE_KEY if k == SCORE_KEY else to_hf_key(k)): v for k, v in model.state_dict().items()
-    }
-    stored = read_hf_state(path, config, device)
-    stored.pop("lm_head.weight", None)  # a model saved with both heads keeps only the score
-    check_state(path, expected, stored, note=" (a reward model has one label)")
-    state = {
-        (k if k == SCORE_KEY else from_hf_key(k)): (v.to(dtype) if dtype is not None else v)
-        for k, v in stored.items()
-    }
-    model.load_state_dict(state, assign=True)
-    model.rotary.materialize(torch.device(device))
-    return model.eval()
+    model, _ = load_head_model(RewardModel, path, device=device, dtype=dtype)
+    return model

@@ -85,6 +85,30 @@ def test_a_reward_model_is_named_with_the_flag_that_serves_it(tmp_path, build_mo
     assert check_model_dir(str(base)) == base  # a causal LM passes
 
 
+def test_a_value_model_is_named_as_ppos_critic(tmp_path, build_model_dir):
+    """A PPO export's critic/ given as the model to serve: one line saying it is a value
+    model, read from config.json alone."""
+    import torch
+
+    from astrai.model import load_pretrained
+    from astrai.model.value import ValueModel, save_value_model
+    from astrai.tokenizer import AutoTokenizer
+
+    base = build_model_dir(tmp_path / "m", ["hello world " * 20])
+    critic = save_value_model(
+        ValueModel.from_policy(load_pretrained(base, dtype=torch.float32)),
+        tmp_path / "export" / "critic",
+        AutoTokenizer.from_pretrained(base),
+    )
+    assert model_dir_problem(critic) is None  # the files are all there
+    with pytest.raises(SystemExit) as info:
+        check_model_dir(str(critic))
+    message = str(info.value)
+    assert message.startswith(f"model_path={critic}: a value model (LlamaForTokenClassification")
+    assert "does not generate" in message and "\n" not in message
+    assert check_model_dir(str(critic), generative=False) == critic
+
+
 def test_an_unreadable_config_is_left_to_the_loader(tmp_path):
     folder = make(tmp_path / "m", "config.json", "model.safetensors", "tokenizer.json")
     (folder / "config.json").write_text("{not json")

@@ -114,6 +114,8 @@ class Slice:
     loss_mask: Tensor
     truncated: Tensor
     is_weight: Tensor | None = None
+    values: Tensor | None = None
+    returns: Tensor | None = None
 
 
 @dataclass
@@ -132,7 +134,9 @@ class Generation:
     and, for completions sampled by an older policy than the one that first trains on them,
     ``old_logprobs`` (that policy's log-probs, the ratio's denominator) and ``is_weights``
     (the truncated importance weight towards it: a list per token, or a float per sequence);
-    a ``None`` row is on-policy.
+    a ``None`` row is on-policy. PPO adds, per completion token, ``values`` (the critic's at
+    rollout time: the value clip's anchor) and ``returns`` (GAE's targets), so a run resumed
+    between the micro-steps of a generation batch trains on the same ones.
     """
 
     prompt_ids: list[list[int]]
@@ -150,6 +154,8 @@ class Generation:
     versions: list[int] | None = None
     old_logprobs: list[list[float] | None] | None = None
     is_weights: list[Any] | None = None
+    values: list[list[float]] | None = None
+    returns: list[list[float]] | None = None
 
     @property
     def spent(self) -> bool:
@@ -195,13 +201,27 @@ class Generation:
         )
         values = [self.advantages[i] for i in rows]
         if values and isinstance(values[0], list):  # one per completion token: align with mask
-            adv = torch.zeros_like(r.mask)
-            for row, (i, per_token) in enumerate(zip(rows, values)):
-                first = len(self.prompts[i]) - 1
-                adv[row, first : first + len(per_token)] = torch.tensor(per_token)
+            adv = self._per_token(rows, self.advantages, r.mask)
         else:
             adv = torch.tensor(values, dtype=torch.float32, device=device)
-        return Slice(r, adv, loss_mask, truncated, self._is_weight(rows, r.mask))
+        return Slice(
+            r,
+            adv,
+            loss_mask,
+            truncated,
+            self._is_weight(rows, r.mask),
+            values=None if self.values is None else self._per_token(rows, self.values, r.mask),
+            returns=None if self.returns is None else self._per_token(rows, self.returns, r.mask),
+        )
+
+    def _per_token(self, rows: range, per_completion: list[Any], mask: Tensor) -> Tensor:
+        """The rows' per-completion-token lists aligned with the targets like ``mask``."""
+        out = torch.zeros_like(mask)
+        for row, i in enumerate(rows):
+            first = len(self.prompts[i]) - 1
+            per_token = per_completion[i]
+            out[row, first : first + len(per_token)] = torch.tensor(per_token, dtype=out.dtype)
+        return out
 
     def _is_weight(self, rows: range, mask: Tensor) -> Tensor | None:
         """The rows' importance weights aligned like ``mask`` (1 on on-policy rows)."""
@@ -238,6 +258,8 @@ class Generation:
             "versions": self.versions,
             "old_logprobs": self.old_logprobs,
             "is_weights": self.is_weights,
+            "values": self.values,
+            "returns": self.returns,
         }
 
     @classmethod
@@ -258,6 +280,8 @@ class Generation:
             versions=state.get("versions"),
             old_logprobs=state.get("old_logprobs"),
             is_weights=state.get("is_weights"),
+            values=state.get("values"),
+            returns=state.get("returns"),
         )
 
 
@@ -315,10 +339,13 @@ def generation_of(
     steps: int,
     repeats: int,
     seed: int,
+    values: list[list[float]] | None = None,
+    returns: list[list[float]] | None = None,
 ) -> Generation:
     """The generation batch of a loader batch's samples (``group`` per prompt) and their
     advantages: shuffled (seeded, as TRL shuffles before splitting) when it is split into
-    ``steps > 1`` slices, served ``repeats`` micro-steps; with its reward statistics."""
+    ``steps > 1`` slices, served ``repeats`` micro-steps; with its reward statistics (and
+    PPO's per-token ``values`` and ``returns``, shuffled alike)."""
     n = len(samples.completions)
     order = list(range(n))
     if steps > 1:
@@ -327,7 +354,7 @@ def generation_of(
     metrics = {
         "reward_mean": rewards.mean().item(),
         "reward_std": rewards.std().item(),
-        "zero_var_frac": (rewards.view(-1, group).std(dim=1) == 0).float().mean().item(),
+        **({} if group < 2 else {"zero_var_frac": _zero_var_frac(rewards, group)}),
         "truncated_frac": sum(samples.truncated) / n,
         **{f"reward/{k}": v for k, v in samples.parts.items()},
         **samples.stats,
@@ -345,4 +372,11 @@ def generation_of(
         metrics=metrics,
         action_masks=None if masks is None else [masks[i] for i in order],
         versions=[samples.version] * n,
+        values=None if values is None else [values[i] for i in order],
+        returns=None if returns is None else [returns[i] for i in order],
     )
+
+
+def _zero_var_frac(rewards: Tensor, group: int) -> float:
+    """The fraction of prompts whose ``group`` completions all got the same reward."""
+    return (rewards.view(-1, group).std(dim=1) == 0).float().mean().item()

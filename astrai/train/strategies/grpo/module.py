@@ -47,6 +47,7 @@ from astrai.train.strategies.grpo.engine_source import EngineSource, RolloutEngi
 from astrai.train.strategies.grpo.generation import (
     Generation,
     Rollouts,
+    Slice,
     action_mask,
     generation_of,
     per_completion,
@@ -99,7 +100,7 @@ class GRPOModule(GlobalTokenNormaliser, RolloutModule, LMModule):
         if kwargs.get("tokenizer") is None:
             raise ValueError("GRPO needs a tokenizer (rewards read decoded completions)")
         mine, base = GRPOOptions.split(kwargs)
-        options = GRPOOptions.parse(**mine)  # before the model is built
+        options = self.parse_options(mine)  # before the model is built
         if options.rollout.mode == "server" and base.get("lora"):
             raise ValueError(
                 "strategy.rollout.mode=server with strategy.lora: not supported (the replicas "
@@ -141,6 +142,11 @@ class GRPOModule(GlobalTokenNormaliser, RolloutModule, LMModule):
         self._gen_seconds = 0.0
         self._batch_started: float | None = None
         self.idle_seconds = 0.0  # this micro-step's wait for rollouts (all the sampling when sync)
+
+    @classmethod
+    def parse_options(cls, options: Mapping[str, Any]) -> GRPOOptions:
+        """The strategy's options, checked (PPO's allow one completion per prompt)."""
+        return GRPOOptions.parse(**options)
 
     # ------------------------------------------------------------------ rollout sources
     def engine_source(self, engine: RolloutEngine, params: SamplingParams) -> EngineSource:
@@ -332,6 +338,12 @@ class GRPOModule(GlobalTokenNormaliser, RolloutModule, LMModule):
 
     # ------------------------------------------------------------------ loss
     def compute_loss(self, batch: dict[str, Any]) -> tuple[Tensor, dict[str, Tensor]]:
+        generation, index, part = self.next_slice(batch)
+        return self.policy_loss(generation, index, part)
+
+    def next_slice(self, batch: Mapping[str, Any]) -> tuple[Generation, int, Slice]:
+        """The generation batch, the index of the slice this micro-step trains on and its
+        training tensors (a new generation batch when the current one is spent)."""
         generation = self._generation_for(batch)
         index = generation.take()
         pad = self.tokenizer.pad_token_id
@@ -342,6 +354,19 @@ class GRPOModule(GlobalTokenNormaliser, RolloutModule, LMModule):
             mask_truncated=self.options.mask_truncated_completions,
             packing=dataclasses.replace(self.options.packing, agree=max_over_ranks(self._trainer)),
         )
+        return generation, index, part
+
+    @property
+    def loss_kl_coef(self) -> float:
+        """The weight of the k3 KL term in the loss (PPO's ``use_kl_in_reward`` moves it to
+        the rewards)."""
+        return self.options.kl_coef
+
+    def policy_loss(
+        self, generation: Generation, index: int, part: Slice
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """The policy objective of slice ``index`` of ``generation`` (the clipped ratio, the
+        KL term, TRL's aggregation) and its metrics, the generation's statistics included."""
         r, mask = part.rollouts, part.loss_mask
         self.flops_per_batch = self.flops_per_token * r.input_ids.numel()
         logp, entropy, _ = self._scores(self.model, r, entropy=True)
@@ -373,7 +398,7 @@ class GRPOModule(GlobalTokenNormaliser, RolloutModule, LMModule):
             epsilon=self.options.epsilon,
             epsilon_high=self.options.epsilon_high,
             ref_logp=ref_logp,
-            kl_coef=self.options.kl_coef,
+            kl_coef=self.loss_kl_coef,
             use_bias_correction_kl=self.options.use_bias_correction_kl,
             max_completion_length=self.max_new_tokens,
             num_items=self.max_new_tokens if deferred else None,
