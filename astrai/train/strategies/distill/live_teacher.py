@@ -86,7 +86,7 @@ class LiveScores(TeacherScores):
     @torch.no_grad()
     def logits(self, positions: Tensor) -> Tensor:
         """The teacher's raw logits ``[n, V]`` at ``positions`` of the ``[N, S-1]`` grid."""
-        return self.head(self.hidden[positions]).float()
+        return self.head(self.hidden[positions])
 
     def divergence(
         self, positions: Tensor, student_logits: Tensor, targets: Tensor, loss: DistillLoss

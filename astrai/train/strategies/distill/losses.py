@@ -29,12 +29,17 @@ from astrai.train.strategies.distill.teacher import DistillLoss
 __all__ = ["LOSSES", "generalized_jsd", "position_loss", "token_logp", "token_reverse_kl"]
 
 
+def _wide(logits: Tensor) -> Tensor:
+    """fp32, or the logits' dtype when wider (fp64 in the reference tests)."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
 def generalized_jsd(
     student_logits: Tensor, teacher_logits: Tensor, beta: float, temperature: float = 1.0
 ) -> Tensor:
     """GKD's generalised JSD per position ``[n]`` of logits ``[n, V]`` (TRL's arithmetic)."""
-    s = F.log_softmax(student_logits.float() / temperature, dim=-1)
-    t = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
+    s = F.log_softmax(_wide(student_logits) / temperature, dim=-1)
+    t = F.log_softmax(_wide(teacher_logits) / temperature, dim=-1)
     if beta == 0:
         jsd = F.kl_div(s, t, reduction="none", log_target=True)
     elif beta == 1:
@@ -50,7 +55,7 @@ def generalized_jsd(
 
 def token_logp(logits: Tensor, targets: Tensor, temperature: float = 1.0) -> Tensor:
     """``log softmax(logits / temperature)`` at ``targets`` ``[n]``."""
-    logp = F.log_softmax(logits.float() / temperature, dim=-1)
+    logp = F.log_softmax(_wide(logits) / temperature, dim=-1)
     return logp.gather(-1, targets[:, None].long())[:, 0]
 
 

@@ -15,6 +15,7 @@ import torch
 from astrai.inference import SamplingParams
 from astrai.train.strategies.distill.live_teacher import LiveTeacher, check_teacher_vocab
 from astrai.train.strategies.distill.losses import LOSSES
+from astrai.train.strategies.distill.stored_teacher import StoredTopKTeacher
 from astrai.train.strategies.distill.teacher import DistillLoss, Teacher
 from astrai.train.strategies.grpo.sampling import rollout_sampling
 
@@ -35,6 +36,8 @@ class DistillOptions:
     temperature is ``temperature``, as TRL's). ``teacher_model_name_or_path``: a teacher export
     (astrai or HF), or None: the batch's stored top-k targets (offline distillation);
     ``teacher_model_init_kwargs``: TRL's, of which ``dtype`` (``torch_dtype``) is read.
+    ``loss_add_tail`` (TRL's): the stored top-k's bucket for the mass outside the k ids
+    (offline only, :mod:`~astrai.train.strategies.distill.stored_teacher`).
     """
 
     lmbda: float = 0.5
@@ -47,6 +50,7 @@ class DistillOptions:
     teacher_model_name_or_path: str | None = None
     teacher_dtype: torch.dtype | None = None
     rollout_seed: int = 0
+    loss_add_tail: bool = True
 
     @classmethod
     def parse(
@@ -62,6 +66,7 @@ class DistillOptions:
         teacher_model_name_or_path: str | None = None,
         teacher_model_init_kwargs: Mapping[str, Any] | None = None,
         rollout_seed: int = 0,
+        loss_add_tail: bool = True,
     ) -> DistillOptions:
         """Every option checked, each error naming its key (``strategy.<key>``)."""
         if not (isinstance(lmbda, (int, float)) and 0.0 <= float(lmbda) <= 1.0):
@@ -106,6 +111,7 @@ class DistillOptions:
             ),
             teacher_dtype=_DTYPES[dtype_name] if dtype_name is not None else None,
             rollout_seed=int(rollout_seed),
+            loss_add_tail=bool(loss_add_tail),
         )
 
     @classmethod
@@ -129,19 +135,24 @@ class DistillOptions:
 def make_teacher(
     options: DistillOptions, student_vocab_size: int, tokenizer: str | None
 ) -> Teacher:
-    """The run's teacher, chosen here only: a live model when a path is set (its vocabulary
-    checked against the student's before its weights load), else the batch's stored top-k."""
+    """The run's teacher, chosen here only: a live model when a path is set (the loss and its
+    vocabulary checked against the student's before its weights load), else the batch's
+    stored top-k targets (offline: the dataset's sequences only, so ``lmbda`` must be 0)."""
     path = options.teacher_model_name_or_path
-    if not path:
+    if path:
+        if options.loss_type not in LiveTeacher.loss_types:
+            raise ValueError(
+                f"strategy.loss_type={options.loss_type}: a live teacher scores only "
+                f"{list(LiveTeacher.loss_types)}"
+            )
+        check_teacher_vocab(path, student_vocab_size, tokenizer)
+        return LiveTeacher(path, options.teacher_dtype)
+    stored = StoredTopKTeacher(options.loss_add_tail)
+    stored.check(options.loss)
+    if options.lmbda != 0.0:
         raise ValueError(
-            "strategy.teacher_model_name_or_path: set a teacher export directory (offline "
-            "distillation from stored top-k targets is not available on this branch yet)"
+            f"strategy.lmbda={options.lmbda}: without a live teacher "
+            "(strategy.teacher_model_name_or_path) the teacher is the data's stored top-k, "
+            "which scores only the dataset's own completions: set strategy.lmbda=0"
         )
-    check_teacher_vocab(path, student_vocab_size, tokenizer)
-    teacher: Teacher = LiveTeacher(path, options.teacher_dtype)
-    if options.loss_type not in teacher.loss_types:
-        raise ValueError(
-            f"strategy.loss_type={options.loss_type}: the {type(teacher).__name__} scores only "
-            f"{list(teacher.loss_types)}"
-        )
-    return teacher
+    return stored
