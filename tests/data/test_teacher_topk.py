@@ -179,3 +179,27 @@ def test_teacher_topk_of_documents_of_one_token_or_many():
     assert [len(ids) for ids, _ in one] == [5, 1, 2]
     for (a_ids, a_lp), (b_ids, b_lp) in zip(one, many):
         assert (a_ids == b_ids).all() and abs(a_lp - b_lp).max() < 1e-6
+
+
+def test_the_teacher_scored_on_its_own_stored_topk_has_no_divergence(prepared, teacher):
+    """prepare -> dataset -> collate -> StoredTopKTeacher: the teacher as the student has a
+    divergence of ~0 at every labelled position (a random student does not)."""
+    from astrai.train.strategies.distill.stored_teacher import StoredTopKTeacher
+    from astrai.train.strategies.distill.teacher import DistillLoss
+
+    data = SFTDataset(str(prepared))
+    batch = data.collate([data[i] for i in range(4)])
+    with torch.no_grad():
+        logits = load_pretrained(teacher)(
+            batch["input_ids"], attention_mask=batch["attention_mask"]
+        )
+    scores = StoredTopKTeacher().score(batch["input_ids"], batch)  # grid [B, S - 1]
+    width = batch["input_ids"].shape[1] - 1
+    keep = (batch["labels"][:, :width] != -100).flatten().nonzero().flatten()
+    student = logits[:, :width].reshape(-1, logits.shape[-1])[keep]
+    targets = batch["labels"][:, :width].flatten()[keep]
+    for beta in (0.0, 0.5, 1.0):
+        own = scores.divergence(keep, student, targets, DistillLoss(beta=beta))
+        assert own.abs().max() < 1e-5
+        other = scores.divergence(keep, torch.randn_like(student), targets, DistillLoss(beta=beta))
+        assert (other > 0).all() and other.mean() > 1e-3  # a near-uniform random teacher
