@@ -45,6 +45,7 @@ __all__ = [
     "TeacherSettings",
     "TeacherTopK",
     "document_stage",
+    "teacher_files_stat",
     "teacher_topk",
 ]
 
@@ -256,6 +257,16 @@ def document_stage(
     if settings.top_k > vocab_size:
         raise DataError(f"teacher_top_k={top_k} exceeds the teacher's vocabulary ({vocab_size})")
     return TeacherTopK(settings, vocab_size, max_positions)
+
+
+def teacher_files_stat(path: str | Path) -> list[list[Any]]:
+    """``[name, size, mtime_ns]`` of a teacher directory's config and weight files (cheap: no
+    byte is read), for a cache key that changes when the teacher is written again."""
+    root = Path(path)
+    if not root.is_dir():
+        return []
+    files = sorted(p for p in root.iterdir() if p.suffix in (".json", ".safetensors"))
+    return [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files if p.is_file()]
 
 
 def _check_vocabulary(path: str, tok: Any) -> tuple[int, int]:

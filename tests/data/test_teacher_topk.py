@@ -203,3 +203,33 @@ def test_the_teacher_scored_on_its_own_stored_topk_has_no_divergence(prepared, t
         assert own.abs().max() < 1e-5
         other = scores.divergence(keep, torch.randn_like(student), targets, DistillLoss(beta=beta))
         assert (other > 0).all() and other.mean() > 1e-3  # a near-uniform random teacher
+
+
+def test_a_training_runs_cache_prepares_the_teacher_topk_once_per_teacher(
+    tok, tok_dir, teacher, save_model_dir, tmp_path
+):
+    """A spec's ``prepare:`` block takes the teacher keys; the cache folder changes when the
+    teacher's files are written again (same path), so a stale top-k is never reused."""
+    import shutil
+
+    from astrai.data.cache import prepared_source
+
+    mine = tmp_path / "teacher"
+    shutil.copytree(teacher, mine)
+    options = {"builtin": {"n": 4}, "teacher": str(mine), "teacher_top_k": 3, "progress": False}
+
+    def job():
+        return prepared_source("sft", SFT, options, fingerprint=str(tok.fingerprint),
+                               data_dir=tmp_path, name="train")  # fmt: skip
+
+    first = job()
+    first.run(tok_dir)
+    assert H5Storage(first.path).attrs["teacher_top_k"] == 3
+    assert job().folder == first.folder
+    save_model_dir(mine, tok, seed=11, num_hidden_layers=2)  # retrained in place
+    second = job()
+    assert second.folder != first.folder
+    second.run(tok_dir)
+    a, b = H5Storage(first.path), H5Storage(second.path)
+    assert json.loads(a.attrs["teacher"])["digest"] != json.loads(b.attrs["teacher"])["digest"]
+    assert not (a.get(TOPK_LOGPROBS, 0) == b.get(TOPK_LOGPROBS, 0)).all()
