@@ -5,6 +5,7 @@
     python -m astrai.data.prepare kind=pretrain input=corpus/ output=data/ tokenizer_path=tok/
     python -m astrai.data.prepare kind=sft input=chat.jsonl output=data/ tokenizer_path=tok/ pack=true window_size=2048
     python -m astrai.data.prepare kind=prompt input=builtin:arithmetic/prompt output=data/ tokenizer_path=tok/
+    python -m astrai.data.prepare kind=sft input=chat.jsonl output=data/ tokenizer_path=tok/ teacher=teacher/ teacher_top_k=16
 
 Kinds and the fields their records need:
 

@@ -21,6 +21,7 @@ the same interface (a document passes through as encoded).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 from abc import ABC, abstractmethod
@@ -134,12 +135,20 @@ class TeacherTopK(DocumentStage):
         self.max_positions = max_positions
         self.digest = policy_digest(settings.path)
         self.pending: list[dict[str, Any]] = []
-        self.model: Any = None
         self.device = torch.device(
             ("cuda" if torch.cuda.is_available() else "cpu")
             if settings.device == "auto"
             else settings.device
         )
+
+    @functools.cached_property
+    def model(self) -> Any:
+        """The teacher, read when the first batch needs it."""
+        from astrai.model import load_pretrained
+
+        log.info("loading teacher %s on %s", self.settings.path, self.device)
+        dtype = self.settings.torch_dtype()
+        return load_pretrained(self.settings.path, device=self.device, dtype=dtype).to(self.device)
 
     def dtypes(self) -> dict[str, Any]:
         return {TOPK_IDS: token_dtype(self.vocab_size), TOPK_LOGPROBS: np.float32}
@@ -171,13 +180,6 @@ class TeacherTopK(DocumentStage):
         docs, self.pending = self.pending, []
         if not docs:
             return []
-        if self.model is None:
-            from astrai.model import load_pretrained  # the weights only when a batch needs them
-
-            log.info("loading teacher %s on %s", self.settings.path, self.device)
-            dtype = self.settings.torch_dtype()
-            self.model = load_pretrained(self.settings.path, device=self.device, dtype=dtype)
-            self.model.to(self.device)
         scored = teacher_topk(
             self.model,
             [d["input_ids"] for d in docs],
