@@ -14,12 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from astrai.train.strategies.distill.stored_teacher import (
-    TOPK_IDS,
-    TOPK_LOGPROBS,
-    StoredTopKTeacher,
-    topk_divergence,
-)
+from astrai.data.teacher_topk import TOPK_IDS, TOPK_LOGPROBS
+from astrai.train.strategies.distill.stored_teacher import StoredTopKTeacher, topk_divergence
 from astrai.train.strategies.distill.teacher import DistillLoss
 
 pytestmark = pytest.mark.filterwarnings("ignore:You are importing from 'trl.experimental'")

@@ -35,13 +35,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from astrai.data.teacher_topk import TOPK_IDS, TOPK_LOGPROBS
 from astrai.train.strategies.distill.teacher import DistillLoss, Teacher, TeacherScores
 
-__all__ = ["TOPK_IDS", "TOPK_LOGPROBS", "StoredTopKScores", "StoredTopKTeacher", "topk_divergence"]
-
-#: the batch keys the SFT dataset fills from a storage prepared with a teacher
-TOPK_IDS = "teacher_topk_ids"
-TOPK_LOGPROBS = "teacher_topk_logprobs"
+__all__ = ["StoredTopKScores", "StoredTopKTeacher", "topk_divergence"]
 
 #: TRL's clamp of the top-k mass (``_add_tail_bucket``): the tail keeps at least this log-gap
 _TAIL_CLAMP = -1e-7
