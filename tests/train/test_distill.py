@@ -23,6 +23,8 @@ from astrai.model import Transformer, load_pretrained
 from astrai.model.hub import read_config
 from astrai.train.strategies.distill import DistillModule
 from astrai.train.strategies.distill.sequences import dataset_sequences, prompts_of
+from astrai.train.strategies.distill.stored_teacher import StoredTopKTeacher
+from astrai.train.strategies.distill.teacher import DistillLoss
 
 HERE = Path(__file__).resolve().parent
 ENV = {"PYTHONPATH": str(HERE)}  # _callbacks (KillAtStep)
@@ -112,18 +114,36 @@ def test_student_rollouts_are_the_engines_seeded_generations(
     module.teardown("fit")
 
 
+def _student_logits(state: dict, teacher_dir: Path, batch: dict):
+    """A checkpoint's student logits ``[n, V]`` at the trained positions of ``batch`` (the
+    dataset's completions), those positions, and the sequences."""
+    student = Transformer(read_config(teacher_dir))
+    student.load_state_dict({k.removeprefix("model."): v for k, v in state.items()})
+    seqs = dataset_sequences(batch, 0)
+    positions = seqs.mask.reshape(-1).nonzero()[:, 0]
+    with torch.no_grad():
+        logits = student.eval()(seqs.input_ids)[:, :-1]
+    return logits.reshape(-1, logits.shape[-1])[positions], positions, seqs
+
+
 def _gkd_to_teacher(state: dict, teacher_dir: Path, batch: dict) -> float:
     """The generalised JSD (beta 0.5) of a student state from the teacher on a fixed batch of
     the dataset's completions."""
     from astrai.train.strategies.distill.losses import generalized_jsd
 
-    student = Transformer(read_config(teacher_dir))
-    student.load_state_dict({k.removeprefix("model."): v for k, v in state.items()})
+    s, positions, seqs = _student_logits(state, teacher_dir, batch)
     teacher = load_pretrained(teacher_dir, dtype=torch.float32)
-    seqs = dataset_sequences(batch, 0)
     with torch.no_grad():
-        s, t = student.eval()(seqs.input_ids)[:, :-1], teacher(seqs.input_ids)[:, :-1]
-        return float(generalized_jsd(s[seqs.mask], t[seqs.mask], 0.5).mean())
+        t = teacher(seqs.input_ids)[:, :-1]
+    t = t.reshape(-1, t.shape[-1])[positions]
+    return float(generalized_jsd(s, t, 0.5).mean())
+
+
+def _stored_to_teacher(state: dict, teacher_dir: Path, batch: dict) -> float:
+    """The stored-top-k loss (beta 0.5, with the tail) of a student state on a fixed batch."""
+    s, positions, seqs = _student_logits(state, teacher_dir, batch)
+    scores = StoredTopKTeacher().score(seqs.input_ids, batch)
+    return float(scores.divergence(positions, s, s.argmax(-1), DistillLoss()).mean())
 
 
 @pytest.mark.slow
@@ -173,3 +193,30 @@ def test_tiny_distill_trains_resumes_and_replays(reference_run, tmp_path, data_d
     assert checks[-1]["replayed"]["weights_digest"] == checkpoint_digest(
         ckpt / f"step{STEPS:06d}.ckpt"
     )
+
+    # offline: the same teacher's top-k stored by prepare (data=arithmetic_sft_kd), no teacher
+    # path, lmbda 0: no teacher model is loaded, no rollouts, and the student moves towards
+    # the stored targets
+    offline_dir = tmp_path / "offline"
+    offline = [
+        *[a for a in args if not a.startswith(("strategy.teacher_model", "strategy.lmbda"))],
+        "data=arithmetic_sft_kd",
+        f"data.train.prepare.teacher={teacher}",
+        f"data.val.prepare.teacher={teacher}",
+        "data.val.prepare.builtin.n=16",
+        "strategy.lmbda=0",
+        "strategy.teacher_model_name_or_path=null",
+        *run_dirs(offline_dir, data_dir),
+    ]
+    proc = cli(offline, env=ENV)
+    assert "teacher loaded" not in proc.stdout + proc.stderr
+    off = offline_dir / "run"
+    with h5py.File(off / "ledger.h5") as f:
+        assert "rollouts/seed" not in f or len(f["rollouts/seed"]) == 0
+    kd = SFTDataset(next((data_dir / "prepared").glob("sft-*/arithmetic_sft_kd_train.h5")))
+    batch = kd.collate([kd[i] for i in range(8)])
+    first = torch.load(off / "checkpoints/step000001.ckpt", map_location="cpu", weights_only=False)
+    last = torch.load(off / "checkpoints/last.ckpt", map_location="cpu", weights_only=False)
+    before = _stored_to_teacher(first["state_dict"], teacher, batch)
+    after = _stored_to_teacher(last["state_dict"], teacher, batch)
+    assert after < 0.8 * before, (before, after)
