@@ -101,9 +101,11 @@ class DistillModule(RolloutModule, LMModule):
         return self.options.rollout_seed + self._rollout_index() * count
 
     def draw_on_policy(self) -> bool:
-        """lmbda's draw for this micro-batch (TRL GKD: ``random() <= lmbda``)."""
+        """lmbda's draw for this micro-batch: ``u < lmbda`` for ``u`` uniform in [0, 1) (TRL
+        GKD's ``random() <= lmbda`` but for the measure-zero ``u = 0``: lmbda 0 is never
+        on-policy, 1 always)."""
         u = float(torch.rand((), generator=self.lmbda_generator))
-        return u < self.options.lmbda or self.options.lmbda == 1.0
+        return u < self.options.lmbda
 
     def student_rollouts(self, batch: Mapping[str, Any]) -> Sequences:
         """The student's completions of the batch's prompts (from the source, seeded)."""
