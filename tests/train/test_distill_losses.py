@@ -144,3 +144,28 @@ def test_token_reverse_kl_value_and_gradient():
     (g,) = torch.autograd.grad(loss.sum(), student)
     (g_ref,) = torch.autograd.grad(((s - tt).detach() * s).sum(), student)
     torch.testing.assert_close(g, g_ref, atol=1e-12, rtol=0)
+
+
+def test_heads_see_one_chunk_at_a_time(pair):
+    """Neither LM head is ever applied to more than logits_chunk_size positions at once (the
+    [N, S, V] logits of either model never exist), in the forward and in the backward's
+    recomputation; the student's head runs twice per chunk (checkpointed)."""
+    student_dir, teacher_dir = pair
+    module = _module(student_dir, teacher_dir, 4)
+    batch = _batch(module.model.config.vocab_size)
+    rows: dict[str, list[int]] = {"student": [], "teacher": []}
+    for name, head in (
+        ("student", module.model.lm_head),
+        ("teacher", module.teacher.model.lm_head),
+    ):
+        head.register_forward_hook(
+            lambda mod, args, out, name=name: rows[name].append(args[0].shape[0])
+        )
+    seqs = dataset_sequences(batch, 0)
+    loss, _ = module.distill_loss(seqs, batch)
+    loss.backward()
+    n = int(seqs.mask.sum())
+    chunks = -(-n // 4)
+    assert max(rows["student"]) <= 4 and max(rows["teacher"]) <= 4
+    assert len(rows["student"]) == 2 * chunks  # forward + the backward's recomputation
+    assert sum(rows["student"]) == 2 * n
