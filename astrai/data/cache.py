@@ -24,6 +24,7 @@ from typing import Any
 from astrai.data.inputs import BUILTIN_PREFIX, is_record_source
 from astrai.data.prepare import PrepareResult, output_path, prepare
 from astrai.data.shards import DamagedOutputError
+from astrai.data.teacher_topk import teacher_files_stat
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,8 @@ def prepared_source(
             st = Path(source).stat()
             ident["stat"] = [st.st_size, st.st_mtime_ns]
     ident["tok"] = fingerprint
+    if options.get("teacher"):  # a retrained teacher at the same path: a new folder
+        ident["teacher"] = teacher_files_stat(options["teacher"])
     folder = Path(data_dir) / "prepared" / f"{kind}-{digest(ident)}"
     options.setdefault("name", name)
     options.setdefault("progress", True)  # a bar on a terminal (astrai.data.prepare)

@@ -7,7 +7,10 @@ Every training sample is already shifted: ``labels[t]`` is the token that should
 Batches are dicts of ``[B, S]`` tensors:
 
 - pretrain / sft: ``input_ids``, ``labels``, ``attention_mask`` (1 = real token),
-  ``position_ids`` (restart at 0 for every packed document), sft also ``loss_mask``.
+  ``position_ids`` (restart at 0 for every packed document), sft also ``loss_mask``; sft
+  prepared with a teacher also ``teacher_topk_ids`` (int64) and ``teacher_topk_logprobs``
+  (float32) ``[B, S, k]``, entry ``[i, j]`` the teacher's top-k for ``labels[i, j]`` (padding:
+  ids 0, log-probs 0; the labels say which positions count).
 - preference: the same keys prefixed with ``chosen_`` and ``rejected_``, both padded to one
   length so that a strategy may concatenate them into one ``[2B, S]`` forward.
 - prompt (GRPO): ``input_ids`` and ``attention_mask`` *left*-padded for generation, plus
@@ -33,6 +36,7 @@ from torch.utils.data import Dataset
 
 from astrai.data.encode import UNPAIRED_KEYS
 from astrai.data.storage import DataError, Storage, open_storage
+from astrai.data.teacher_topk import TOP_K_ATTR, TOPK_IDS, TOPK_LOGPROBS
 
 IGNORE_INDEX = -100
 
@@ -169,7 +173,9 @@ def _shifted(
 
 class SFTDataset(_StorageDataset):
     """Chat documents with a loss mask on assistant tokens (``input_ids``, ``loss_mask``, and
-    ``position_ids`` when prepared with packing). ``max_length`` truncates at load time."""
+    ``position_ids`` when prepared with packing). ``max_length`` truncates at load time.
+    A storage prepared with a teacher also gives each sample the teacher's top-k
+    (``teacher_topk_ids`` / ``teacher_topk_logprobs`` ``[len(labels), k]``)."""
 
     kind = "sft"
     required_keys = ("input_ids", "loss_mask")
@@ -185,7 +191,13 @@ class SFTDataset(_StorageDataset):
         super().__init__(source, tokenizer_fingerprint=tokenizer_fingerprint, pad_id=pad_id)
         self.max_length = max_length
         self.has_positions = "position_ids" in self.storage.keys
+        self.teacher_top_k = int(self.storage.attrs.get(TOP_K_ATTR, 0)) if self.has_teacher else 0
         self.collate = functools.partial(collate_lm, pad_id=self.pad_id)
+
+    @property
+    def has_teacher(self) -> bool:
+        """Whether the storage holds a teacher's top-k (``prepare ... teacher=``)."""
+        return TOPK_IDS in self.storage.keys
 
     def token_lengths(self) -> np.ndarray:
         """Tokens of each sample as the model sees it (after ``max_length`` and the shift),
@@ -205,7 +217,22 @@ class SFTDataset(_StorageDataset):
             pos = pos[:end] if pos is not None else None
         if len(ids) < 2:
             raise DataError(f"{self.storage.path}: document {index} has fewer than 2 tokens")
-        return _shifted(ids, mask, pos)
+        item = _shifted(ids, mask, pos)
+        if self.has_teacher:
+            item.update(self._teacher(index, len(ids) - 1))
+        return item
+
+    def _teacher(self, index: int, targets: int) -> dict[str, torch.Tensor]:
+        """The stored top-k of the first ``targets`` target positions of a document."""
+        k = self.teacher_top_k
+        ids = self._doc(TOPK_IDS, index).reshape(-1, k)[:targets]
+        logprobs = self._doc(TOPK_LOGPROBS, index).reshape(-1, k)[:targets]
+        if len(ids) != targets:
+            raise DataError(
+                f"{self.storage.path}: document {index} has {len(ids)} teacher top-k rows for "
+                f"{targets} targets; prepare it again"
+            )
+        return {TOPK_IDS: torch.from_numpy(ids), TOPK_LOGPROBS: torch.from_numpy(logprobs)}
 
 
 # ---------------------------------------------------------------------------------- preference
@@ -338,8 +365,8 @@ def collate_lm(
     length: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Right-pad ``input_ids`` (``pad_id``), ``labels`` (``IGNORE_INDEX``), ``loss_mask``
-    (False) and ``position_ids`` (continuing, so padded rows stay monotone); add
-    ``attention_mask``."""
+    (False), ``position_ids`` (continuing, so padded rows stay monotone) and a teacher's
+    top-k ``[B, S, k]`` (0); add ``attention_mask``."""
     ids = [b[f"{prefix}input_ids"] for b in batch]
     n = length or _target_length([len(s) for s in ids], pad_to_multiple_of)
     out = {
@@ -352,6 +379,13 @@ def collate_lm(
     out[f"{prefix}labels"] = out[f"{prefix}labels"].long()
     if f"{prefix}loss_mask" in batch[0]:
         out[f"{prefix}loss_mask"] = _pad_right([b[f"{prefix}loss_mask"] for b in batch], n, 0)
+    for key, dtype in ((TOPK_IDS, torch.long), (TOPK_LOGPROBS, torch.float32)):
+        if f"{prefix}{key}" in batch[0]:
+            rows = [b[f"{prefix}{key}"] for b in batch]
+            padded = torch.zeros((len(rows), n, rows[0].shape[-1]), dtype=dtype)
+            for i, r in enumerate(rows):
+                padded[i, : len(r)] = r
+            out[f"{prefix}{key}"] = padded
     if f"{prefix}position_ids" in batch[0]:
         pos = torch.arange(n).repeat(len(batch), 1)
         for i, b in enumerate(batch):

@@ -5,6 +5,7 @@
     python -m astrai.data.prepare kind=pretrain input=corpus/ output=data/ tokenizer_path=tok/
     python -m astrai.data.prepare kind=sft input=chat.jsonl output=data/ tokenizer_path=tok/ pack=true window_size=2048
     python -m astrai.data.prepare kind=prompt input=builtin:arithmetic/prompt output=data/ tokenizer_path=tok/
+    python -m astrai.data.prepare kind=sft input=chat.jsonl output=data/ tokenizer_path=tok/ teacher=teacher/ teacher_top_k=16
 
 Kinds and the fields their records need:
 
@@ -15,6 +16,9 @@ Kinds and the fields their records need:
   ``position_ids`` when ``pack=true`` packs short documents into ``window_size`` windows.
 - ``preference``: ``prompt`` (string or messages), ``chosen`` and ``rejected`` (string or
   messages); keys ``chosen_ids``, ``chosen_mask``, ``rejected_ids``, ``rejected_mask``.
+  With ``teacher=<export dir> teacher_top_k=<k>`` also ``teacher_topk_ids`` and
+  ``teacher_topk_logprobs``: the teacher's top-k next tokens and log-probs at every target
+  position (offline distillation; :mod:`astrai.data.teacher_topk`).
 - ``prompt`` (GRPO): ``prompt`` plus ``required_fields`` (e.g. ``[answer]``); keys
   ``prompt_ids`` (generation prompt included) and ``records`` (each record as JSON).
 - ``unpaired`` (KTO; TRL's "unpaired preference"): ``prompt`` and ``completion`` (string or
@@ -69,6 +73,7 @@ from astrai.data.shards import (
     write_shards,
 )
 from astrai.data.storage import DataError
+from astrai.data.teacher_topk import document_stage
 
 __all__ = ["KINDS", "PrepareResult", "main", "output_path", "prepare"]
 
@@ -144,6 +149,12 @@ def prepare(
     progress: bool = True,
     batch_size: int = 256,
     builtin: Mapping[str, Any] | None = None,
+    teacher: str | os.PathLike | None = None,
+    teacher_top_k: int | None = None,
+    teacher_batch_size: int = 8,
+    teacher_chunk_size: int = 1024,
+    teacher_device: str = "auto",
+    teacher_dtype: str | None = None,
 ) -> PrepareResult:
     """Tokenize ``input`` into ``<output>/<name>.h5`` (or ``<output>/<name>/`` when sharded).
 
@@ -152,6 +163,10 @@ def prepare(
     ``skip_bad_lines`` skips and counts lines that are not JSON and records that lack a field
     or do not render, instead of stopping at the first one with an error naming file and line.
     ``builtin`` holds options for ``builtin:`` inputs (``n``, ``seed``, ``max_files``, ...).
+    ``teacher`` (kind=sft): an export directory whose top-``teacher_top_k`` next-token
+    log-probs are stored with every document (:mod:`astrai.data.teacher_topk`), the teacher
+    run ``teacher_batch_size`` documents at a time, its head ``teacher_chunk_size``
+    positions at a time, on ``teacher_device`` in ``teacher_dtype``.
     Returns the counts; the CLI prints ``result.summary()``.
     """
     started = time.perf_counter()
@@ -174,8 +189,18 @@ def prepare(
     builtin = dict(builtin or {})
     identity = input_identity(input, builtin, kind)  # also: input exists and has files
     tok = load_tokenizer(tokenizer)
+    stage = document_stage(
+        None if teacher is None else os.fspath(teacher),
+        tok,
+        opts,
+        top_k=teacher_top_k,
+        batch_size=teacher_batch_size,
+        chunk_size=teacher_chunk_size,
+        device=teacher_device,
+        dtype=teacher_dtype,
+    )
     final = output_path(output, name or default_name(input), shard_size)
-    signature = run_signature(opts, str(tok.fingerprint), identity, shard_size)
+    signature = run_signature(opts, str(tok.fingerprint), identity, shard_size, stage)
     result = PrepareResult(path=str(final), kind=kind)
 
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -197,6 +222,7 @@ def prepare(
         replace=state == "replace",
         progress=progress and sys.stderr.isatty(),  # a bar on a terminal, not in log files
         source=str(input),
+        stage=stage,
     )
     result.add_totals(run.totals, written=run.written, reused=run.reused_shards)
     result.seconds = time.perf_counter() - started

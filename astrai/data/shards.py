@@ -22,6 +22,7 @@ from tqdm import tqdm
 from astrai.data.encode import TOKEN_KEYS, PrepareOptions, Skip, encode_record, pretrain_text
 from astrai.data.storage import FORMAT_VERSION, DataError, H5Storage, H5Writer, token_dtype
 from astrai.data.storage.h5 import DamagedDataError
+from astrai.data.teacher_topk import DocumentStage
 
 log = logging.getLogger(__name__)
 
@@ -32,15 +33,21 @@ def output_path(output: str | os.PathLike, name: str, shard_size: int | None) ->
 
 
 def run_signature(
-    opts: PrepareOptions, fingerprint: str, identity: Any, shard_size: int | None
+    opts: PrepareOptions,
+    fingerprint: str,
+    identity: Any,
+    shard_size: int | None,
+    stage: DocumentStage,
 ) -> str:
-    """What makes two runs the same: format, options, tokenizer, input and sharding."""
+    """What makes two runs the same: format, options, tokenizer, input, sharding and what the
+    document stage adds (a teacher's digest and k; nothing without one)."""
     payload = {
         "format_version": FORMAT_VERSION,
         "options": asdict(opts),
         "tokenizer": fingerprint,
         "input": identity,
         "shard_size": shard_size,
+        **stage.signature(),
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
@@ -169,8 +176,9 @@ class ShardRun:
         string_keys: list[str],
         attrs: dict[str, Any],
         batch_size: int,
+        stage: DocumentStage,
     ) -> None:
-        self.tok, self.opts = tok, opts
+        self.tok, self.opts, self.stage = tok, opts, stage
         self.shard_path, self.sharded = shard_path, sharded
         self.dtypes, self.string_keys, self.attrs = dtypes, string_keys, attrs
         self.batch_size = batch_size
@@ -207,6 +215,8 @@ class ShardRun:
             return
         assert self.writer is not None
         self._flush_pending()
+        for doc in self.stage.flush():
+            self.writer.add(**doc)
         if self.packer is not None:
             self.packer.flush()
             self.counts["windows"] += self.packer.windows
@@ -258,7 +268,8 @@ class ShardRun:
             self.packer.add(doc["input_ids"], doc["loss_mask"])
         else:
             assert self.writer is not None
-            self.writer.add(**doc)
+            for ready in self.stage.add(doc):
+                self.writer.add(**ready)
         self.counts["documents"] += 1
         self.counts["tokens"] += sum(len(doc[k]) for k in TOKEN_KEYS if k in doc)
 
@@ -322,6 +333,7 @@ def write_shards(
     replace: bool,
     progress: bool,
     source: str,
+    stage: DocumentStage,
 ) -> ShardRun:
     """Feed ``(where, record)`` pairs into ``final`` (one file, or shards of ``shard_size``
     records) and move the result into place; ``replace`` removes the previous output only
@@ -346,10 +358,14 @@ def write_shards(
         opts,
         shard_path=shard_path,
         sharded=shard_size is not None,
-        dtypes=_dtypes(opts.kind, tok.vocab_size, opts.window_size, opts.pack),
+        dtypes={
+            **_dtypes(opts.kind, tok.vocab_size, opts.window_size, opts.pack),
+            **stage.dtypes(),
+        },
         string_keys=["records"] if opts.kind == "prompt" else [],
-        attrs=_shard_attrs(tok, opts, signature),
+        attrs={**_shard_attrs(tok, opts, signature), **stage.attrs()},
         batch_size=batch_size,
+        stage=stage,
     )
     bar = tqdm(desc=f"prepare {opts.kind}", unit=" rec", disable=not progress, dynamic_ncols=True)
     try:

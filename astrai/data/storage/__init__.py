@@ -7,7 +7,8 @@ can be indexed at random.
 
 HDF5 layout of one shard (``FORMAT_VERSION`` 1)::
 
-    /<key>            1-D token array, all documents concatenated (uint16/uint32, masks uint8)
+    /<key>            1-D token array, all documents concatenated (uint16/uint32, masks uint8;
+                      float32 for ``teacher_topk_logprobs``: ``astrai.data.teacher_topk``)
     /offsets/<key>    int64 [num_documents + 1], document i is <key>[off[i]:off[i + 1]]
     /<string key>     variable-length UTF-8 strings, one per document (e.g. ``records``)
     attrs             format_version, kind, tokenizer_fingerprint, vocab_size, keys,

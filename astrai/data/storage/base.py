@@ -104,7 +104,8 @@ class Storage(ABC):
 
     @abstractmethod
     def get(self, key: str, index: int) -> Any:
-        """Document ``index`` of ``key``: an int64 array for token keys, else the raw value."""
+        """Document ``index`` of ``key``: an int64 array for token keys (float32 for float
+        keys such as ``teacher_topk_logprobs``), else the raw value."""
 
     @abstractmethod
     def offsets(self, key: str) -> np.ndarray:

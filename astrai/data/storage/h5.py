@@ -279,7 +279,7 @@ class H5Storage(Storage):
             start, stop = self._offsets[key][g : g + 2] - self._tok_cum[key][shard]
         else:
             start, stop = self._read(shard, f"{OFFSETS_GROUP}/{key}", slice(local, local + 2))
-        return self._read(shard, key, slice(int(start), int(stop))).astype(np.int64)
+        return _widened(self._read(shard, key, slice(int(start), int(stop))))
 
     def offsets(self, key: str) -> np.ndarray:
         """Global document offsets; read once (8 bytes per document, not per token)."""
@@ -301,6 +301,11 @@ class H5Storage(Storage):
             stop,
             lambda shard, lo, hi: self._read(shard, key, slice(lo, hi)),
         )
+
+
+def _widened(values: np.ndarray) -> np.ndarray:
+    """A document as read: ids and masks int64, floats (teacher log-probs) float32."""
+    return values.astype(np.float32 if values.dtype.kind == "f" else np.int64)
 
 
 def resolve_h5_paths(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
@@ -421,9 +426,10 @@ class H5Writer:
             arr = np.asarray(values[key])
             if arr.ndim != 1:
                 raise ValueError(f"{key}: expected a 1-D sequence, got shape {arr.shape}")
-            info = np.iinfo(self.dtypes[key])
-            if arr.size and (arr.min() < info.min or arr.max() > info.max):
-                raise ValueError(f"{key}: values outside {self.dtypes[key]} range")
+            if arr.size and self.dtypes[key].kind in "iu":  # ids and masks; floats as given
+                info = np.iinfo(self.dtypes[key])
+                if arr.min() < info.min or arr.max() > info.max:
+                    raise ValueError(f"{key}: values outside {self.dtypes[key]} range")
             self._buffers[key].append(arr.astype(self.dtypes[key], copy=False))
             self._lengths[key].append(arr.size)
             self._buffered += arr.size

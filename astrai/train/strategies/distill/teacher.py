@@ -50,6 +50,12 @@ class TeacherScores(ABC):
         tokens at those positions (what ``reverse_kl`` scores).
         """
 
+    def target_logp(self, positions: Tensor, targets: Tensor, temperature: float) -> Tensor | None:
+        """The teacher's log-prob ``[n]`` of ``targets`` at ``positions`` (of its logits divided
+        by ``temperature``, no gradient): the ``distill/teacher_logp`` metric. None where the
+        teacher does not know it (a stored top-k that may not hold the target)."""
+        return None
+
 
 class Teacher(ABC):
     """Makes the :class:`TeacherScores` of each micro-batch."""
