@@ -39,7 +39,7 @@ from astrai.train.strategies.distill.sequences import (
 )
 from astrai.train.strategies.distill.teacher import TeacherScores
 from astrai.train.strategies.grpo.engine_source import EngineSource
-from astrai.train.strategies.grpo.source import RolloutModule, RolloutSource
+from astrai.train.strategies.grpo.source import RolloutModule, RolloutSource, rollout_index
 
 log = logging.getLogger(__name__)
 
@@ -86,19 +86,9 @@ class DistillModule(RolloutModule, LMModule):
     def wrap_source(self, wrap: Callable[[RolloutSource], RolloutSource]) -> None:
         self.source = wrap(self.source)
 
-    def _rollout_index(self) -> int:
-        """Which rank's which micro-batch this is, counted over all ranks (GRPO's)."""
-        trainer = self._trainer
-        if trainer is None:
-            return 0
-        micro = int(trainer.fit_loop.epoch_loop.batch_progress.total.ready)
-        if trainer.world_size == 1:
-            return micro
-        return micro * int(trainer.world_size) + int(trainer.global_rank)
-
     def rollout_seed(self, count: int) -> int:
         """The seed of this micro-batch's ``count`` completions (GRPO's scheme with G = 1)."""
-        return self.options.rollout_seed + self._rollout_index() * count
+        return self.options.rollout_seed + rollout_index(self._trainer) * count
 
     def draw_on_policy(self) -> bool:
         """lmbda's draw for this micro-batch: ``u < lmbda`` for ``u`` uniform in [0, 1) (TRL

@@ -61,7 +61,7 @@ from astrai.train.strategies.grpo.reference import (
     sync_reference,
 )
 from astrai.train.strategies.grpo.sampling import Samples
-from astrai.train.strategies.grpo.source import RolloutModule, RolloutSource
+from astrai.train.strategies.grpo.source import RolloutModule, RolloutSource, rollout_index
 
 log = logging.getLogger(__name__)
 
@@ -194,20 +194,10 @@ class GRPOModule(GlobalTokenNormaliser, RolloutModule, LMModule):
             return 0, 1
         return int(trainer.global_rank), int(trainer.world_size)
 
-    def _micro_step(self) -> int:
-        try:
-            return int(self.trainer.fit_loop.epoch_loop.batch_progress.total.ready)
-        except (AttributeError, RuntimeError):
-            return 0
-
     def _rollout_index(self, ahead: int = 0) -> int:
         """Which rank's which micro-batch this is (or, ``ahead`` generation batches on, will
         be), counted over all ranks (seeds)."""
-        micro = self._micro_step() + ahead * self.batch_reuse.repeat
-        trainer = self._trainer
-        if trainer is None or trainer.world_size == 1:
-            return micro
-        return micro * int(trainer.world_size) + int(trainer.global_rank)
+        return rollout_index(self._trainer, ahead * self.batch_reuse.repeat)
 
     # ------------------------------------------------------------------ generation batches
     @property

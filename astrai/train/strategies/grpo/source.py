@@ -19,6 +19,20 @@ from typing import Any
 from astrai.train.strategies.grpo.sampling import Samples
 
 
+def rollout_index(trainer: Any, ahead: int = 0) -> int:
+    """Which rank's which training micro-batch this is (``ahead`` micro-batches on), counted
+    over all ranks: what seeds a micro-batch's rollouts, so every rank samples its own and a
+    resumed or replayed run samples the same. ``trainer`` None (no fit): micro-batch 0."""
+    try:
+        micro = int(trainer.fit_loop.epoch_loop.batch_progress.total.ready)
+    except (AttributeError, RuntimeError):
+        micro = 0
+    micro += ahead
+    if trainer is None or trainer.world_size == 1:
+        return micro
+    return micro * int(trainer.world_size) + int(trainer.global_rank)
+
+
 class RolloutSource(ABC):
     """Hands over the samples of one loader batch.
 
