@@ -1,6 +1,7 @@
 """The per-device memory plan of a training run: bytes for weights, gradients, optimizer
-state, the frozen reference, the rollout engine (its weights, packed copies and KV pool) and
-peak activations, computed from the shapes alone before anything loads.
+state, the frozen reference, the rollout engine (its weights, packed copies and KV pool),
+peak activations, and a second model where the strategy has one (PPO's trained critic,
+distillation's frozen teacher), computed from the shapes alone before anything loads.
 
 `python -m astrai.train` logs it as one table before the tokenizer, the data or the model
 (`runner.train`); `plan_only=true` logs it and stops, on any machine, before the run folder
@@ -9,7 +10,11 @@ docs/scaling.md table of which size fits where. A plan over the device's memory
 (`device_memory_gib`, else CUDA's own) is a warning with the numbers, never a refusal: it is
 an estimate (docs/scaling.md, "Which size fits where", says what each row counts).
 
-Three phases, each a sum of what is alive then; the peak is the largest:
+Three phases, each a sum of what is alive then; the peak is the largest. PPO's critic (a
+value head on its own trained backbone, a parameter group of the one optimizer) is counted as
+the policy is: its weights and optimizer state always, its gradients in update and step, its
+forward's activations (and autocast's casts of its weights) in update. Distillation's teacher
+(frozen, loaded whole on every rank: no optimizer, never sharded) is alive always.
 - rollout: weights, optimizer state, reference, the engine's weights, packs and KV pool, and
   its decode workspace (gradients are freed after each step: `zero_grad(set_to_none=True)`);
 - update (forward and backward of one micro-batch): weights, gradients, optimizer state,
@@ -42,6 +47,7 @@ __all__ = [
     "MemoryPlan",
     "Workload",
     "plan_memory",
+    "value_model_params",
 ]
 
 GIB = 2**30
@@ -114,8 +120,9 @@ class Workload:
     one forward (`forward_tokens`, None: the micro-batch at once), the LM head's chunk (None:
     dense), checkpointing, the optimizer's state per parameter (AdamW 2,
     SGD with momentum 1; Muon: `optimizer_states` on the hidden matrices, 2 on the rest), its
-    fused kernel (no temporaries), the reference's bytes per value (None: no reference) and
-    the engine (None: no rollouts)."""
+    fused kernel (no temporaries), the reference's bytes per value (None: no reference), the
+    engine (None: no rollouts), PPO's critic (the backbone it copies or loads; None: no
+    critic) and distillation's teacher with its bytes per value (None: no teacher model)."""
 
     micro_batch_tokens: int
     forward_tokens: int | None = None
@@ -127,6 +134,9 @@ class Workload:
     fused_optimizer: bool = False
     reference_bytes: int | None = None
     engine: EngineShape | None = None
+    critic: ModelConfig | None = None
+    teacher: ModelConfig | None = None
+    teacher_bytes: int = 4
 
 
 @dataclass(frozen=True)
@@ -146,6 +156,11 @@ class MemoryPlan:
     activations: int
     logits: int
     runtime: int
+    critic_weights: int = 0
+    critic_gradients: int = 0
+    critic_optimizer: int = 0
+    critic_activations: int = 0
+    teacher: int = 0
     # what the table's header says
     model: str = ""
     layout: Layout = Layout()
@@ -161,43 +176,50 @@ class MemoryPlan:
         return 0 if self.sleep else self.sleeping
 
     @property
-    def rollout(self) -> int:
+    def critic(self) -> int:
+        """PPO's critic as trained: its weights, gradients and optimizer state."""
+        return self.critic_weights + self.critic_gradients + self.critic_optimizer
+
+    def _held(self) -> int:
+        """What every phase holds apart from the engine: the weights, the optimizer state,
+        the frozen reference and teacher, the critic's weights and state, the runtime."""
         return (
             self.weights
             + self.optimizer
             + self.reference
-            + self.engine_weights
-            + self.sleeping
-            + self.rollout_workspace
+            + self.teacher
+            + self.critic_weights
+            + self.critic_optimizer
             + self.runtime
         )
 
     @property
+    def rollout(self) -> int:
+        return self._held() + self.engine_weights + self.sleeping + self.rollout_workspace
+
+    @property
     def update(self) -> int:
         return (
-            self.weights
+            self._held()
             + self.gradients
-            + self.optimizer
-            + self.reference
+            + self.critic_gradients
             + self.engine_weights
             + self._awake()
             + self.compute_weights
             + self.activations
+            + self.critic_activations
             + self.logits
-            + self.runtime
         )
 
     @property
     def step(self) -> int:
         return (
-            self.weights
+            self._held()
             + self.gradients
-            + self.optimizer
+            + self.critic_gradients
             + self.optimizer_temporaries
-            + self.reference
             + self.engine_weights
             + self._awake()
-            + self.runtime
         )
 
     @property
@@ -219,6 +241,17 @@ class MemoryPlan:
             (f"optimizer state ({states}{split})", self.optimizer, "always"),
             ("optimizer temporaries (foreach)", self.optimizer_temporaries, "step"),
             (f"reference{split}", self.reference, "always"),
+            (
+                f"critic: weights, gradients, optimizer state ({_dtype(lay.master_bytes)}{split})",
+                self.critic,
+                "always (its gradients: update, step)",
+            ),
+            ("critic activations (one forward)", self.critic_activations, "update"),
+            (
+                f"teacher ({_dtype(work.teacher_bytes if work else 4)}, frozen)",
+                self.teacher,
+                "always",
+            ),
             ("engine weights (full copy)", self.engine_weights, "always"),
             ("engine packed projections", self.engine_packs, engine_when),
             ("engine KV pool", self.kv_pool, engine_when),
@@ -314,6 +347,13 @@ def _block_params(cfg: ModelConfig) -> int:
     return -(-blocks // cfg.num_hidden_layers)
 
 
+def value_model_params(cfg: ModelConfig) -> int:
+    """Parameters of a critic on `cfg`'s backbone (`astrai.model.value.ValueModel`): the
+    model without its untied LM head, plus the value head (hidden -> 1, with a bias)."""
+    head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
+    return cfg.num_parameters() - head + cfg.hidden_size + 1
+
+
 def _pack_params(cfg: ModelConfig) -> int:
     """Values the engine's packed projections copy: q/k/v and gate/up concatenations (GQA
     attention, dense and shared-expert MLPs), as on a GPU (`astrai.model.packed`)."""
@@ -368,17 +408,15 @@ def plan_memory(
     the table's header)."""
     n = cfg.num_parameters()
     shards = layout.shards
-    master = layout.master_bytes
-    weights = n * master // shards
-    hidden_states = work.hidden_optimizer_states
-    if hidden_states is None:
-        states = work.optimizer_states * n
-    else:  # Muon: its momentum on the hidden matrices, AdamW's two moments on the rest
-        rest = _root_params(cfg) + cfg.num_hidden_layers * 4 * cfg.hidden_size
-        states = hidden_states * (n - rest) + work.optimizer_states * rest
-    optimizer = int(states * master) // shards
-    temporaries = 0 if work.fused_optimizer or not states else weights
+    weights, optimizer = _trained(cfg, n, layout, work)
+    critic_weights = critic_optimizer = critic_activations = 0
+    if work.critic is not None:  # a parameter group of the same optimizer, the same layout
+        critic_n = value_model_params(work.critic)
+        critic_weights, critic_optimizer = _trained(work.critic, critic_n, layout, work)
+    # the foreach step runs one parameter group at a time: the larger group's temporary
+    temporaries = 0 if work.fused_optimizer or not optimizer else max(weights, critic_weights)
     reference = n * work.reference_bytes // shards if work.reference_bytes else 0
+    teacher = work.teacher.num_parameters() * work.teacher_bytes if work.teacher else 0
 
     engine_weights = engine_packs = kv_pool = workspace = 0
     eng = work.engine
@@ -398,14 +436,14 @@ def plan_memory(
 
     compute = _compute_copies(cfg, layout)
     tokens = min(work.forward_tokens or work.micro_batch_tokens, work.micro_batch_tokens)
-    per_layer = layer_activation_bytes(cfg, layout)
-    res = layout.residual_bytes
-    final_norm = 2 * res * cfg.hidden_size  # its input and output, for the head
-    if work.gradient_checkpointing:  # block inputs kept, one block recomputed at a time
-        blocks = cfg.num_hidden_layers * res * cfg.hidden_size + per_layer
-    else:
-        blocks = cfg.num_hidden_layers * per_layer
-    activations = tokens * (blocks + final_norm)
+    activations = tokens * _forward_bytes(cfg, layout, work.gradient_checkpointing)
+    if work.critic is not None:  # its forward runs on the same tokens, in the same backward
+        critic_activations = tokens * _forward_bytes(
+            work.critic, layout, work.gradient_checkpointing
+        )
+        if layout.mixed:  # autocast's casts of its matmul weights (not the embedding)
+            embedding = work.critic.vocab_size * work.critic.hidden_size
+            compute += (critic_n - embedding) * layout.compute_bytes // layout.tensor_parallel
     chunk = min(work.logits_chunk_size or tokens, tokens)
     logits = chunk * (cfg.vocab_size // layout.tensor_parallel) * 4 * LOGITS_COPIES
     return MemoryPlan(
@@ -422,11 +460,39 @@ def plan_memory(
         activations=activations,
         logits=logits,
         runtime=GPU_RUNTIME if layout.gpu else 0,
+        critic_weights=critic_weights,
+        critic_gradients=critic_weights,
+        critic_optimizer=critic_optimizer,
+        critic_activations=critic_activations,
+        teacher=teacher,
         model=name or f"{n / 1e9:.2f}B parameters",
         layout=layout,
         workload=work,
         sleep=sleep,
     )
+
+
+def _trained(cfg: ModelConfig, n: int, layout: Layout, work: Workload) -> tuple[int, int]:
+    """Bytes per device of a trained model's `n` parameters on `cfg`'s shape: its weights
+    (as its gradients) and its optimizer state, in the master dtype, split over the shards."""
+    master, shards = layout.master_bytes, layout.shards
+    hidden_states = work.hidden_optimizer_states
+    if hidden_states is None:
+        states = work.optimizer_states * n
+    else:  # Muon: its momentum on the hidden matrices, AdamW's two moments on the rest
+        rest = _root_params(cfg) + cfg.num_hidden_layers * 4 * cfg.hidden_size
+        states = hidden_states * (n - rest) + work.optimizer_states * rest
+    return n * master // shards, int(states * master) // shards
+
+
+def _forward_bytes(cfg: ModelConfig, layout: Layout, checkpointing: bool) -> int:
+    """Bytes one token leaves saved for backward through `cfg`'s blocks and final norm."""
+    res = layout.residual_bytes
+    per_layer = layer_activation_bytes(cfg, layout)
+    final_norm = 2 * res * cfg.hidden_size  # its input and output, for the head
+    if checkpointing:  # block inputs kept, one block recomputed at a time
+        return cfg.num_hidden_layers * res * cfg.hidden_size + per_layer + final_norm
+    return cfg.num_hidden_layers * per_layer + final_norm
 
 
 def _compute_copies(cfg: ModelConfig, layout: Layout) -> int:

@@ -9,12 +9,17 @@ Keys read (each with the default the run itself would use): the model's shape
 the chunked path's default, null: dense), GRPO's `num_generations`, `max_new_tokens`,
 `padding_free` / `use_dynamic_bsz` / `ppo_max_token_len_per_gpu` (absent: off) and its
 `engine` (`kv_tokens` or `memory_fraction`, `max_batch_size`, `max_seq_len`,
-`enable_sleep_mode`); `data.batch_size` and the sequence length of `data.train`; and
-`device_memory_gib` (else CUDA's own, when there is a GPU).
+`enable_sleep_mode`); PPO's `strategy.critic.init` (`policy`: the policy's shape; a path: its
+`config.json`); distillation's `strategy.teacher_model_name_or_path` (its `config.json`; null:
+the data's stored top-k, no teacher model) and `teacher_model_init_kwargs.dtype` (absent: the
+export's `torch_dtype`, else the policy's parameter dtype, the dtype a run's export stores,
+as the teacher loads with its stored dtype); `data.batch_size` and the sequence length of
+`data.train`; and `device_memory_gib` (else CUDA's own, when there is a GPU).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -33,7 +38,7 @@ from astrai.train.memory_plan import (
     kv_bytes_per_token,
     plan_memory,
 )
-from astrai.train.model_shape import model_shape
+from astrai.train.model_shape import export_shape, model_shape
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +56,9 @@ PRECISIONS = {
     "bf16-true": (2, 2, False),
 }
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float64": 8}
+#: strategies that train a critic beside the policy / score with a frozen teacher model
+CRITIC_STRATEGY = "PPOModule"
+TEACHER_STRATEGY = "DistillModule"
 #: strategies whose training rows come in pairs (chosen and rejected; KTO's KL batch)
 PAIRED = ("DPOModule", "CPOModule", "ORPOModule", "KTOModule", "RewardModule")
 GPU_ACCELERATORS = ("gpu", "cuda")
@@ -219,6 +227,40 @@ def _reference_bytes(cfg: DictConfig, layout: Layout) -> int | None:
     return DTYPE_BYTES[str(dtype)] if dtype is not None else layout.master_bytes
 
 
+def critic_shape(cfg: DictConfig, model: ModelConfig) -> ModelConfig | None:
+    """The backbone PPO's critic trains (None: the strategy has no critic): the policy's
+    (`strategy.critic.init: policy`) or the `config.json` of the export it loads (a path
+    not there yet is planned as the policy's shape; preflight names it)."""
+    if not str(_select(cfg, "strategy._target_", "")).endswith(CRITIC_STRATEGY):
+        return None
+    init = str(_select(cfg, "strategy.critic.init", "policy"))
+    if init == "policy" or not (Path(init) / "config.json").is_file():
+        return model
+    return export_shape(init).config
+
+
+def teacher_of(cfg: DictConfig, layout: Layout) -> tuple[ModelConfig, int] | None:
+    """Distillation's frozen teacher: its configuration (`config.json` of
+    `strategy.teacher_model_name_or_path`) and bytes per value (see the module docstring);
+    None: no teacher model (another strategy, or the data's stored top-k)."""
+    if not str(_select(cfg, "strategy._target_", "")).endswith(TEACHER_STRATEGY):
+        return None
+    path = _select(cfg, "strategy.teacher_model_name_or_path")
+    if not path:
+        return None
+    config = export_shape(str(path)).config
+    kwargs = _select(cfg, "strategy.teacher_model_init_kwargs") or {}
+    dtype = kwargs.get("dtype", kwargs.get("torch_dtype")) or _stored_dtype(Path(str(path)))
+    return config, DTYPE_BYTES[str(dtype)] if dtype is not None else layout.master_bytes
+
+
+def _stored_dtype(path: Path) -> str | None:
+    """The `torch_dtype` an export's `config.json` names (Hugging Face's; astrai's has none)."""
+    data = json.loads((path / "config.json").read_text())
+    dtype = data.get("torch_dtype", data.get("dtype")) if isinstance(data, dict) else None
+    return dtype if isinstance(dtype, str) and dtype in DTYPE_BYTES else None
+
+
 def workload_of(cfg: DictConfig, model: ModelConfig, capacity: int | None) -> Workload:
     """What one step runs, from `strategy`, `data` and `optim`."""
     layout = layout_of(cfg)
@@ -228,6 +270,7 @@ def workload_of(cfg: DictConfig, model: ModelConfig, capacity: int | None) -> Wo
         _select(cfg, "trainer.strategy.activation_checkpointing", False)
         or _select(cfg, "trainer.strategy.activation_checkpointing_policy")
     )
+    teacher = teacher_of(cfg, layout)
     return Workload(
         micro_batch_tokens=micro_batch_tokens(cfg, model),
         forward_tokens=forward_tokens(cfg),
@@ -235,6 +278,9 @@ def workload_of(cfg: DictConfig, model: ModelConfig, capacity: int | None) -> Wo
         gradient_checkpointing=checkpointing,
         reference_bytes=_reference_bytes(cfg, layout),
         engine=engine_shape(cfg, model, capacity),
+        critic=critic_shape(cfg, model),
+        teacher=teacher[0] if teacher else None,
+        teacher_bytes=teacher[1] if teacher else layout.master_bytes,
         **_optimizer(cfg),
     )
 

@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from astrai.model.config import FACTORY_OPTIONS, ModelConfig, preset
 
-__all__ = ["ModelShape", "model_shape"]
+__all__ = ["ModelShape", "export_shape", "model_shape"]
 
 PRESET_FACTORY = "astrai.model.preset_model"
 PRETRAINED_FACTORY = "astrai.model.pretrained_model"
@@ -25,6 +25,15 @@ class ModelShape:
     source: str
 
 
+def export_shape(path: str) -> ModelShape:
+    """The configuration of a model directory (an astrai or Hugging Face export) from its
+    `config.json` alone: `model.path`'s, and a second model's (a distillation teacher, a PPO
+    critic's start). A directory without one raises `FileNotFoundError`."""
+    from astrai.model.hub import read_config
+
+    return ModelShape(read_config(path), f"model directory {path}")
+
+
 def model_shape(model: DictConfig | None) -> ModelShape | None:
     """The configuration a `model` group builds: a preset (with its overrides) or a model
     directory's `config.json`; None when the node names neither (a directory still `???`,
@@ -36,9 +45,7 @@ def model_shape(model: DictConfig | None) -> ModelShape | None:
         path = OmegaConf.select(model, "path", default=None, throw_on_missing=False)
         if not path or OmegaConf.is_missing(model, "path"):
             return None
-        from astrai.model.hub import read_config
-
-        return ModelShape(read_config(str(path)), f"model directory {path}")
+        return export_shape(str(path))
     if target != PRESET_FACTORY:
         return None
     fields: dict[str, Any] = OmegaConf.to_container(model, resolve=True)  # type: ignore[assignment]

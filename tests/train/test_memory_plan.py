@@ -22,6 +22,7 @@ from astrai.train.memory_plan import (
     Workload,
     describe,
     plan_memory,
+    value_model_params,
 )
 from astrai.train.memory_plan_config import config_plan, log_plan
 from astrai.train.model_shape import model_shape
@@ -188,6 +189,79 @@ def test_tensor_parallel_splits_weights_and_the_wide_activations() -> None:
     assert tp.weights == one.weights  # sharded over dp x tp = the same 4 ranks
     assert tp.logits == one.logits // 2  # the vocabulary-parallel head
     assert tp.activations < one.activations
+
+
+def test_ppo_critic_is_a_second_trained_model_of_the_policys_shape() -> None:
+    """The critic (its own backbone, no LM head, a hidden -> 1 head with a bias) is trained in
+    a parameter group of the one optimizer: weights, gradients and AdamW's state as the
+    policy's, its forward's activations as the policy's, each in the phases the policy's are."""
+    import torch
+
+    from astrai.model import Transformer
+    from astrai.model.value import ValueModel
+
+    tied = ModelConfig.from_dict({**SMALL.to_dict(), "tie_word_embeddings": True})
+    torch.manual_seed(0)
+    assert value_model_params(tied) == ValueModel.from_policy(Transformer(tied)).num_parameters()
+    assert value_model_params(SMALL) == _params(SMALL) - 1000 * 64 + 64 + 1  # the head left out
+    layout = Layout(master_bytes=4, compute_bytes=4)
+    work = Workload(micro_batch_tokens=2048, reference_bytes=4, engine=ENGINE)
+    policy = plan_memory(tied, layout, work)
+    ppo = plan_memory(tied, layout, dataclasses.replace(work, critic=tied))
+    head = (tied.hidden_size + 1) * 4  # the value head's fp32 bytes
+    # the critic line: the policy's weights + gradients + optimizer bytes (and its head's)
+    assert ppo.critic == policy.weights + policy.gradients + policy.optimizer + 4 * head
+    assert ppo.critic_activations == policy.activations  # no LM head of its own
+    assert ppo.optimizer_temporaries == policy.optimizer_temporaries + head  # the larger group
+    held = ppo.critic_weights + ppo.critic_optimizer
+    assert ppo.rollout == policy.rollout + held
+    assert ppo.step == policy.step + ppo.critic + head
+    assert ppo.update == policy.update + ppo.critic + ppo.critic_activations
+    assert [r[0] for r in ppo.rows()][5:7] == [
+        "critic: weights, gradients, optimizer state (fp32)",
+        "critic activations (one forward)",
+    ]
+    assert ppo.as_dict()["critic_weights"] == ppo.critic_weights
+    assert not [r for r in policy.rows() if r[0].startswith(("critic", "teacher"))]
+
+
+def _write_config(directory: Path, cfg: ModelConfig) -> Path:
+    directory.mkdir(parents=True)
+    cfg.save(directory / "config.json")
+    return directory
+
+
+def test_ppo_config_plans_its_critic(tmp_path: Path) -> None:
+    cfg = compose(["experiment=tiny_ppo"])
+    plan = config_plan(cfg)
+    n = value_model_params(model_shape(cfg.model).config)
+    assert plan.critic == n * 4 * (1 + 1 + 2)  # fp32 weights, gradients, AdamW's two moments
+    assert "critic: weights, gradients, optimizer state" in plan.table()
+    # a critic started from an export of another size is planned with its config.json
+    other = dataclasses.replace(SMALL, num_hidden_layers=2)
+    path = _write_config(tmp_path / "critic", other)
+    loaded = config_plan(compose(["experiment=tiny_ppo", f"strategy.critic.init={path}"]))
+    assert loaded.critic_weights == value_model_params(other) * 4
+    assert config_plan(compose(["experiment=tiny_grpo"])).critic == 0
+
+
+def test_distill_teacher_is_its_exports_parameters_in_its_dtype(tmp_path: Path) -> None:
+    """The frozen teacher, loaded whole on every rank, from its own config.json (a size other
+    than the student's); none in the stored top-k mode (no teacher path)."""
+    teacher = dataclasses.replace(SMALL, hidden_size=96, num_hidden_layers=4)
+    path = _write_config(tmp_path / "teacher", teacher)
+    args = ["experiment=tiny_distill", f"strategy.teacher_model_name_or_path={path}"]
+    plan = config_plan(compose(args))
+    assert plan.teacher == _params(teacher) * 4  # no dtype: the policy's fp32 parameters
+    bf16 = config_plan(compose([*args, "strategy.teacher_model_init_kwargs={dtype: bfloat16}"]))
+    assert bf16.teacher == _params(teacher) * 2
+    assert "teacher (bf16, frozen)" in bf16.table()
+    stored = config_plan(
+        compose(["experiment=tiny_distill", "strategy.teacher_model_name_or_path=null"])
+    )
+    assert stored.teacher == 0 and "teacher" not in stored.table()
+    for phase in ("rollout", "update", "step"):
+        assert getattr(plan, phase) == getattr(stored, phase) + plan.teacher, phase
 
 
 # ---------------------------------------------------------------------- from the config
