@@ -16,7 +16,9 @@ Checks (one line per problem, naming the key and the fix):
 - inputs: data sources, model.path, tokenizer.path (`runner.input_problems`);
 - hardware: a GPU trainer (accelerator gpu/cuda, FSDP) on a machine without CUDA, or more
   devices than it has (`hardware=cpu_smoke` runs the *_1b recipes on a CPU at test size);
-- start: `strategy.init_from`, the export DPO and GRPO start from, must exist;
+- start: `strategy.init_from`, the export DPO and GRPO start from, must exist, and so must the
+  second model's: distillation's `strategy.teacher_model_name_or_path`, PPO's
+  `strategy.critic.init` (when a path, not `policy`);
 - resume: `ckpt_path=last` needs a checkpoint (`ckpt_path=auto`: resume if there is one); a
   run folder that already holds checkpoints needs `ckpt_path` (never a silent resume or
   restart);
@@ -63,6 +65,19 @@ START_STAGES = {
     "KTOModule": "sft_1b",
     "RewardModule": "sft_1b",
     "GRPOModule": "sft_1b",
+    "PPOModule": "sft_1b",
+    "DistillModule": "sft_1b",
+}
+#: paths of a second model a strategy loads -> (what it is, the setting that needs none)
+COMPANION_PATHS = {
+    "strategy.teacher_model_name_or_path": (
+        "the teacher's export",
+        "strategy.teacher_model_name_or_path=null to distil from the data's stored top-k",
+    ),
+    "strategy.critic.init": (
+        "the export the critic starts from",
+        "strategy.critic.init=policy to start it from the policy",
+    ),
 }
 LOCAL_LAUNCHERS = ("BasicLauncher", "JoblibLauncher")  # sweeps that run on this machine
 CPU_SMOKE_HINT = (
@@ -139,6 +154,7 @@ def problems(cfg: DictConfig, *, run_dir: Path | None = None, hardware: bool = T
     if start:  # on-policy data samples from the same missing policy: said once is enough
         init = str(cfg.strategy.init_from)
         inputs = [p for p in inputs if init not in p]
+    start += _companion_problems(cfg)
     found = [*inputs, *start, *(_hardware_problems(cfg) if hardware else [])]
     found += _compile_problems(cfg) if hardware else []
     found += _resume_problems(cfg, run_dir)
@@ -281,17 +297,36 @@ def _start_problems(cfg: DictConfig) -> list[str]:
     init = OmegaConf.select(cfg, "strategy.init_from", default=None)
     if not init or Path(str(init)).is_dir():
         return []
-    path = Path(str(init))
+    return [
+        _missing_export(
+            "strategy.init_from",
+            Path(str(init)),
+            "the export this run starts from",
+            "strategy.init_from=null to start from a fresh initialisation",
+        )
+    ]
+
+
+def _companion_problems(cfg: DictConfig) -> list[str]:
+    """A second model's path (`COMPANION_PATHS`) that is not there."""
+    found = []
+    for key, (what, instead) in COMPANION_PATHS.items():
+        value = OmegaConf.select(cfg, key, default=None)
+        if not value or str(value) == "policy" or Path(str(value)).is_dir():
+            continue
+        found.append(_missing_export(key, Path(str(value)), what, instead))
+    return found
+
+
+def _missing_export(key: str, path: Path, what: str, instead: str) -> str:
+    """`key`'s export directory `path` does not exist: the run that writes it, or `instead`."""
     name = _producer(path)
     first = (
         f"run `python -m astrai.train +experiment={name}` first (it writes {path})"
         if name
-        else "pass strategy.init_from=<an earlier run's export directory>"
+        else f"pass {key}=<an earlier run's export directory>"
     )
-    return [
-        f"strategy.init_from: {path} does not exist (the export this run starts from); "
-        f"{first}, or strategy.init_from=null to start from a fresh initialisation"
-    ]
+    return f"{key}: {path} does not exist ({what}); {first}, or {instead}"
 
 
 def _resume_problems(cfg: DictConfig, run_dir: Path | None) -> list[str]:

@@ -92,6 +92,40 @@ def test_start_export_of_dpo_and_grpo(tmp_path: Path) -> None:
     assert all("OnPolicyPairs.policy" in p for p in found)
 
 
+def test_second_models_of_distill_and_ppo_must_exist(tmp_path: Path) -> None:
+    """The teacher's export and a critic's start path are named as `init_from` is; PPO and
+    distillation name the stage their model.path typically comes from."""
+    found = _problems("experiment=tiny_distill", f"paths.log_dir={tmp_path}")
+    assert [p.split(":")[0] for p in found] == [
+        "strategy.init_from",
+        "strategy.teacher_model_name_or_path",
+    ], found
+    assert "`python -m astrai.train +experiment=tiny_sft` first" in found[1]
+    assert "strategy.teacher_model_name_or_path=null" in found[1]
+    start = tmp_path / "tiny_sft_start" / "latest" / "export"
+    start.mkdir(parents=True)
+    assert (
+        _problems(
+            "experiment=tiny_distill",
+            f"paths.log_dir={tmp_path}",
+            "strategy.teacher_model_name_or_path=null",
+        )
+        == []
+    )
+    found = _problems("experiment=tiny_ppo", f"paths.log_dir={tmp_path}")
+    assert found == [], found  # critic.init: policy is not a path
+    found = _problems(
+        "experiment=tiny_ppo", f"paths.log_dir={tmp_path}", "strategy.critic.init=/nope/critic"
+    )
+    assert found == [
+        "strategy.critic.init: /nope/critic does not exist (the export the critic starts "
+        "from); pass strategy.critic.init=<an earlier run's export directory>, or "
+        "strategy.critic.init=policy to start it from the policy"
+    ]
+    for target in ("PPOModule", "DistillModule"):
+        assert preflight.START_STAGES[target] == "sft_1b"
+
+
 def test_ckpt_path_last_needs_a_checkpoint_and_auto_does_not(tmp_path: Path) -> None:
     found = _problems("ckpt_path=last", f"paths.log_dir={tmp_path}")
     assert len(found) == 1 and found[0].startswith("ckpt_path=last: no checkpoint")
