@@ -527,11 +527,10 @@ def describe(plan: MemoryPlan, capacity: int | None) -> tuple[int, str]:
 
 def _ways_down(plan: MemoryPlan) -> list[str]:
     work = plan.workload or Workload(micro_batch_tokens=0)
-    ways = [
-        "more ranks (trainer.devices, trainer.num_nodes)"
-        if plan.layout.fully_sharded
-        else "sharding over the ranks (trainer=fsdp2)"
-    ]
+    if plan.layout.fully_sharded:
+        ways = ["more ranks (trainer.devices, trainer.num_nodes)"]
+    else:  # (PPO refuses trainer=fsdp2: its critic is not sharded)
+        ways = [] if plan.critic else ["sharding over the ranks (trainer=fsdp2)"]
     if not work.gradient_checkpointing:
         ways.append("strategy.gradient_checkpointing=true")
     if work.logits_chunk_size is None:

@@ -222,6 +222,9 @@ def test_ppo_critic_is_a_second_trained_model_of_the_policys_shape() -> None:
         "critic activations (one forward)",
     ]
     assert ppo.as_dict()["critic_weights"] == ppo.critic_weights
+    # over the device: no advice PPO refuses (trainer=fsdp2); the policy alone gets it
+    assert "trainer=fsdp2" not in describe(ppo, 1)[1]
+    assert "trainer=fsdp2" in describe(policy, 1)[1]
     assert not [r for r in policy.rows() if r[0].startswith(("critic", "teacher"))]
 
 
