@@ -27,14 +27,18 @@ import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from astrai.data.encode import PrepareOptions
-from astrai.data.onpolicy import policy_digest
 from astrai.data.storage import DataError, token_dtype
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where a teacher runs, never at import: prepare without a teacher and the
+# preflight of every run (which reach this module through the data cache) stay torch-free.
 
 __all__ = [
     "TEACHER_ATTR",
@@ -78,6 +82,8 @@ class TeacherSettings:
     dtype: str | None = None
 
     def torch_dtype(self) -> torch.dtype | None:
+        import torch
+
         return None if self.dtype is None else getattr(torch, self.dtype)
 
 
@@ -130,6 +136,10 @@ class TeacherTopK(DocumentStage):
     time; the teacher's weights are read on the first batch (a reused output needs none)."""
 
     def __init__(self, settings: TeacherSettings, vocab_size: int, max_positions: int) -> None:
+        import torch
+
+        from astrai.data.onpolicy import policy_digest
+
         self.settings = settings
         self.vocab_size = vocab_size
         self.max_positions = max_positions
@@ -192,7 +202,6 @@ class TeacherTopK(DocumentStage):
         ]
 
 
-@torch.no_grad()
 def teacher_topk(
     model: Any, docs: list[list[int]], k: int, *, chunk_size: int = 1024
 ) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -202,6 +211,17 @@ def teacher_topk(
     One right-padded forward for all documents (causal: a real token never sees padding),
     then the LM head over the real target positions ``chunk_size`` at a time.
     """
+    import torch
+
+    with torch.no_grad():
+        return _teacher_topk(model, docs, k, chunk_size)
+
+
+def _teacher_topk(
+    model: Any, docs: list[list[int]], k: int, chunk_size: int
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    import torch
+
     device = next(model.parameters()).device
     lengths = [len(d) for d in docs]
     ids = torch.zeros(len(docs), max(lengths), dtype=torch.long)
@@ -253,6 +273,8 @@ def document_stage(
     for name, value in (("top_k", top_k), ("batch_size", batch_size), ("chunk_size", chunk_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise DataError(f"teacher_{name} must be an integer >= 1, got {value!r}")
+    import torch
+
     if dtype is not None and not isinstance(getattr(torch, dtype, None), torch.dtype):
         raise DataError(f"teacher_dtype must name a torch dtype (e.g. bfloat16), got {dtype!r}")
     vocab_size, max_positions = _check_vocabulary(settings.path, tok)
