@@ -260,16 +260,7 @@ class GRPOModule(GlobalTokenNormaliser, RolloutModule, LMModule):
             eps=o.adv_eps,
             all_sum=sum_over_ranks(self._trainer),
         )
-        reuse = self.batch_reuse
-        generation = generation_of(
-            batch["prompt_ids"],
-            samples,
-            per_completion(adv, lengths),
-            group=o.num_generations,
-            steps=reuse.group,
-            repeats=reuse.repeat,
-            seed=seed,
-        )
+        generation = self.new_generation(batch, samples, adv, seed)
         if o.async_rollouts is not None:  # off-policy samples: their staleness, corrected
             gap = int(self.global_step) - samples.version
             generation.metrics.update(self.staleness.record(gap))
@@ -285,6 +276,36 @@ class GRPOModule(GlobalTokenNormaliser, RolloutModule, LMModule):
                     )
                 )
         return generation
+
+    def new_generation(
+        self,
+        batch: Mapping[str, Any],
+        samples: Samples,
+        advantages: Tensor,
+        seed: int,
+        values: Tensor | None = None,
+        returns: Tensor | None = None,
+    ) -> Generation:
+        """The generation batch of ``samples`` with their ``advantages`` (``[N]`` or
+        completion-aligned ``[N, T]``; PPO adds its per-token ``values`` and ``returns``),
+        split and reused as the data module hands the batch out."""
+        lengths = [len(c) for c in samples.completions]
+        reuse = self.batch_reuse
+
+        def split(x: Tensor | None) -> list[Any] | None:
+            return None if x is None else per_completion(x, lengths)
+
+        return generation_of(
+            batch["prompt_ids"],
+            samples,
+            per_completion(advantages, lengths),
+            group=self.options.num_generations,
+            steps=reuse.group,
+            repeats=reuse.repeat,
+            seed=seed,
+            values=split(values),
+            returns=split(returns),
+        )
 
     def _logp_of(self, rollouts: Rollouts) -> Tensor:
         return self._scores(self.model, rollouts).logp

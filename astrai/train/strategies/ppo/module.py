@@ -34,8 +34,6 @@ from astrai.train.strategies.grpo.generation import (
     Generation,
     action_mask,
     build_rollouts,
-    generation_of,
-    per_completion,
 )
 from astrai.train.strategies.grpo.module import GRPOModule
 from astrai.train.strategies.grpo.options import GRPOOptions
@@ -119,7 +117,7 @@ class PPOModule(GRPOModule):
     # ------------------------------------------------------------------ rollouts
     def _generation_of(self, batch: Mapping[str, Any], samples: Samples, seed: int) -> Generation:
         """The generation batch with GAE's advantages and returns and the critic's values."""
-        o, ppo = self.options, self.ppo
+        ppo = self.ppo
         lengths = [len(c) for c in samples.completions]
         width = max(max(lengths, default=0), 1)
         mask = action_mask(lengths, samples.action_masks, self.device)
@@ -144,18 +142,7 @@ class PPOModule(GRPOModule):
                 "critic/returns_mean": returns[keep].mean().item() if keep.any() else 0.0,
             }
         )
-        reuse = self.batch_reuse
-        generation = generation_of(
-            batch["prompt_ids"],
-            samples,
-            per_completion(adv, lengths),
-            group=o.num_generations,
-            steps=reuse.group,
-            repeats=reuse.repeat,
-            seed=seed,
-            values=per_completion(values, lengths),
-            returns=per_completion(returns, lengths),
-        )
+        generation = self.new_generation(batch, samples, adv, seed, values, returns)
         generation.metrics.update(metrics)
         return generation
 
