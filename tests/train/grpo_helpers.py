@@ -73,6 +73,50 @@ class FakeResult:
         self.finish_reason, self.error = finish_reason, None
 
 
+# canned completions whose lengths differ per prompt (and so do the micro-batches' token counts)
+CANNED_TEXTS = [
+    ["The answer is 5.", "x", "The answer is 77.", "y"],
+    ["1", "The answer is 2.", "z", "w"],
+]
+
+
+def fit_one_canned_step(
+    root: Path, tok: Any, *, batch_size: int, accumulate: int, **options: Any
+) -> tuple[dict[str, torch.Tensor], list[tuple[int, ...]]]:
+    """One SGD step (lr 1) under Lightning of a `make_grpo` module rewarded by `format`, its
+    rollouts `CANNED_TEXTS` in turn per prompt: the weights after it and the prompts in the
+    order first seen."""
+    from train_helpers import quiet_trainer
+
+    module = make_grpo(
+        root,
+        tok,
+        rewards=["format"],
+        optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=1.0),
+        **options,
+    )
+    order: dict[tuple[int, ...], int] = {}
+
+    def fake_generate(prompt_list: Any, *, seed: int, params: Any) -> list[FakeResult]:
+        out = []
+        for p in prompt_list:
+            k = order.setdefault(tuple(p), len(order))
+            for i in range(params.n):
+                ids = tok.encode(CANNED_TEXTS[k % 2][i])
+                out.append(FakeResult(ids, [-0.5 - 0.1 * (j % 3) for j in range(len(ids))]))
+        return out
+
+    module.live_source.generate = fake_generate
+    trainer = quiet_trainer(
+        max_steps=1,
+        accumulate_grad_batches=accumulate,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
+    )
+    trainer.fit(module, datamodule=prompt_module(root, batch_size))
+    return module.model.state_dict(), list(order)
+
+
 # tiny_grpo made small: a fresh tiny model, mu = 2, a test reward plugged in by `_target_`
 # (tests/train/_rewards.py: varies for a random policy, so the policy moves)
 TINY_GRPO_CLI = [

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from grpo_helpers import FakeResult, make_grpo, prompt_data
+from grpo_helpers import FakeResult, fit_one_canned_step, make_grpo, prompt_data
 from train_helpers import quiet_trainer
 
 from astrai.data.rewards import register_reward
@@ -368,47 +368,6 @@ def _parity(record, completion):
     return float(len(completion) % 2)
 
 
-def _fit_one_step(root, tok, *, loss_type, batch_size, accumulate):
-    """One SGD step under Lightning with canned completions whose lengths differ per prompt."""
-
-    from astrai.data import AstraiDataModule, PromptDataset
-
-    module = make_grpo(
-        root,
-        tok,
-        loss_type=loss_type,
-        rewards=["format"],
-        optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=1.0),
-    )
-    texts = [
-        ["The answer is 5.", "x", "The answer is 77.", "y"],
-        ["1", "The answer is 2.", "z", "w"],
-    ]
-    order: dict[tuple[int, ...], int] = {}
-
-    def fake_generate(prompt_list, *, seed, params):
-        out = []
-        for p in prompt_list:
-            k = order.setdefault(tuple(p), len(order))
-            for i in range(params.n):
-                ids = tok.encode(texts[k % 2][i])
-                out.append(FakeResult(ids, [-0.5 - 0.1 * (j % 3) for j in range(len(ids))]))
-        return out
-
-    module.live_source.generate = fake_generate
-    dm = AstraiDataModule(
-        train=PromptDataset(str(root / "prompts.h5")), batch_size=batch_size, seed=0
-    )
-    trainer = quiet_trainer(
-        max_steps=1,
-        accumulate_grad_batches=accumulate,
-        limit_val_batches=0,
-        use_distributed_sampler=False,
-    )
-    trainer.fit(module, datamodule=dm)
-    return module.model.state_dict(), list(order)
-
-
 def test_dapo_under_gradient_accumulation_equals_one_batch(prompt_setup):
     """Two micro-batches of 1 prompt (their completion-token counts differ) give the same
     SGD step as one batch of 2 prompts: dapo normalises by the window's token count, like
@@ -417,7 +376,7 @@ def test_dapo_under_gradient_accumulation_equals_one_batch(prompt_setup):
     steps = {}
     for loss_type in ("dapo", "bnpo"):
         for bs, acc in ((2, 1), (1, 2)):
-            steps[loss_type, acc], prompts = _fit_one_step(
+            steps[loss_type, acc], prompts = fit_one_canned_step(
                 root, tok, loss_type=loss_type, batch_size=bs, accumulate=acc
             )
             assert len(prompts) == 2

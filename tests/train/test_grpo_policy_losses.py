@@ -13,8 +13,7 @@ import torch
 
 trl = pytest.importorskip("trl")
 
-from grpo_helpers import FakeResult, make_grpo, prompt_data  # noqa: E402
-from train_helpers import quiet_trainer  # noqa: E402
+from grpo_helpers import fit_one_canned_step, make_grpo, prompt_data  # noqa: E402
 from trl_helpers import grpo_trainer, hf_parts, trl_loss  # noqa: E402
 
 from astrai.train.strategies.grpo.loss import grpo_loss, high_entropy_mask  # noqa: E402
@@ -441,47 +440,6 @@ def test_each_new_loss_trains(prompt_setup, tmp_path, loss_type, extra):
     assert all(torch.isfinite(p).all() for p in module.model.parameters())
 
 
-def _fit_one_step(root, tok, *, batch_size, accumulate, **options):
-    """One SGD step under Lightning with canned completions whose lengths differ per prompt
-    (as test_grpo.py's dapo test)."""
-    from astrai.data import AstraiDataModule, PromptDataset
-
-    module = make_grpo(
-        root,
-        tok,
-        rewards=["format"],
-        optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=1.0),
-        **options,
-    )
-    texts = [
-        ["The answer is 5.", "x", "The answer is 77.", "y"],
-        ["1", "The answer is 2.", "z", "w"],
-    ]
-    order: dict[tuple[int, ...], int] = {}
-
-    def fake_generate(prompt_list, *, seed, params):
-        out = []
-        for p in prompt_list:
-            k = order.setdefault(tuple(p), len(order))
-            for i in range(params.n):
-                ids = tok.encode(texts[k % 2][i])
-                out.append(FakeResult(ids, [-0.5 - 0.1 * (j % 3) for j in range(len(ids))]))
-        return out
-
-    module.live_source.generate = fake_generate
-    dm = AstraiDataModule(
-        train=PromptDataset(str(root / "prompts.h5")), batch_size=batch_size, seed=0
-    )
-    trainer = quiet_trainer(
-        max_steps=1,
-        accumulate_grad_batches=accumulate,
-        limit_val_batches=0,
-        use_distributed_sampler=False,
-    )
-    trainer.fit(module, datamodule=dm)
-    return module.model.state_dict()
-
-
 @pytest.mark.parametrize(
     "options",
     [
@@ -494,8 +452,8 @@ def test_global_token_losses_under_accumulation_equal_one_batch(prompt_setup, op
     """cispo, clip_cov and kl_cov normalise like dapo (GlobalTokenNormaliser): two
     micro-batches of different token counts give the SGD step of one batch of both."""
     root, tok = prompt_setup
-    one = _fit_one_step(root, tok, batch_size=2, accumulate=1, **options)
-    two = _fit_one_step(root, tok, batch_size=1, accumulate=2, **options)
+    one, _ = fit_one_canned_step(root, tok, batch_size=2, accumulate=1, **options)
+    two, _ = fit_one_canned_step(root, tok, batch_size=1, accumulate=2, **options)
     for key, value in one.items():
         torch.testing.assert_close(two[key], value, rtol=1e-5, atol=1e-6)
     start = make_grpo(root, tok, **options).model.state_dict()
