@@ -3,8 +3,9 @@ step: LoRA dropout draws from the global torch RNG at every training step.
 
 A run is SIGKILLed right after each of its checkpoints in turn (the kill lands in the next
 optimizer step, before the weights change), including checkpoints written just before a
-validation and at the end of an epoch, and once in the middle of a validation, and resumed; every resumed run must end with the
-uninterrupted run's weights and optimizer state, bit for bit (one reference without loader
+validation and at the end of an epoch, and once in the middle of a validation, and resumed
+after each kill; the run must end with the uninterrupted run's weights and optimizer state,
+bit for bit (one reference without loader
 workers serves the runs with and without them). Before the fix, a checkpoint
 followed by a validation or a new epoch resumed with a shifted random stream: creating the
 validation or next-epoch DataLoader iterator drew its workers' base seed from the global RNG.
@@ -12,7 +13,6 @@ validation or next-epoch DataLoader iterator drew its workers' base seed from th
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -38,12 +38,20 @@ RUN = [
     "data.drop_last=true",
     "strategy.lora={r: 4, lora_alpha: 8, lora_dropout: 0.2}",
 ]
-# (callback, step): killed in the optimizer step after each checkpoint in turn, and in the
-# middle of the validation that follows the checkpoint of step 4
-KILLS = [("KillAtStep", step) for step in (2, 4, 6, 8)] + [("KillInValidation", 4)]
+# (callback, step): one run killed in turn right after each checkpoint (the kill lands in the
+# next optimizer step) and in the middle of the validation that follows the checkpoint of step
+# 4, resumed after each kill: each launch resumes the previous one's checkpoint, so every
+# resume point is crossed once and any difference carries to the end (6 launches, not 10).
+KILLS = [
+    ("KillAtStep", 2),
+    ("KillInValidation", 4),
+    ("KillAtStep", 4),
+    ("KillAtStep", 6),
+    ("KillAtStep", 8),
+]
 # With loader workers, the kills where their prefetching could shift the data position: in
 # the middle of an epoch, at its end (a new iterator follows) and inside the validation.
-KILLS_WITH_WORKERS = [("KillAtStep", 2), ("KillAtStep", 4), ("KillInValidation", 4)]
+KILLS_WITH_WORKERS = [("KillAtStep", 2), ("KillInValidation", 4), ("KillAtStep", 4)]
 
 
 @pytest.fixture(scope="module")
@@ -60,24 +68,22 @@ def reference(reference_run) -> Path:
 def test_kill_after_every_checkpoint_resumes_bit_identical(
     reference, tmp_path, data_dir, workers, kills
 ):
-    common = [*RUN, f"data.num_workers={workers}"]
-    for callback, step in kills:
-        where = tmp_path / f"{callback}{step}"
-        run = [*common, *run_dirs(where, data_dir)]
+    run = [*RUN, f"data.num_workers={workers}", *run_dirs(tmp_path, data_dir)]
+    for n, (callback, step) in enumerate(kills):
         killed = cli(
             [
                 *run,
+                *(["ckpt_path=last"] if n else []),
                 f"+callbacks.kill._target_=_callbacks.{callback}",
                 f"+callbacks.kill.step={step}",
             ],
             check=False,
             env=KILL,
         )
-        assert killed.returncode == -9, killed.stderr[-3000:]
-        cli([*run, "ckpt_path=last"])
-        different = checkpoint_differences(reference, where / "run", 10)
-        assert not different, f"workers={workers}, {callback}({step}): {different}"
-        shutil.rmtree(where)
+        assert killed.returncode == -9, f"{callback}({step}): {killed.stderr[-3000:]}"
+    cli([*run, "ckpt_path=last"])
+    different = checkpoint_differences(reference, tmp_path / "run", 10)
+    assert not different, f"workers={workers}, kills {kills}: {different}"
 
 
 def test_a_cut_short_checkpoint_is_skipped_for_the_previous_good_one(reference, tmp_path, data_dir):
