@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass
+from dataclasses import fields as option_fields
+from typing import Any, ClassVar
 
 from astrai.data.formats import record_format
 from astrai.data.storage import DataError
@@ -36,18 +37,19 @@ class PrepareOptions:
     required_fields: list[str]
     #: the input's record layout and field renames (:mod:`astrai.data.formats`)
     format: str | None = None
-    columns: dict[str, str] | None = field(default=None)
+    columns: dict[str, str] | None = None
 
-    #: options added after format 1 that enter the signature only when set, so outputs
-    #: prepared before they existed keep their signature
-    UNSIGNED_WHEN_UNSET = ("format", "columns")
+    #: options added after format 1: at their default they stay out of the signature, so
+    #: outputs prepared before the option existed keep theirs
+    UNSIGNED_AT_DEFAULT: ClassVar[tuple[str, ...]] = ("format", "columns")
 
     def signature(self) -> dict[str, Any]:
         """The options as the output's signature records them."""
+        defaults = {f.name: f.default for f in option_fields(self)}
         return {
             k: v
             for k, v in asdict(self).items()
-            if not (k in self.UNSIGNED_WHEN_UNSET and v is None)
+            if not (k in self.UNSIGNED_AT_DEFAULT and v == defaults[k])
         }
 
     @classmethod

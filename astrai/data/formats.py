@@ -190,13 +190,19 @@ class TRLFormat(RecordFormat):
         fields = _Fields(record, where, self.columns, self.label)
         tools = fields.optional("tools")
         if self.kind == "sft":
-            if fields.has("messages") or not fields.has("prompt"):
-                if not fields.has("messages") and "text" in record:
+            if fields.has("messages"):
+                return _with_tools({**record, "messages": fields.get("messages")}, tools)
+            if not fields.has("prompt"):
+                if "text" in record:
                     raise DataError(
                         f"{where}: a 'text' record is TRL's language-modeling form, which has no "
                         f"chat turns: prepare it with kind=pretrain ({self.label})"
                     )
-                return _with_tools({**record, "messages": fields.get("messages")}, tools)
+                raise DataError(
+                    f"{where}: record has neither field {fields.name('messages')!r} nor "
+                    f"{fields.name('prompt')!r} and {fields.name('completion')!r} "
+                    f"({self.label}; has: {sorted(record)})"
+                )
             prompt = _turns(fields.get("prompt"), "user", fields, "prompt")
             completion = _turns(fields.get("completion"), "assistant", fields, "completion")
             return _with_tools({**record, "messages": prompt + completion}, tools)
@@ -254,8 +260,8 @@ class ShareGPTFormat(RecordFormat):
         system = fields.optional("system")
         if system and not (messages and messages[0]["role"] == "system"):
             messages.insert(0, {"role": "system", "content": system})
-        out = dict(record)
         tools = self._tools(fields)
+        out = {k: v for k, v in record.items() if k != fields.name("tools")}  # raw JSON text
         if self.kind == "sft":
             out["messages"] = messages
         elif self.kind == "preference":

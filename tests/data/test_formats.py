@@ -78,7 +78,7 @@ def test_sharegpt_sft_matches_messages(tmp_path: Path, tok) -> None:
         "sft",
         [
             {"conversations": SHAREGPT, "tools": json.dumps(TOOLS)},  # LLaMA-Factory: JSON text
-            {"conversations": [SHAREGPT[1], SHAREGPT[4]]},
+            {"conversations": [SHAREGPT[1], SHAREGPT[4]], "tools": ""},  # no tools
         ],
         format="sharegpt",
     )
@@ -383,6 +383,12 @@ def test_columns_rename_astrai_fields_for_every_kind(tmp_path: Path, tok) -> Non
             {"text": "plain"},
             {"format": "trl"},
             r"\.jsonl:2: a 'text' record is TRL's language-modeling form",
+        ),
+        (
+            "sft",
+            {"question": "Hi?"},
+            {"format": "trl"},
+            r"\.jsonl:2: record has neither field 'messages' nor 'prompt' and 'completion'",
         ),
         (
             "sft",
