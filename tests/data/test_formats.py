@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from data_helpers import write_lines
-from trl.data_utils import maybe_extract_prompt
+from trl.data_utils import maybe_convert_to_chatml, maybe_extract_prompt
 
 from astrai.data.encode import PrepareOptions
 from astrai.data.formats import FORMATS, record_format
@@ -124,6 +124,20 @@ def test_sharegpt_sft_matches_messages(tmp_path: Path, tok) -> None:
         columns=columns,
     )
     assert fields == reference[:1]
+
+
+def test_sharegpt_with_role_names_reads_as_trls_chatml_conversion() -> None:
+    """TRL's maybe_convert_to_chatml renames from/value (not the tags): with Axolotl's role
+    aliases the two agree."""
+    turns = [
+        {"from": "system", "value": "Be brief."},
+        {"from": "user", "value": "Hi"},
+        {"from": "assistant", "value": "Hello"},
+        {"from": "tool", "value": "42"},
+    ]
+    expected = maybe_convert_to_chatml({"conversations": json.loads(json.dumps(turns))})
+    got = record_format("sharegpt", None, "sft").map({"conversations": turns}, "x.jsonl:1")
+    assert got["messages"] == expected["messages"]
 
 
 def test_sharegpt_preference_prompt_and_unpaired(tmp_path: Path, tok) -> None:
