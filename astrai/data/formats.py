@@ -248,6 +248,18 @@ class ShareGPTFormat(RecordFormat):
 
     name = "sharegpt"
 
+    def __init__(self, kind: str, columns: Mapping[str, str] | None = None) -> None:
+        super().__init__(kind, columns)
+        self.roles = {"user": "user", "assistant": "assistant", "tool": "tool"}  # Axolotl's
+        for tag, role in (
+            ("user_tag", "user"),
+            ("assistant_tag", "assistant"),
+            ("system_tag", "system"),
+            ("observation_tag", "tool"),
+            ("function_tag", "function"),
+        ):
+            self.roles[self._tag(tag)] = role
+
     def map(self, record: Any, where: str) -> Any:
         fields = _Fields(record, where, self.columns, self.label, SHAREGPT_DEFAULTS)
         turns = fields.get("messages")
@@ -258,6 +270,8 @@ class ShareGPTFormat(RecordFormat):
             for i, turn in enumerate(turns)
         ]
         system = fields.optional("system")
+        if system is not None and not isinstance(system, str):
+            raise fields.error("system", f"must be a string, got {type(system).__name__}")
         if system and not (messages and messages[0]["role"] == "system"):
             messages.insert(0, {"role": "system", "content": system})
         tools = self._tools(fields)
@@ -283,18 +297,6 @@ class ShareGPTFormat(RecordFormat):
     def _tag(self, field: str) -> str:
         return self.columns.get(field, SHAREGPT_DEFAULTS[field])
 
-    def _roles(self) -> dict[str, str]:
-        roles = {"user": "user", "assistant": "assistant", "tool": "tool"}  # Axolotl's aliases
-        for tag, role in (
-            ("user_tag", "user"),
-            ("assistant_tag", "assistant"),
-            ("system_tag", "system"),
-            ("observation_tag", "tool"),
-            ("function_tag", "function"),
-        ):
-            roles[self._tag(tag)] = role
-        return roles
-
     def _turn(self, turn: Any, fields: _Fields, at: str) -> dict[str, Any]:
         role_key, content_key = self._tag("role_tag"), self._tag("content_tag")
         if not isinstance(turn, Mapping) or role_key not in turn or content_key not in turn:
@@ -302,7 +304,7 @@ class ShareGPTFormat(RecordFormat):
                 f"{fields.where}: {at} must be a turn with fields {role_key!r} and "
                 f"{content_key!r}, got {json.dumps(turn, default=repr)[:200]} ({self.label})"
             )
-        roles = self._roles()
+        roles = self.roles
         tag, content = turn[role_key], turn[content_key]
         if tag not in roles:
             raise DataError(
