@@ -519,3 +519,38 @@ def test_a_data_config_prepare_block_takes_format_and_columns(tmp_path: Path, to
         dm.setup("fit")
         samples.append({k: v.tolist() for k, v in dm.datasets["train"][0].items()})
     assert samples[0] == samples[1]
+
+
+def test_the_prepare_config_takes_format_and_columns(tmp_path: Path, tok, tok_dir) -> None:
+    """conf/prepare.yaml has both keys, and a command line's values reach prepare()."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from astrai.data.prepare import CONF_DIR
+
+    turns = [{"speaker": "human", "text": "What is 2 + 2?"}, {"speaker": "gpt", "text": "4"}]
+    path = write_lines(tmp_path / "chats.jsonl", [{"dialog": turns}])
+    overrides = [
+        "kind=sft",
+        f"input={path}",
+        f"output={tmp_path / 'cli'}",
+        f"tokenizer_path={tok_dir}",
+        "format=sharegpt",
+        "columns={messages: dialog, role_tag: speaker}",
+        "+columns.content_tag=text",
+        "progress=false",
+    ]
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        options = OmegaConf.to_container(compose("prepare", overrides=overrides))
+    options["tokenizer"] = options.pop("tokenizer_path")
+    prepare(**options)
+    with H5Storage(tmp_path / "cli" / "chats.h5") as st:
+        got = {
+            "input_ids": st.get("input_ids", 0).tolist(),
+            "loss_mask": st.get("loss_mask", 0).tolist(),
+        }
+    messages = [
+        {"role": "user", "content": "What is 2 + 2?"},
+        {"role": "assistant", "content": "4"},
+    ]
+    assert [got] == _arrays(tmp_path, tok, "sft", [{"messages": messages}])
