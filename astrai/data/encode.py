@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import asdict, dataclass
+from dataclasses import fields as option_fields
+from typing import Any, ClassVar
 
+from astrai.data.formats import record_format
 from astrai.data.storage import DataError
 
 KINDS = ("pretrain", "sft", "preference", "prompt", "unpaired")
@@ -33,6 +35,22 @@ class PrepareOptions:
     add_bos: bool
     add_eos: bool
     required_fields: list[str]
+    #: the input's record layout and field renames (:mod:`astrai.data.formats`)
+    format: str | None = None
+    columns: dict[str, str] | None = None
+
+    #: options added after format 1: at their default they stay out of the signature, so
+    #: outputs prepared before the option existed keep theirs
+    UNSIGNED_AT_DEFAULT: ClassVar[tuple[str, ...]] = ("format", "columns")
+
+    def signature(self) -> dict[str, Any]:
+        """The options as the output's signature records them."""
+        defaults = {f.name: f.default for f in option_fields(self)}
+        return {
+            k: v
+            for k, v in asdict(self).items()
+            if not (k in self.UNSIGNED_AT_DEFAULT and v == defaults[k])
+        }
 
     @classmethod
     def parse(
@@ -48,6 +66,8 @@ class PrepareOptions:
         add_bos: bool = False,
         add_eos: bool = True,
         required_fields: Sequence[str] = (),
+        format: str | None = None,
+        columns: Mapping[str, str] | None = None,
     ) -> PrepareOptions:
         """Check the options together (a clear :class:`DataError` naming the option); with
         ``pack`` the window also caps ``max_length``."""
@@ -63,6 +83,7 @@ class PrepareOptions:
             raise DataError(f"pack=true applies to kind=sft only: {where}")
         if pack and not window_size:
             raise DataError("pack=true needs window_size (the length of a packed window)")
+        record_format(format, columns, kind)  # refuses an unknown format or column early
         if pack:
             max_length = min(max_length or window_size, window_size)  # type: ignore[type-var]
         return cls(
@@ -76,6 +97,8 @@ class PrepareOptions:
             add_bos=add_bos,
             add_eos=add_eos,
             required_fields=list(required_fields),
+            format=None if format in (None, "openai") else format,
+            columns=dict(columns) if columns else None,
         )
 
 

@@ -28,6 +28,11 @@ Kinds and the fields their records need:
   ``label`` (one 0/1 element). With ``max_length``, a record whose prompt alone fills it is
   skipped; ``truncate`` cuts the completion's end.
 
+Records of another layout are mapped to these first: ``format=sharegpt`` (``conversations`` of
+``{from, value}`` turns), ``format=trl`` (TRL's standard and conversational forms),
+``format=alpaca`` (``instruction``/``input``/``output``), and ``columns`` renames fields
+(``columns={messages: conv}``); :mod:`astrai.data.formats` and docs/data.md "Formats".
+
 Output is ``<output>/<name>.h5``, or with ``shard_size`` (input records per shard) a directory
 ``<output>/<name>/`` of shards. Everything is written under a ``.tmp`` name and renamed on
 success, so readers never see partial output. A rerun of the same command after an interruption
@@ -145,6 +150,8 @@ def prepare(
     add_bos: bool = False,
     add_eos: bool = True,
     required_fields: Sequence[str] = (),
+    format: str | None = None,
+    columns: Mapping[str, str] | None = None,
     overwrite: bool = False,
     progress: bool = True,
     batch_size: int = 256,
@@ -162,6 +169,9 @@ def prepare(
     stem. Records longer than ``max_length`` tokens are skipped, or cut when ``truncate``.
     ``skip_bad_lines`` skips and counts lines that are not JSON and records that lack a field
     or do not render, instead of stopping at the first one with an error naming file and line.
+    ``format`` names the records' layout (``openai``: astrai's own fields, the default;
+    ``sharegpt``, ``trl``, ``alpaca``) and ``columns`` renames the fields it reads
+    (:mod:`astrai.data.formats`).
     ``builtin`` holds options for ``builtin:`` inputs (``n``, ``seed``, ``max_files``, ...).
     ``teacher`` (kind=sft): an export directory whose top-``teacher_top_k`` next-token
     log-probs are stored with every document (:mod:`astrai.data.teacher_topk`), the teacher
@@ -181,6 +191,8 @@ def prepare(
         add_bos=add_bos,
         add_eos=add_eos,
         required_fields=required_fields,
+        format=format,
+        columns=columns,
     )
     if not is_record_source(input):  # else records made in code (astrai.data.onpolicy)
         input = os.fspath(input)

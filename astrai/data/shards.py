@@ -12,7 +12,6 @@ import os
 import shutil
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Literal
 
@@ -20,6 +19,7 @@ import numpy as np
 from tqdm import tqdm
 
 from astrai.data.encode import TOKEN_KEYS, PrepareOptions, Skip, encode_record, pretrain_text
+from astrai.data.formats import record_format
 from astrai.data.storage import FORMAT_VERSION, DataError, H5Storage, H5Writer, token_dtype
 from astrai.data.storage.h5 import DamagedDataError
 from astrai.data.teacher_topk import DocumentStage
@@ -43,7 +43,7 @@ def run_signature(
     document stage adds (a teacher's digest and k; nothing without one)."""
     payload = {
         "format_version": FORMAT_VERSION,
-        "options": asdict(opts),
+        "options": opts.signature(),
         "tokenizer": fingerprint,
         "input": identity,
         "shard_size": shard_size,
@@ -179,6 +179,7 @@ class ShardRun:
         stage: DocumentStage,
     ) -> None:
         self.tok, self.opts, self.stage = tok, opts, stage
+        self.record_format = record_format(opts.format, opts.columns, opts.kind)
         self.shard_path, self.sharded = shard_path, sharded
         self.dtypes, self.string_keys, self.attrs = dtypes, string_keys, attrs
         self.batch_size = batch_size
@@ -246,6 +247,7 @@ class ShardRun:
         try:
             if isinstance(record, DataError):
                 raise record
+            record = self.record_format.map(record, where)
             if opts.kind == "pretrain":
                 text = pretrain_text(record, where, opts)
                 if not text:
