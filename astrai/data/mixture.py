@@ -237,10 +237,17 @@ class MixtureSampler(ResumableSampler):
         self.mixture = mixture
         self._offsets: dict[int, np.ndarray] = {0: np.zeros(len(mixture.sizes), np.int64)}
         self._orders: dict[int, torch.Tensor] = {}
+        self._sequences: dict[int, torch.Tensor] = {}
 
     # -- order ------------------------------------------------------------------------------
     def source_sequence(self, epoch: int) -> torch.Tensor:
         """The source of each position of ``epoch`` (a function of the seed and the epoch)."""
+        if epoch not in self._sequences:
+            self._sequences = {k: v for k, v in self._sequences.items() if k >= epoch - 1}
+            self._sequences[epoch] = self._draw_sources(epoch)
+        return self._sequences[epoch]
+
+    def _draw_sources(self, epoch: int) -> torch.Tensor:
         m = self.mixture
         g = _generator(self.seed, "mixture", epoch)
         weights = torch.tensor(m.weights, dtype=torch.float64)

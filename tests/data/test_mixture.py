@@ -170,6 +170,16 @@ def test_a_resume_with_other_weights_or_sources_is_refused() -> None:
     fewer.load_state_dict(state)
     with pytest.raises(ValueError, match=r"data\.train\.sources: .*sizes"):
         fewer.train_dataloader()
+    single = AstraiDataModule(Tagged(0, 100), batch_size=4, seed=4)
+    single.load_state_dict(state)
+    with pytest.raises(ValueError, match=r"a mixture of data\.train\.sources \['a', 'b', 'c'\]"):
+        single.train_dataloader()
+    one = AstraiDataModule(Tagged(0, 100), batch_size=4, seed=4)
+    next(iter(one.train_dataloader()))
+    plain = _module()
+    plain.load_state_dict(one.state_dict())
+    with pytest.raises(ValueError, match=r"for one training source, this run mixes"):
+        plain.train_dataloader()
 
 
 @pytest.mark.parametrize(
