@@ -14,7 +14,8 @@ each position a source drawn by weight and the next sample of that source:
   every sample, a sample of source ``s`` weighing ``weight_s / len(s)``): no sample twice in
   an epoch, so ``num_samples`` is at most all the sources' samples together; a source's share
   is its weight while it lasts and shrinks as it runs out. Drawn as torch does, by an
-  exponential race (the ``num_samples`` smallest of ``Exp(1) / weight`` keys).
+  exponential race (the ``num_samples`` smallest of ``Exp(1) * len(s) / weight_s`` keys),
+  holding at most ``num_samples`` keys per source.
 
 Weights need not sum to 1: they are normalized (as ``WeightedRandomSampler``, litgpt's
 ``random.choices`` and Megatron's ``normalize(weights)`` do). ``num_samples`` (torch's and
@@ -253,13 +254,19 @@ class MixtureSampler(ResumableSampler):
         weights = torch.tensor(m.weights, dtype=torch.float64)
         if m.replacement:
             return torch.multinomial(weights, m.num_samples, replacement=True, generator=g)
-        # exponential race over every sample: key = Exp(1) * len(s) / weight_s
-        sizes = torch.tensor(m.sizes, dtype=torch.int64)
-        owner = torch.repeat_interleave(torch.arange(len(m.sizes)), sizes)
-        keys = torch.empty(len(owner), dtype=torch.float64).exponential_(generator=g)
-        keys *= (sizes.double() / weights)[owner]
-        first = torch.topk(keys, m.num_samples, largest=False, sorted=True).indices
-        return owner[first]
+        # The exponential race over every sample (key Exp(1) * len(s) / weight_s) decides
+        # only which source each position takes, so each source needs just its smallest keys
+        # in order: the k-th smallest of n Exp(rate) keys is a sum of k spacings
+        # Exp(1) / ((n - i) * rate) (Renyi's representation), at most num_samples of them.
+        keys, owner = [], []
+        for s, (size, weight) in enumerate(zip(m.sizes, m.weights)):
+            k = min(size, m.num_samples)
+            spacings = torch.empty(k, dtype=torch.float64).exponential_(generator=g)
+            rates = (size - torch.arange(k, dtype=torch.float64)) * (weight / size)
+            keys.append(torch.cumsum(spacings / rates, 0))
+            owner.append(torch.full((k,), s, dtype=torch.int64))
+        first = torch.topk(torch.cat(keys), m.num_samples, largest=False, sorted=True).indices
+        return torch.cat(owner)[first]
 
     def offsets(self, epoch: int) -> np.ndarray:
         """Samples drawn from each source before ``epoch``."""
