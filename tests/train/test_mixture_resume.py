@@ -5,8 +5,9 @@ ranks; and a 2-rank run resumed on 1 rank trains on the very samples, in the sam
 the uninterrupted runs (the mixture's order is global: a function of the seed; the position
 is a count of samples). The step ledger names each sample's source.
 
-Each epoch is 56 samples (``data.train.num_samples``), 7 steps of 8: the kills land inside
-the first epoch and inside the second, where every source's offset is no longer 0.
+Each epoch is 48 samples (``data.train.num_samples``), 6 steps of 8: the kills land after
+the checkpoint that ends the first epoch and inside the second, where the sources' offsets
+are no longer 0.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ RUN = [
     "data.train.prepare.builtin.n=64",
     "data.train.sources.1.prepare.builtin.n=64",
     "data.train.sources.2.prepare.builtin.n=128",
-    "data.train.num_samples=56",
+    "data.train.num_samples=48",
     "data.val.prepare.builtin.n=16",
     "ledger=true",
     "callbacks.progress_bar=null",
@@ -77,11 +78,11 @@ def one_rank(reference_run) -> Path:
 
 def test_a_mixture_killed_anywhere_resumes_bit_identical(one_rank, tmp_path, data_dir):
     samples = _samples(one_rank)
-    ids = [i for step, _ in samples[:7] for i in step]
-    assert len(ids) == 56 and len(set(ids)) == 56  # the first epoch: no sample twice
+    ids = [i for step, _ in samples[:6] for i in step]
+    assert len(ids) == 48 and len(set(ids)) == 48  # the first epoch: no sample twice
     drawn = Counter(s for _, sources in samples for s in sources)
     assert set(drawn) == {0, 1, 2} and sum(drawn.values()) == 8 * STEPS
-    for step in (4, 8):  # inside the first epoch, and inside the second
+    for step in (6, 8):  # at the end of the first epoch, and inside the second
         where = tmp_path / f"kill{step}"
         run = _killed(where, data_dir, 1, step)
         cli([*run, "ckpt_path=last"])
