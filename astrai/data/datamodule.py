@@ -385,6 +385,12 @@ class AstraiDataModule(L.LightningDataModule):
         self._iter_epoch = s.epoch
         self._start_consumed = s.consumed
         self._delivered_batches = 0
+        counts = self.source_counts()
+        if counts and self._rank_world()[0] == 0:
+            shown = ", ".join(f"{name} {n}" for name, n in counts.items())
+            log.info(
+                "data.train.sources at epoch %d, sample %d: %s so far", s.epoch, s.consumed, shown
+            )
 
     def loader_yielded_batch(self) -> None:
         """The training loader yielded a batch: counted here only without a trainer (under

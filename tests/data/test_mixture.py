@@ -4,6 +4,7 @@ entries are refused naming ``data.train.sources[i]``."""
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 
@@ -162,7 +163,8 @@ def test_resume_at_another_number_of_ranks_continues_the_same_order(replacement:
     assert seen == reference
 
 
-def test_a_resume_into_the_second_epoch_keeps_the_sources_offsets() -> None:
+def test_a_resume_into_the_second_epoch_keeps_the_sources_offsets(caplog) -> None:
+    caplog.set_level(logging.INFO, "astrai.data.datamodule")
     dm = _module()
     it = iter(dm.train_dataloader())
     for _ in range(25):  # the whole first epoch
@@ -178,6 +180,8 @@ def test_a_resume_into_the_second_epoch_keeps_the_sources_offsets() -> None:
     head = _pairs(next(later)) + _pairs(next(later))
     state = again.state_dict()
     assert state["epoch"] == 1 and state["mixture"]["offsets"] != [0, 0, 0]
+    a, b, c = state["mixture"]["offsets"]  # the log line at the epoch's start says them
+    assert f"data.train.sources at epoch 1, sample 0: a {a}, b {b}, c {c} so far" in caplog.text
     resumed = _module()
     resumed.load_state_dict(state)
     tail = [p for b in resumed.train_dataloader() for p in _pairs(b)]
