@@ -62,7 +62,8 @@ class AstraiDataModule(L.LightningDataModule):
     Args:
         train, val, test: a ``Dataset``, or a config mapping with ``_target_`` (instantiated
             with Hydra in ``setup``; a ``prepare:`` block in it is run by ``prepare_data``,
-            after ``connect``), or ``None``.
+            after ``connect``), or ``None``. ``train`` may list ``sources`` instead of one
+            ``source``: a weighted mixture (:mod:`astrai.data.mixture`).
         batch_size: per-rank batch size; ``val_batch_size`` defaults to it.
         num_workers, pin_memory, persistent_workers, prefetch_factor: passed to DataLoader.
         seed, shuffle: the training order (see :class:`ResumableSampler`).

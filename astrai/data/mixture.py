@@ -365,6 +365,11 @@ def build_mixture(split: str, spec: Mapping[str, Any]) -> MixtureDataset:
     """The :class:`MixtureDataset` of a split config with ``sources`` (each entry's
     ``source`` already a dataset's source: a prepared storage, see ``connect``)."""
     entries = check_entries(split, spec["sources"], None)
+    if "prepare" in spec or any(e.get("prepare") is not None for e in entries):
+        raise ValueError(
+            f"data.{split}: its sources have prepare: blocks; call "
+            "connect(tokenizer_dir, data_dir) before the datasets are built"
+        )
     num_samples, replacement = mixture_options(split, spec)
     base = {k: v for k, v in spec.items() if k not in MIXTURE_KEYS and k != "source"}
     datasets = [instantiate({**base, "source": e["source"]}, _convert_="all") for e in entries]

@@ -284,6 +284,13 @@ def test_connect_prepares_each_source_and_a_changed_one_is_named(tmp_path: Path,
         again.load_state_dict(state)
 
 
+def test_sources_to_prepare_without_connect_is_a_clear_error() -> None:
+    with pytest.raises(
+        ValueError, match=r"data\.train: its sources have prepare: blocks; call connect"
+    ):
+        AstraiDataModule(train=_mix_spec()).setup()
+
+
 def test_a_split_with_source_and_sources_is_refused(tmp_path: Path, tok_dir) -> None:
     spec = _mix_spec(source="builtin:arithmetic/sft/train")
     with pytest.raises(ValueError, match=r"data\.train: give either source or sources"):
