@@ -131,15 +131,15 @@ def check_entries(split: str, entries: Any, dataset_kind: str | None) -> list[di
         if prepare is not None and not isinstance(prepare, Mapping):
             raise ValueError(f"{at}.prepare: must be a mapping of prepare options, got {prepare!r}")
         name = entry.get("name") or _entry_name(entry["source"], i)
-        if not isinstance(name, str):
-            raise ValueError(f"{at}.name: must be a string, got {name!r}")
+        if not isinstance(name, str) or "/" in name or os.sep in name:
+            raise ValueError(f"{at}.name: must be a string without '/', got {name!r}")
         checked.append({**entry, "name": name})
     names = [e["name"] for e in checked]
     for i, name in enumerate(names):
         if names.index(name) != i:
             raise ValueError(
                 f"{where}[{i}]: name {name!r} is also sources[{names.index(name)}]'s; give "
-                "each entry its own name:"
+                "each entry its own name"
             )
     return checked
 
@@ -192,6 +192,9 @@ class MixtureDataset(Dataset):
         self.weights = (w / w.sum()).tolist()
         self.names = list(names) if names is not None else [f"source{i}" for i in range(len(w))]
         self.sizes = [len(d) for d in self.datasets]  # type: ignore[arg-type]
+        empty = [n for n, size in zip(self.names, self.sizes) if size == 0]
+        if empty:
+            raise ValueError(f"data.train.sources: {empty} hold no samples")
         self.starts = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
         total = int(self.starts[-1])
         self.num_samples = total if num_samples is None else int(num_samples)

@@ -226,6 +226,7 @@ def test_a_resume_with_other_weights_or_sources_is_refused() -> None:
         ([{"source": "a", "weight": 1, "kind": "preference"}], r"sources\[0\]\.kind: 'pref"),
         ([{"source": "a", "weight": 1, "kind": "chat"}], r"sources\[0\]\.kind: must be one"),
         ([{"source": "a", "weight": 1, "prepare": "x"}], r"sources\[0\]\.prepare: must be"),
+        ([{"source": "a", "weight": 1, "name": "x/y"}], r"sources\[0\]\.name: must be a string"),
         (
             [{"source": "d/a.jsonl", "weight": 1}, {"source": "e/a.jsonl", "weight": 1}],
             r"sources\[1\]: name 'a' is also sources\[0\]'s",
@@ -235,6 +236,11 @@ def test_a_resume_with_other_weights_or_sources_is_refused() -> None:
 def test_a_bad_entry_is_refused_naming_it(entries: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         check_entries("train", entries, "sft")
+
+
+def test_an_empty_source_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"data\.train\.sources: \['b'\] hold no samples"):
+        _mixture(sizes=(5, 0, 3))
 
 
 def test_a_pretrain_split_may_mix_sft_storages_and_only_train_mixes() -> None:
