@@ -4,9 +4,9 @@ A mixture's dataset is the concatenation of its sources' datasets (:class:`Mixtu
 its sampler (:class:`MixtureSampler`) makes each epoch's order of ``num_samples`` positions,
 each position a source drawn by weight and the next sample of that source:
 
-- ``replacement: true`` (the default; litgpt's ``CombinedDataset`` and Megatron's blended
-  datasets mix this way): every position draws its source independently with probability
-  ``weight`` (``torch.multinomial(weights, num_samples, replacement=True)``). Each source is
+- ``replacement: true`` (the default; litgpt's ``CombinedDataset`` mixes this way, where
+  Megatron's ``BlendedDataset`` places each source deterministically where its share lags
+  most): every position draws its source independently with probability ``weight`` (``torch.multinomial(weights, num_samples, replacement=True)``). Each source is
   read through shuffled passes of itself, a new pass once it is exhausted, so a small source
   is repeated (up-sampled) and a large one read in part, the next epoch continuing where this
   one stopped.
@@ -18,8 +18,9 @@ each position a source drawn by weight and the next sample of that source:
   holding at most ``num_samples`` keys per source.
 
 Weights need not sum to 1: they are normalized (as ``WeightedRandomSampler``, litgpt's
-``random.choices`` and Megatron's ``normalize(weights)`` do). ``num_samples`` (torch's and
-Megatron's name) is the epoch's length, by default all the sources' samples together.
+``random.choices`` and Megatron's ``normalize(weights)`` do). ``num_samples`` (torch's name;
+Megatron's ``BlendedDataset`` calls it ``size``) is the epoch's length, by default all the
+sources' samples together.
 
 The order of an epoch is a function of ``(seed, epoch)`` and the sources' positions at the
 epoch's start (``offsets``: samples drawn from each source before the epoch), themselves a
