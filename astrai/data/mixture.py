@@ -4,7 +4,7 @@ A mixture's dataset is the concatenation of its sources' datasets (:class:`Mixtu
 its sampler (:class:`MixtureSampler`) makes each epoch's order of ``num_samples`` positions,
 each position a source drawn by weight and the next sample of that source:
 
-- ``replacement: true`` (the default; litgpt's ``CombinedDataset`` mixes this way, where
+- ``replacement: true`` (the default; litgpt's mixes (litdata's ``CombinedStreamingDataset``) draw this way, where
   Megatron's ``BlendedDataset`` places each source deterministically where its share lags
   most): every position draws its source independently with probability ``weight`` (``torch.multinomial(weights, num_samples, replacement=True)``). Each source is
   read through shuffled passes of itself, a new pass once it is exhausted, so a small source
