@@ -4,9 +4,10 @@ A mixture's dataset is the concatenation of its sources' datasets (:class:`Mixtu
 its sampler (:class:`MixtureSampler`) makes each epoch's order of ``num_samples`` positions,
 each position a source drawn by weight and the next sample of that source:
 
-- ``replacement: true`` (the default; litgpt's mixes (litdata's ``CombinedStreamingDataset``) draw this way, where
-  Megatron's ``BlendedDataset`` places each source deterministically where its share lags
-  most): every position draws its source independently with probability ``weight`` (``torch.multinomial(weights, num_samples, replacement=True)``). Each source is
+- ``replacement: true`` (the default; litgpt's mixes, litdata's ``CombinedStreamingDataset``,
+  draw this way, where Megatron's ``BlendedDataset`` places each source deterministically
+  where its share lags most): every position draws its source independently with probability
+  ``weight`` (``torch.multinomial(weights, num_samples, replacement=True)``). Each source is
   read through shuffled passes of itself, a new pass once it is exhausted, so a small source
   is repeated (up-sampled) and a large one read in part, the next epoch continuing where this
   one stopped.
