@@ -30,6 +30,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "collate_prompt",
         "collate_unpaired",
     ),
+    "mixture": ("MixtureDataset", "MixtureSampler"),
     "onpolicy": ("OnPolicyPairs", "OnPolicySamples", "RecordSource"),
     "prepare": ("PrepareResult",),
     "rewards": ("REWARDS", "get_reward", "register_reward"),

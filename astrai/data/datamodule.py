@@ -23,10 +23,9 @@ transforms in ``on_after_batch_transfer`` or ``training_step`` instead.
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -41,79 +40,20 @@ from astrai.data.cache import PreparedSource, prepared_source
 from astrai.data.datasets import PretrainDataset, SFTDataset
 from astrai.data.fingerprint import DataChangedError, data_changes, dataset_fingerprint
 from astrai.data.flatten import PaddingFree
+from astrai.data.mixture import (
+    MixtureDataset,
+    MixtureSampler,
+    build_mixture,
+    mixture_fingerprint,
+    prepare_sources,
+)
 from astrai.data.sampler import BatchConsumer, BatchReuse, ResumableSampler
 from astrai.data.seeded import SeededSamples
 from astrai.data.storage.h5 import DamagedDataError
+from astrai.data.train_loader import TrainLoader, with_upcoming  # noqa: F401 (its old home)
 from astrai.tokenizer import AutoTokenizer
 
 log = logging.getLogger(__name__)
-
-
-class _TrainLoader(DataLoader):
-    """DataLoader that tells its datamodule when an epoch starts and each batch it yields.
-
-    Its ``state_dict`` / ``load_state_dict`` are the datamodule's, which makes it resumable in
-    Lightning's eyes too (Lightning then stores the same position with the loop state and
-    does not warn that a mid-epoch checkpoint cannot be resumed exactly).
-    """
-
-    def __init__(
-        self,
-        *args: Any,
-        datamodule: AstraiDataModule,
-        repeat: int = 1,
-        lookahead: int = 0,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(*args, **kwargs)
-        self.datamodule = datamodule
-        self.repeat = repeat
-        self.lookahead = lookahead
-
-    def __len__(self) -> int:
-        return super().__len__() * self.repeat
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.datamodule.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.datamodule.load_state_dict(state_dict)
-
-    def __iter__(self) -> Iterator[Any]:
-        self.datamodule.start_train_iteration()
-        # The iterator draws the workers' base seed from this generator (never from the
-        # global RNG the training step uses), seeded by (seed, epoch): a resumed epoch gives
-        # its workers the same seeds as the uninterrupted one; each sample is fetched under
-        # RNGs seeded by (seed, epoch, index) (`SeededSamples`).
-        epoch = self.datamodule.sampler.epoch
-        self.generator.manual_seed(self.datamodule.loader_seed(epoch))
-        self.dataset.set_epoch(epoch)
-        # A batch reused by several steps (`BatchReuse`) is yielded that many times; a resumed
-        # run yields the first one only as often as the interrupted run had not.
-        skip = self.datamodule.repeats_done
-        for batch in with_upcoming(super().__iter__(), self.lookahead):
-            for _ in range(self.repeat - skip):
-                self.datamodule.loader_yielded_batch()
-                yield batch
-            skip = 0
-
-
-def with_upcoming(batches: Iterator[Any], lookahead: int) -> Iterator[Any]:
-    """Each batch (a mapping) with ``upcoming``: the next ``lookahead`` batches of the same
-    epoch, drawn ahead of their turn (asynchronous GRPO samples them early). Drawing ahead
-    moves no position: the data module counts the batches the training step receives."""
-    if lookahead <= 0:
-        yield from batches
-        return
-    window: collections.deque[Any] = collections.deque()
-    for batch in batches:
-        window.append(batch)
-        if len(window) > lookahead:
-            head = window.popleft()
-            yield {**head, "upcoming": list(window)}
-    while window:
-        head = window.popleft()
-        yield {**head, "upcoming": list(window)}
 
 
 class AstraiDataModule(L.LightningDataModule):
@@ -122,7 +62,8 @@ class AstraiDataModule(L.LightningDataModule):
     Args:
         train, val, test: a ``Dataset``, or a config mapping with ``_target_`` (instantiated
             with Hydra in ``setup``; a ``prepare:`` block in it is run by ``prepare_data``,
-            after ``connect``), or ``None``.
+            after ``connect``), or ``None``. ``train`` may list ``sources`` instead of one
+            ``source``: a weighted mixture (:mod:`astrai.data.mixture`).
         batch_size: per-rank batch size; ``val_batch_size`` defaults to it.
         num_workers, pin_memory, persistent_workers, prefetch_factor: passed to DataLoader.
         seed, shuffle: the training order (see :class:`ResumableSampler`).
@@ -217,6 +158,16 @@ class AstraiDataModule(L.LightningDataModule):
         for split, spec in self.specs.items():
             if not isinstance(spec, dict):
                 continue
+            if "sources" in spec:  # a mixture (astrai.data.mixture): a job per source
+
+                def job(kind: str, source: Any, options: dict, name: str) -> PreparedSource:
+                    return prepared_source(
+                        kind, source, options, fingerprint=fingerprint, data_dir=data_dir, name=name
+                    )
+
+                self.prepared.update(prepare_sources(split, spec, _dataset_kind(spec), job))
+                spec.setdefault("tokenizer_fingerprint", fingerprint)
+                continue
             options = spec.pop("prepare", None)
             if options is not None:
                 options = dict(options)
@@ -265,6 +216,8 @@ class AstraiDataModule(L.LightningDataModule):
         if not self.padding_free:
             return
         for split, ds in self.datasets.items():
+            if isinstance(ds, MixtureDataset):
+                ds = ds.datasets[0]
             if ds is not None and not isinstance(ds, PretrainDataset | SFTDataset):
                 raise ValueError(
                     f"data.padding_free flattens pretrain and SFT batches; data.{split} is a "
@@ -276,6 +229,8 @@ class AstraiDataModule(L.LightningDataModule):
         if spec is None or isinstance(spec, Dataset):
             return spec
         if isinstance(spec, Mapping):
+            if "sources" in spec:
+                return build_mixture(split, spec)
             if "prepare" in spec:
                 raise ValueError(
                     f"data.{split}: has a prepare: block; call "
@@ -339,14 +294,11 @@ class AstraiDataModule(L.LightningDataModule):
         s = self.sampler
         if s is None or s.rank != rank or s.world_size != world:
             state = self._position() if s is not None else None
-            s = self.batching.sampler(
-                ds,
-                seed=self.seed,
-                shuffle=self.shuffle,
-                rank=rank,
-                world_size=world,
-                drop_last=self.drop_last,
-            )
+            options = {"seed": self.seed, "shuffle": self.shuffle, "drop_last": self.drop_last}
+            if isinstance(ds, MixtureDataset):
+                s = ds.sampler(rank=rank, world_size=world, **options)
+            else:
+                s = self.batching.sampler(ds, rank=rank, world_size=world, **options)
             if state is not None:
                 s.load_state_dict(state)
             self.sampler = s
@@ -359,7 +311,7 @@ class AstraiDataModule(L.LightningDataModule):
         ds = self._dataset("train")
         consumer = self._consumer()
         self._set_reuse(consumer.batch_reuse)
-        loader = _TrainLoader(
+        loader = TrainLoader(
             **self.batching.loader_options(
                 SeededSamples(ds, self.seed), self.batch_size, self.drop_last, self.reuse
             ),
@@ -434,6 +386,12 @@ class AstraiDataModule(L.LightningDataModule):
         self._iter_epoch = s.epoch
         self._start_consumed = s.consumed
         self._delivered_batches = 0
+        counts = self.source_counts()
+        if counts and self._rank_world()[0] == 0:
+            shown = ", ".join(f"{name} {n}" for name, n in counts.items())
+            log.info(
+                "data.train.sources at epoch %d, sample %d: %s so far", s.epoch, s.consumed, shown
+            )
 
     def loader_yielded_batch(self) -> None:
         """The training loader yielded a batch: counted here only without a trainer (under
@@ -456,6 +414,16 @@ class AstraiDataModule(L.LightningDataModule):
             state["fingerprint"] = self.data_fingerprint()
         return state
 
+    def source_counts(self) -> dict[str, int]:
+        """Samples of each ``data.train.sources`` entry the training loop received so far
+        (all ranks, since the run's start); empty without a mixture."""
+        s = self.sampler
+        if not isinstance(s, MixtureSampler):
+            return {}
+        state = self._position()
+        counts = s.source_counts(int(state["epoch"]), int(state["consumed"]))
+        return dict(zip(s.mixture.names, counts))
+
     def data_fingerprint(self) -> dict[str, Any]:
         """``{split: [{"file", "bytes", "digest"}, ...] | None}``: the content of the files
         every split reads (``None`` for a dataset without files), computed once."""
@@ -466,6 +434,9 @@ class AstraiDataModule(L.LightningDataModule):
             fingerprint = {}
             for split, ds in self.datasets.items():
                 try:
+                    if isinstance(ds, MixtureDataset):  # each source by its entry
+                        fingerprint.update(mixture_fingerprint(split, ds, cache))
+                        continue
                     fingerprint[split] = dataset_fingerprint(ds, cache)
                 except DamagedDataError as err:  # the file's stored checksum: name the split too
                     raise DamagedDataError(f"data.{split}: {err}") from None

@@ -161,6 +161,12 @@ class ResumableSampler(DistributedSampler):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue at the first unseen sample of the saved epoch, with any number of ranks."""
+        if "mixture" in state:  # (MixtureSampler takes it out before it calls this)
+            names = state["mixture"].get("names")
+            raise ValueError(
+                f"ResumableSampler: the saved position is for a mixture of data.train.sources "
+                f"{names}, this run reads one source; resume with the sources it was trained on"
+            )
         num = state.get("num_samples", self.num_samples_total)
         if num != self.num_samples_total:
             raise ValueError(

@@ -34,6 +34,7 @@ __all__ = [
     "batching_problems",
     "data_problems",
     "jsonl_problems",
+    "mixture_problems",
     "packed_windows_bound",
     "sample_bound",
 ]
@@ -124,7 +125,7 @@ def data_problems(cfg: DictConfig, world: int) -> list[str]:
     """The training split's size (one batch per device of `world`), and every split's JSONL
     syntax."""
     data = cfg.get("data") or {}
-    found = [*batching_problems(data), *jsonl_problems(data)]
+    found = [*batching_problems(data), *jsonl_problems(data), *mixture_problems(data)]
     spec = data.get("train")
     if spec is None:
         return found
@@ -153,6 +154,36 @@ def data_problems(cfg: DictConfig, world: int) -> list[str]:
         f"data.drop_last={data.get('drop_last')}): no training step would run; lower "
         f"data.batch_size or give more data{hint}",
     ]
+
+
+def mixture_problems(data: Any) -> list[str]:
+    """Every split's ``sources`` (a mixture, `astrai.data.mixture`), checked as the data
+    module checks them, naming ``data.<split>.sources[i]``."""
+    if not data or not any(
+        data.get(split) is not None and "sources" in data[split] for split in SPLITS
+    ):
+        return []
+    from astrai.data.mixture import check_entries, mixture_options  # torch: mixtures only
+
+    found = []
+    for split in SPLITS:
+        spec = data.get(split)
+        if spec is None or "sources" not in spec:
+            continue
+        try:
+            entries = spec.sources
+            if OmegaConf.is_config(entries):
+                entries = OmegaConf.to_container(entries, resolve=True)
+            check_entries(split, entries, None)
+            mixture_options(split, spec)
+        except ValueError as err:
+            found.append(str(err))
+        if data.get("use_dynamic_bsz") is True:
+            found.append(
+                f"data.use_dynamic_bsz: not with data.{split}.sources (a mixture's batches "
+                "are data.batch_size samples); set data.use_dynamic_bsz=false"
+            )
+    return found
 
 
 def batching_problems(data: Any) -> list[str]:

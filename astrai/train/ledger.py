@@ -2,7 +2,8 @@
 
 With ``ledger=true`` a run writes ``<run dir>/ledger.h5`` (`astrai.train.ledger_store`): per
 optimizer step the sample ids it trained on (positions in the epoch's order of the resumable
-sampler), a digest of the collated batch, each micro-batch's loss, the gradient norm before
+sampler) and each one's source (its ``data.train.sources`` entry; the names in the
+``data_sources`` attribute), a digest of the collated batch, each micro-batch's loss, the gradient norm before
 clipping, the learning rate, a digest of the weights after the step and of the random state
 after it; for GRPO each generation batch's rollouts (prompt and completion token ids,
 behaviour log-probs, rewards, policy version, seed). `python -m astrai.train.replay` re-runs any
@@ -30,13 +31,21 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from astrai.data.datamodule import AstraiDataModule
+from astrai.data.mixture import MixtureDataset
 from astrai.train.ledger_store import LEDGER_VERSION, LedgerFile
 from astrai.train.module import grad_stats
 from astrai.train.strategies.grpo.source import RecordingSource, RolloutModule
 
 log = logging.getLogger(__name__)
 
-__all__ = ["StepLedger", "batch_digest", "rng_digest", "sample_positions", "weights_digest"]
+__all__ = [
+    "StepLedger",
+    "batch_digest",
+    "rng_digest",
+    "sample_positions",
+    "sample_sources",
+    "weights_digest",
+]
 
 
 def _hasher() -> Any:
@@ -120,6 +129,20 @@ def sample_ids(datamodule: Any, epoch: int, start: int, end_epoch: int, end: int
     return ids + sampler.epoch_order(epoch)[start:end].tolist()
 
 
+def sample_sources(datamodule: Any, ids: list[int]) -> list[int]:
+    """Each sample's source: its index in ``data.train.sources`` (0 for one source)."""
+    train = datamodule.datasets.get("train") if isinstance(datamodule, AstraiDataModule) else None
+    if isinstance(train, MixtureDataset):
+        return train.locate(ids)[0].tolist()
+    return [0] * len(ids)
+
+
+def source_names(datamodule: Any) -> list[str] | None:
+    """The names of ``data.train.sources`` (``None`` for one source)."""
+    train = datamodule.datasets.get("train") if isinstance(datamodule, AstraiDataModule) else None
+    return list(train.names) if isinstance(train, MixtureDataset) else None
+
+
 class StepLedger(Callback):
     """Writes the step ledger. ``enabled=false`` (``ledger: false``) does nothing. Every rank
     computes the step's figures (under FSDP the gradient norm and the weights are
@@ -175,6 +198,7 @@ class StepLedger(Callback):
             threads=int(torch.get_num_threads()),
             accumulate_grad_batches=int(trainer.accumulate_grad_batches),
             data_fingerprint=fingerprint,
+            data_sources=source_names(datamodule),
         )
         if fresh or "start_step" not in self.file.h5.attrs:
             self.file.set_meta(
@@ -252,6 +276,7 @@ class StepLedger(Callback):
             digest = weights_digest(pl_module.state_dict().items())
         optimizers = trainer.optimizers
         lr = float(optimizers[0].param_groups[0]["lr"]) if optimizers else float("nan")
+        ids = sample_ids(trainer.datamodule, epoch, start, end_epoch, end)
         return {
             "step": step,
             "loss": float(np.mean(self.micro_loss)) if self.micro_loss else float("nan"),
@@ -264,7 +289,8 @@ class StepLedger(Callback):
             "epoch": epoch,
             "sample_start": start,
             "sample_end": end,
-            "sample_ids": sample_ids(trainer.datamodule, epoch, start, end_epoch, end),
+            "sample_ids": ids,
+            "sample_sources": sample_sources(trainer.datamodule, ids),
         }
 
     # ------------------------------------------------------------------ end

@@ -46,6 +46,8 @@ STEP_COLUMNS: dict[str, Any] = {
 STEP_RAGGED = {
     "micro_loss": ("micro_batches", np.float64),
     "sample_ids": ("sample_count", np.int64),
+    # each sample's source: its index in data.train.sources (0 for a split of one source)
+    "sample_sources": ("sample_count", np.int64),
 }
 
 ROLLOUT_COLUMNS: dict[str, Any] = {
@@ -154,6 +156,7 @@ class LedgerFile:
         record = dict(record)
         record["micro_batches"] = len(record["micro_loss"])
         record["sample_count"] = len(record["sample_ids"])
+        record.setdefault("sample_sources", [0] * record["sample_count"])
         for name, dtype in STEP_COLUMNS.items():
             _append(group, name, dtype, [record[name]])
         for name, (_, dtype) in STEP_RAGGED.items():
@@ -174,6 +177,8 @@ class LedgerFile:
             value = group[name][row]
             out[name] = value.decode() if isinstance(value, bytes) else value.item()
         for name, (count, _) in STEP_RAGGED.items():
+            if name not in group:  # a column added since the ledger was written
+                continue
             counts = group[count][:]
             start = int(counts[:row].sum())
             out[name] = group[name][start : start + int(counts[row])].tolist()
@@ -260,6 +265,7 @@ class LedgerFile:
                 _cut(steps, name, keep)
             _cut(steps, "micro_loss", micro)
             _cut(steps, "sample_ids", ids)
+            _cut(steps, "sample_sources", ids)
         rollouts = self.h5["rollouts"]
         if "step" in rollouts:
             keep = int(np.sum(rollouts["step"][:] < step))

@@ -7,6 +7,9 @@ a count restarted at 0 after a resume. This bar shows `step 120/1500` from the r
 on, with the rate and the time left over the steps this process ran. It is built in
 `on_train_start` (`init_train_tqdm`): Lightning (2.6) skips `on_train_epoch_start` when a
 run resumes mid-epoch.
+
+With a mixture of training sources (``data.train.sources``) the bar's figures also count the
+samples each source gave so far (``samples/<name>``, all ranks, since the run's start).
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ import lightning as L
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 
-__all__ = ["StepProgressBar"]
+from astrai.data.datamodule import AstraiDataModule
+
+__all__ = ["StepProgressBar", "source_counts"]
 
 STEP_FORMAT = "step {n_fmt}/{total_fmt} {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}, {rate_fmt}{postfix}]"
 
@@ -26,6 +31,13 @@ STEP_FORMAT = "step {n_fmt}/{total_fmt} {percentage:3.0f}%|{bar}| [{elapsed}<{re
 def bounded_by_steps(trainer: L.Trainer) -> bool:
     """The run ends at `trainer.max_steps` (not after a number of epochs)."""
     return trainer.max_steps is not None and trainer.max_steps > 0
+
+
+def source_counts(datamodule: Any) -> dict[str, int]:
+    """``{"samples/<name>": count}`` for each ``data.train.sources`` entry (empty for one)."""
+    if not isinstance(datamodule, AstraiDataModule):
+        return {}
+    return {f"samples/{name}": n for name, n in datamodule.source_counts().items()}
 
 
 class StepProgressBar(TQDMProgressBar):
@@ -50,6 +62,14 @@ class StepProgressBar(TQDMProgressBar):
             file=sys.stdout,
             smoothing=0,
         )
+
+    def get_metrics(
+        self, trainer: L.Trainer, pl_module: L.LightningModule
+    ) -> dict[str, int | str | float | dict[str, float]]:
+        """Lightning's figures, and each training source's sample count (a mixture's)."""
+        metrics = super().get_metrics(trainer, pl_module)
+        metrics.update(source_counts(trainer.datamodule))
+        return metrics
 
     def on_train_epoch_start(self, trainer: L.Trainer, *args: Any) -> None:
         if not bounded_by_steps(trainer):

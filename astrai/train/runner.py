@@ -160,7 +160,11 @@ def input_problems(cfg: DictConfig) -> list[str]:
     data = cfg.get("data")
     for split in SPLITS:
         spec = data.get(split) if data is not None else None
-        if spec is not None:
+        if spec is not None and "sources" in spec and OmegaConf.is_list(spec.sources):
+            for i, entry in enumerate(spec.sources):  # a mixture (astrai.data.mixture)
+                if OmegaConf.is_dict(entry):
+                    check(_check_source, entry, f"data.{split}.sources[{i}].source")
+        elif spec is not None:
             check(_check_source, spec, f"data.{split}.source")
     check(_check_model_and_tokenizer, cfg)
     return problems

@@ -72,6 +72,21 @@ def test_rows_read_back_as_written_and_a_resume_cuts_after_its_step(tmp_path):
         assert ledger.rollout(102)["action_masks"] == [[1, 1, 0], [1]]
 
 
+def test_each_samples_source_is_kept_and_cut_with_its_step(tmp_path):
+    """`sample_sources` (a mixture's `data.train.sources` index per sample) reads back and
+    is cut by a resume; a row written without it says source 0 (one source)."""
+    path = tmp_path / "ledger.h5"
+    with LedgerFile(path, "a") as ledger:
+        ledger.append_step(_step(1))
+        ledger.append_step({**_step(2), "sample_sources": [2, 0]})
+        ledger.append_step({**_step(3), "sample_sources": [1, 1, 2]})
+        ledger.truncate(2)
+        ledger.append_step({**_step(3), "sample_sources": [0, 2, 1]})
+    with LedgerFile(path) as ledger:
+        sources = [ledger.step(k)["sample_sources"] for k in (1, 2, 3)]
+    assert sources == [[0], [2, 0], [0, 2, 1]]
+
+
 def test_a_missing_or_foreign_file_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="train with ledger=true"):
         LedgerFile(tmp_path / "none.h5")

@@ -50,6 +50,21 @@ def test_missing_paths_are_all_named() -> None:
     ]
 
 
+def test_a_mixtures_bad_entries_are_named_before_the_run() -> None:
+    mix = ["data=arithmetic_sft_mix", "strategy=sft"]
+    assert _problems(*mix) == []
+    found = _problems(*mix, "data.train.sources.2.source=/nope/c.jsonl")
+    assert found == ["data.train.sources[2].source: /nope/c.jsonl does not exist"]
+    assert _problems(*mix, "data.train.sources.1.weight=-1", "data.use_dynamic_bsz=true") == [
+        "data.use_dynamic_bsz=true cuts each training batch as one padding-free row of at most "
+        "data.max_token_len_per_gpu tokens; it needs data.padding_free=true",
+        "data.train.sources[1].weight: must be positive and finite, got -1 (remove the entry "
+        "to leave a source out)",
+        "data.use_dynamic_bsz: not with data.train.sources (a mixture's batches are "
+        "data.batch_size samples); set data.use_dynamic_bsz=false",
+    ]
+
+
 @NO_GPU
 def test_gpu_recipes_name_the_cpu_override() -> None:
     for name in ("sft_1b", "pretrain_1b", "pretrain_1b_moe", "dpo_1b", "grpo_1b"):

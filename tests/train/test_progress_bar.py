@@ -120,3 +120,26 @@ def test_an_epoch_run_keeps_lightnings_bar(tmp_path: Path) -> None:
     trainer.fit(Tiny(), data)
     assert bar.shown[0].startswith("Epoch 0:") and bar.shown[-1].startswith("Epoch 1:")
     assert "4/4" in bar.shown[-1]
+
+
+def test_a_mixture_shows_each_sources_sample_count(tmp_path: Path) -> None:
+    """With `data.train.sources`, the bar's figures count the samples each source gave."""
+    from astrai.data.datamodule import AstraiDataModule
+    from astrai.data.mixture import MixtureDataset
+
+    vectors = [torch.randn(n, 4, generator=torch.Generator().manual_seed(n)) for n in (10, 6)]
+    mix = MixtureDataset(vectors, [0.7, 0.3], ["x", "y"], num_samples=12)
+    dm = AstraiDataModule(mix, batch_size=2, drop_last=True)
+    bar = Recorder()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=5,
+        callbacks=[bar],
+        logger=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(Tiny(), datamodule=dm)
+    counts = dm.source_counts()
+    assert sum(counts.values()) == 10 and set(counts) == {"x", "y"}
+    assert f"samples/x={counts['x']}, samples/y={counts['y']}" in bar.shown[-1]
