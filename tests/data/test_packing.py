@@ -9,8 +9,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from data_helpers import write_lines
 
+from astrai.data.datasets import collate_lm
+from astrai.data.flatten import flatten_lm
 from astrai.data.packing import bfd_bins, greedy_bins, padding_fraction
 from astrai.data.prepare import prepare
 from astrai.data.storage import DataError, H5Storage
@@ -225,3 +228,25 @@ def test_bad_packing_options_are_refused(tmp_path: Path, tok) -> None:
         with pytest.raises(DataError, match=message):
             prepare("sft", path, tmp_path / "x", tok, progress=False, **options)
     assert not (tmp_path / "x").exists()
+
+
+def _window(lengths: list[int]) -> dict:
+    """An SFT sample of packed documents of these lengths (after the shift)."""
+    n = sum(lengths)
+    return {
+        "input_ids": torch.arange(n),
+        "labels": torch.arange(n),
+        "loss_mask": torch.ones(n, dtype=torch.bool),
+        "position_ids": torch.cat([torch.arange(k) for k in lengths]),
+    }
+
+
+def test_collated_packed_windows_carry_cu_seqlens() -> None:
+    batch = collate_lm([_window([3, 4]), _window([5]), _window([2, 2, 2])], pad_id=0)
+    assert batch["input_ids"].shape == (3, 7)
+    # row 0: 3, 4; row 1: 5 and its padding tail (2); row 2: 2, 2, 2 and a tail of 1
+    assert batch["cu_seqlens"].dtype == torch.int32
+    assert batch["cu_seqlens"].tolist() == [0, 3, 7, 12, 14, 16, 18, 20, 21]
+    assert "cu_seqlens" not in collate_lm([_window([5]), _window([3])], pad_id=0)  # unpacked
+    flat = flatten_lm(batch)  # padding-free: the row's documents, no padding tails
+    assert flat["cu_seqlens"].tolist() == [0, 3, 7, 12, 14, 16, 18]
