@@ -250,3 +250,17 @@ def test_collated_packed_windows_carry_cu_seqlens() -> None:
     assert "cu_seqlens" not in collate_lm([_window([5]), _window([3])], pad_id=0)  # unpacked
     flat = flatten_lm(batch)  # padding-free: the row's documents, no padding tails
     assert flat["cu_seqlens"].tolist() == [0, 3, 7, 12, 14, 16, 18]
+
+
+def test_packing_strategy_enters_the_output_signature(tmp_path: Path, tok) -> None:
+    path = write_lines(tmp_path / "chat.jsonl", _chats(30, seed=2))
+    common = {"progress": False, "pack": True, "window_size": 128}
+    prepare("sft", path, tmp_path / "out", tok, **common)
+    again = prepare("sft", path, tmp_path / "out", tok, **common)  # the same: reused
+    assert again.shards_reused == 1 and again.shards_written == 0
+    with pytest.raises(DataError, match="prepared from other input or options"):
+        prepare("sft", path, tmp_path / "out", tok, packing_strategy="bfd", **common)
+    bfd = prepare(
+        "sft", path, tmp_path / "out", tok, packing_strategy="bfd", overwrite=True, **common
+    )
+    assert bfd.shards_written == 1
