@@ -12,6 +12,7 @@ BENCHMARKS: dict[str, str] = {
     "eval": "astrai.bench.eval",
     "grpo_async": "astrai.bench.grpo_async",
     "kernels": "astrai.bench.kernels",
+    "packing": "astrai.bench.packing",
     "rollouts": "astrai.bench.rollouts",
     "serve": "astrai.bench.serve",
     "train": "astrai.bench.train",

@@ -7,7 +7,10 @@ Every training sample is already shifted: ``labels[t]`` is the token that should
 Batches are dicts of ``[B, S]`` tensors:
 
 - pretrain / sft: ``input_ids``, ``labels``, ``attention_mask`` (1 = real token),
-  ``position_ids`` (restart at 0 for every packed document), sft also ``loss_mask``; sft
+  ``position_ids`` (restart at 0 for every packed document), sft also ``loss_mask``; a batch
+  of packed documents (positions restarting inside a row) also ``cu_seqlens``, int32
+  ``[documents + 1]``: where each document starts in the flattened ``B * S`` tokens (a row's
+  padding tail one more document), then ``B * S`` (flash-attn's varlen layout); sft
   prepared with a teacher also ``teacher_topk_ids`` (int64) and ``teacher_topk_logprobs``
   (float32) ``[B, S, k]``, entry ``[i, j]`` the teacher's top-k for ``labels[i, j]`` (padding:
   ids 0, log-probs 0; the labels say which positions count).
@@ -395,9 +398,26 @@ def collate_lm(
                 last = int(p[-1]) if len(p) else -1
                 pos[i, len(p) :] = torch.arange(last + 1, last + 1 + n - len(p))
         out[f"{prefix}position_ids"] = pos
+        real = out[f"{prefix}attention_mask"].bool()
+        if bool(((pos[:, 1:] != pos[:, :-1] + 1) & real[:, 1:]).any()):  # packed documents
+            out[f"{prefix}cu_seqlens"] = cu_seqlens_of(pos, real)
     else:
         out[f"{prefix}position_ids"] = torch.arange(n).repeat(len(batch), 1)
     return out
+
+
+def cu_seqlens_of(position_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The documents of a right-padded ``[B, S]`` batch as flash-attn's ``cu_seqlens`` (int32):
+    a document starts at each row's start, where a position id is not its predecessor plus
+    one, and where a row's padding tail begins; then ``B * S`` closes the last."""
+    real = attention_mask.bool()
+    starts = torch.zeros_like(real)
+    starts[:, 0] = True
+    starts[:, 1:] = (position_ids[:, 1:] != position_ids[:, :-1] + 1) | (
+        real[:, :-1] & ~real[:, 1:]
+    )
+    cuts = starts.flatten().nonzero()[:, 0]
+    return torch.cat([cuts, cuts.new_tensor([real.numel()])]).to(torch.int32)
 
 
 def collate_preference(

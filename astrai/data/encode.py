@@ -10,6 +10,7 @@ from dataclasses import fields as option_fields
 from typing import Any, ClassVar
 
 from astrai.data.formats import record_format
+from astrai.data.packing import PACKING_STRATEGIES
 from astrai.data.storage import DataError
 
 KINDS = ("pretrain", "sft", "preference", "prompt", "unpaired")
@@ -18,6 +19,12 @@ TOKEN_KEYS = ("input_ids", "chosen_ids", "rejected_ids", "prompt_ids", "completi
 #: completion apart, so a batch can pair a prompt with another row's completion, and the
 #: label as one 0/1 element.
 UNPAIRED_KEYS = ("prompt_ids", "completion_ids", "completion_mask", "label")
+#: What ``truncate`` keeps of a record over ``max_length`` (TRL's ``truncation_mode``): its
+#: first or its last ``max_length`` tokens.
+TRUNCATION_MODES = {
+    "keep_start": lambda n: slice(None, n),
+    "keep_end": lambda n: slice(-n, None),
+}
 
 
 @dataclass
@@ -51,6 +58,8 @@ class PrepareOptions:
             for k, v in asdict(self).items()
             if not (k in self.UNSIGNED_AT_DEFAULT and v == defaults[k])
         }
+    packing_strategy: str = "greedy"
+    truncation_mode: str = "keep_start"
 
     @classmethod
     def parse(
@@ -68,6 +77,8 @@ class PrepareOptions:
         required_fields: Sequence[str] = (),
         format: str | None = None,
         columns: Mapping[str, str] | None = None,
+        packing_strategy: str = "greedy",
+        truncation_mode: str = "keep_start",
     ) -> PrepareOptions:
         """Check the options together (a clear :class:`DataError` naming the option); with
         ``pack`` the window also caps ``max_length``."""
@@ -84,6 +95,21 @@ class PrepareOptions:
         if pack and not window_size:
             raise DataError("pack=true needs window_size (the length of a packed window)")
         record_format(format, columns, kind)  # refuses an unknown format or column early
+        if packing_strategy not in PACKING_STRATEGIES:
+            raise DataError(
+                f"packing_strategy must be one of {PACKING_STRATEGIES}, got {packing_strategy!r}"
+            )
+        if packing_strategy != "greedy" and not pack:
+            raise DataError(f"packing_strategy={packing_strategy} needs pack=true")
+        if truncation_mode not in TRUNCATION_MODES:
+            raise DataError(
+                f"truncation_mode must be one of {tuple(TRUNCATION_MODES)}, got {truncation_mode!r}"
+            )
+        if truncation_mode != "keep_start" and not truncate:
+            raise DataError(
+                f"truncation_mode={truncation_mode} needs truncate=true (without it, records "
+                f"over max_length are skipped)"
+            )
         if pack:
             max_length = min(max_length or window_size, window_size)  # type: ignore[type-var]
         return cls(
@@ -99,6 +125,8 @@ class PrepareOptions:
             required_fields=list(required_fields),
             format=None if format in (None, "openai") else format,
             columns=dict(columns) if columns else None,
+            packing_strategy=packing_strategy,
+            truncation_mode=truncation_mode,
         )
 
 
@@ -134,7 +162,8 @@ def _fit(ids: list[int], mask: list[int], opts: PrepareOptions) -> tuple[list[in
     if opts.max_length is not None and len(ids) > opts.max_length:
         if not opts.truncate:
             raise Skip("too_long")
-        ids, mask = ids[: opts.max_length], mask[: opts.max_length]
+        keep = TRUNCATION_MODES[opts.truncation_mode](opts.max_length)
+        ids, mask = ids[keep], mask[keep]
     if not any(mask):
         raise Skip("no_assistant_tokens")
     return ids, mask
@@ -185,7 +214,10 @@ def _encode_unpaired(tok: Any, record: Any, where: str, opts: PrepareOptions) ->
     if opts.max_length is not None and split >= opts.max_length:
         raise Skip("too_long")  # the prompt alone fills max_length (TRL drops these too)
     # earlier assistant turns of a multi-turn prompt are context here, not scored
+    full = len(ids)
     ids, mask = _fit(ids, [0] * split + list(mask[split:]), opts)
+    if opts.truncation_mode == "keep_end":  # the cut took the prompt's start
+        split = max(split - (full - len(ids)), 0)
     return {
         "prompt_ids": ids[:split],
         "completion_ids": ids[split:],

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from astrai.data.datasets import cu_seqlens_of
+
 #: the keys of a pretrain / SFT batch (``collate_lm``), all ``[B, S]``
 LM_KEYS = ("input_ids", "labels", "attention_mask", "loss_mask", "position_ids")
 
@@ -36,7 +38,10 @@ class PaddingFree:
 
 def flatten_lm(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A right-padded ``[B, S]`` pretrain / SFT batch as one ``[1, T]`` row of its real tokens
-    (``attention_mask`` 1), every key kept; ``attention_mask`` becomes all ones."""
+    (``attention_mask`` 1), every key kept; ``attention_mask`` becomes all ones and
+    ``cu_seqlens`` (packed documents' boundaries), when the batch has them, the row's."""
+    packed = "cu_seqlens" in batch
+    batch = {k: v for k, v in batch.items() if k != "cu_seqlens"}
     other = sorted(set(batch) - set(LM_KEYS))
     if other or "attention_mask" not in batch or "position_ids" not in batch:
         raise ValueError(
@@ -59,4 +64,6 @@ def flatten_lm(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         )
     out = {key: value[keep][None] for key, value in batch.items()}
     out["attention_mask"] = torch.ones_like(out["attention_mask"])
+    if packed:
+        out["cu_seqlens"] = cu_seqlens_of(out["position_ids"], out["attention_mask"])
     return out

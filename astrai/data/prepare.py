@@ -13,7 +13,8 @@ Kinds and the fields their records need:
   ``text`` field (``text_field``); keys ``input_ids`` (eos appended, bos if ``add_bos``).
 - ``sft``: ``messages`` (chat with roles, optional ``tools``), rendered with the tokenizer's chat
   template; keys ``input_ids`` and ``loss_mask`` (1 on assistant tokens only), and
-  ``position_ids`` when ``pack=true`` packs short documents into ``window_size`` windows.
+  ``position_ids`` when ``pack=true`` packs short documents into ``window_size`` windows
+  (``packing_strategy=greedy|bfd``: in input order, or best-fit decreasing, TRL's ``bfd``).
 - ``preference``: ``prompt`` (string or messages), ``chosen`` and ``rejected`` (string or
   messages); keys ``chosen_ids``, ``chosen_mask``, ``rejected_ids``, ``rejected_mask``.
   With ``teacher=<export dir> teacher_top_k=<k>`` also ``teacher_topk_ids`` and
@@ -152,6 +153,8 @@ def prepare(
     required_fields: Sequence[str] = (),
     format: str | None = None,
     columns: Mapping[str, str] | None = None,
+    packing_strategy: str = "greedy",
+    truncation_mode: str = "keep_start",
     overwrite: bool = False,
     progress: bool = True,
     batch_size: int = 256,
@@ -166,7 +169,11 @@ def prepare(
     """Tokenize ``input`` into ``<output>/<name>.h5`` (or ``<output>/<name>/`` when sharded).
 
     ``tokenizer`` is an ``AutoTokenizer`` or its directory; ``name`` defaults to the input's
-    stem. Records longer than ``max_length`` tokens are skipped, or cut when ``truncate``.
+    stem. Records longer than ``max_length`` tokens are skipped, or cut when ``truncate``
+    (``truncation_mode``: ``keep_start`` keeps the first ``max_length`` tokens, ``keep_end``
+    the last, TRL's names). ``pack`` packs sft documents into ``window_size`` windows by
+    ``packing_strategy`` (``greedy``, in input order, or ``bfd``, best-fit decreasing per
+    shard: :mod:`astrai.data.packing`).
     ``skip_bad_lines`` skips and counts lines that are not JSON and records that lack a field
     or do not render, instead of stopping at the first one with an error naming file and line.
     ``format`` names the records' layout (``openai``: astrai's own fields, the default;
@@ -193,6 +200,8 @@ def prepare(
         required_fields=required_fields,
         format=format,
         columns=columns,
+        packing_strategy=packing_strategy,
+        truncation_mode=truncation_mode,
     )
     if not is_record_source(input):  # else records made in code (astrai.data.onpolicy)
         input = os.fspath(input)

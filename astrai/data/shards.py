@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from astrai.data.encode import TOKEN_KEYS, PrepareOptions, Skip, encode_record, pretrain_text
 from astrai.data.formats import record_format
+from astrai.data.packing import Packer, make_packer
 from astrai.data.storage import FORMAT_VERSION, DataError, H5Storage, H5Writer, token_dtype
 from astrai.data.storage.h5 import DamagedDataError
 from astrai.data.teacher_topk import DocumentStage
@@ -126,30 +127,6 @@ def _dtypes(kind: str, vocab_size: int, window_size: int | None, pack: bool) -> 
     return {"prompt_ids": ids}
 
 
-class _Packer:
-    """Greedy in-order packing of documents into windows of at most ``window_size`` tokens."""
-
-    def __init__(self, writer: H5Writer, window_size: int) -> None:
-        self.writer, self.window_size = writer, window_size
-        self.ids: list[int] = []
-        self.mask: list[int] = []
-        self.pos: list[int] = []
-        self.windows = 0
-
-    def add(self, ids: list[int], mask: list[int]) -> None:
-        if len(self.ids) + len(ids) > self.window_size:
-            self.flush()
-        self.ids += ids
-        self.mask += mask
-        self.pos += range(len(ids))
-
-    def flush(self) -> None:
-        if self.ids:
-            self.writer.add(input_ids=self.ids, loss_mask=self.mask, position_ids=self.pos)
-            self.windows += 1
-            self.ids, self.mask, self.pos = [], [], []
-
-
 def _shard_stats(path: Path) -> dict[str, Any] | None:
     """Stats and signature of a finished shard, or None if it cannot be read."""
     try:
@@ -187,7 +164,7 @@ class ShardRun:
         self.counts: Counter = Counter()
         self.shard = -1
         self.writer: H5Writer | None = None
-        self.packer: _Packer | None = None
+        self.packer: Packer | None = None
         self.reused = False
         self.pending: list[str] = []
         self.written = 0
@@ -206,7 +183,9 @@ class ShardRun:
             path, dtypes=self.dtypes, string_keys=self.string_keys, attrs=self.attrs
         )
         if self.opts.pack and self.opts.window_size:
-            self.packer = _Packer(self.writer, self.opts.window_size)
+            self.packer = make_packer(
+                self.opts.packing_strategy, self.writer, self.opts.window_size
+            )
 
     def close(self) -> None:
         if self.reused:

@@ -9,12 +9,22 @@ per forward (all layers share it), and :func:`training_attention` runs causal SD
 span: the same arithmetic per query as the masked path (the keys it sees are exactly the ones
 the mask allows), with memory O(longest document^2) in the worst case and none for the mask.
 
-torch 2.13's own varlen routes were tried first: ``torch.nn.attention.varlen.varlen_attn``
-needs flash attention (no CPU kernel), and SDPA on jagged nested tensors refuses
-``is_causal=True`` ("No viable backend"), so the span loop is the CPU path.
+A right-padded batch of packed windows is spans too: the padding tail of a row is one more
+span (its queries attend among themselves, and no real token attends to it), so the real
+tokens' outputs, the loss and every gradient are the dense mask's.
+
+The spans also come as ``cu_seqlens``: the cumulative lengths over the flattened ``B * S``
+tokens, int32 (flash-attn's varlen layout; the collate of packed windows carries them, see
+``astrai.data.datasets.collate_lm``). On CUDA in fp16 / bf16 with flash attention available,
+:meth:`DocumentSpans.attend` hands them to ``torch.nn.attention.varlen.varlen_attn`` (one
+kernel for the whole batch); elsewhere it loops over the spans. torch 2.13's varlen route
+has no CPU kernel, and SDPA on jagged nested tensors refuses ``is_causal=True`` ("No viable
+backend"), so the span loop is the CPU path.
 """
 
 from __future__ import annotations
+
+from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +36,37 @@ class DocumentSpans:
 
     def __init__(self, spans: list[list[tuple[int, int]]]) -> None:
         self.spans = spans
+
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        """The spans as flash-attn's ``cu_seqlens``: int32 ``[documents + 1]``, the start of
+        every document in the flattened ``B * S`` tokens, then ``B * S``."""
+        width = self.spans[0][-1][1] if self.spans and self.spans[0] else 0
+        cuts = [b * width + start for b, row in enumerate(self.spans) for start, _ in row]
+        return torch.tensor([*cuts, len(self.spans) * width], dtype=torch.int32)
+
+    @classmethod
+    def from_cu_seqlens(cls, cu_seqlens: torch.Tensor, batch: int, seq: int) -> DocumentSpans:
+        """From ``cu_seqlens`` over a ``[batch, seq]`` batch flattened (no span may cross a
+        row's end): what the collate of packed windows carries."""
+        cuts = cu_seqlens.tolist()
+        if (
+            cu_seqlens.dim() != 1
+            or len(cuts) < 2
+            or cuts[0] != 0
+            or cuts[-1] != batch * seq
+            or any(b <= a for a, b in pairwise(cuts))
+            or not set(range(0, batch * seq + 1, seq)) <= set(cuts)
+        ):
+            raise ValueError(
+                f"cu_seqlens: expected increasing int offsets from 0 to {batch * seq} that "
+                f"include every row's end (a multiple of {seq}), got {cuts}"
+            )
+        spans: list[list[tuple[int, int]]] = [[] for _ in range(batch)]
+        for start, end in pairwise(cuts):
+            row = start // seq
+            spans[row].append((start - row * seq, end - row * seq))
+        return cls(spans)
 
     @classmethod
     def from_starts(cls, starts: torch.Tensor) -> DocumentSpans:
@@ -51,6 +92,8 @@ class DocumentSpans:
         enable_gqa: bool = False,
     ) -> torch.Tensor:
         """Causal attention within each span; ``q, k, v`` are ``[B, heads, S, head_dim]``."""
+        if _varlen_fits(q, v):
+            return self._attend_varlen(q, k, v, scale=scale, enable_gqa=enable_gqa)
         rows = []
         for b, spans in enumerate(self.spans):
             parts = [
@@ -66,6 +109,45 @@ class DocumentSpans:
             ]
             rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
         return rows[0] if len(rows) == 1 else torch.cat(rows, dim=0)
+
+    def _attend_varlen(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, enable_gqa: bool
+    ) -> torch.Tensor:
+        """All spans in one flash varlen call over the flattened ``[B * S, heads, head_dim]``."""
+        from torch.nn.attention.varlen import varlen_attn
+
+        b, heads, s, _dim = q.shape
+        cu = self.cu_seqlens.to(q.device)
+        longest = max(end - start for row in self.spans for start, end in row)
+
+        def flat(x: torch.Tensor) -> torch.Tensor:
+            return x.transpose(1, 2).reshape(b * s, x.shape[1], x.shape[-1])
+
+        out = varlen_attn(
+            flat(q),
+            flat(k),
+            flat(v),
+            cu,
+            cu,
+            longest,
+            longest,
+            scale=scale,
+            window_size=(-1, 0),  # causal
+            enable_gqa=enable_gqa,
+        )
+        return out.reshape(b, s, heads, v.shape[-1]).transpose(1, 2)
+
+
+def _varlen_fits(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether flash varlen attention takes ``q, v``: CUDA (sm80+), fp16 / bf16, one head size
+    of at most 256 for queries and values (not MLA's), flash available."""
+    return (
+        q.is_cuda
+        and q.shape[-1] == v.shape[-1] <= 256
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and torch.backends.cuda.is_flash_attention_available()
+        and torch.cuda.get_device_capability(q.device) >= (8, 0)
+    )
 
 
 def training_attention(

@@ -50,9 +50,11 @@ class DecoderBlock(nn.Module):
 def document_mask(
     position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None
 ) -> torch.Tensor | DocumentSpans | None:
-    """How a training forward attends: None when causal suffices, the spans of packed
-    documents when position ids restart and nothing is padded (a padding-free batch: no
-    `[S, S]` mask, `astrai.model.documents`), else a boolean `[B, 1, S, S]` mask.
+    """How a training forward attends: None when causal suffices; the spans of packed
+    documents (`astrai.model.documents`, no `[S, S]` mask) when position ids restart and
+    nothing is padded (a padding-free batch) or only rows' ends are (right-padded packed
+    windows: the padding tail is one more span); else (left padding, or padding without
+    packed documents) a boolean `[B, 1, S, S]` mask.
 
     A new document starts wherever a position id is not its predecessor plus one, so tokens
     never attend across the boundary of packed documents. Padding keys are masked; every
@@ -69,7 +71,18 @@ def document_mask(
         return None
     if not padded:
         return DocumentSpans.from_starts(starts)
+    assert attention_mask is not None
+    real = attention_mask.bool()
+    if starts is not None and not bool((real[:, 1:] & ~real[:, :-1]).any()):  # right padding
+        return DocumentSpans.from_starts(starts | padding_starts(real))
     return padded_mask(starts, attention_mask)
+
+
+def padding_starts(real: torch.Tensor) -> torch.Tensor:
+    """True where a right-padded row's padding tail begins (`real`: True on real tokens)."""
+    starts = torch.zeros_like(real)
+    starts[:, 1:] = real[:, :-1] & ~real[:, 1:]
+    return starts
 
 
 def padded_mask(starts: torch.Tensor | None, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -172,11 +185,14 @@ class Transformer(nn.Module):
         return_hidden: bool = False,
         targets: torch.Tensor | None = None,
         head: HeadSettings | None = None,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor | TokenScores:
         """Logits `[B, S, vocab]` for dense `[B, S]` ids.
 
         `position_ids` may restart inside a row (packed documents); attention then stays
         within each document. `attention_mask` is 1 for real tokens, 0 for padding.
+        `cu_seqlens` (packed windows' collate: int32 document starts over the flattened
+        `B * S` tokens, then `B * S`) gives the documents without reading the position ids.
 
         `targets` (`[B, S]` vocabulary ids, `IGNORE_INDEX` where no score is needed): instead
         of logits, the `TokenScores` `[B, S]` of the chunked head (`astrai.model.head`, with
@@ -198,7 +214,11 @@ class Transformer(nn.Module):
                     f"input_ids {tuple(input_ids.shape)}"
                 )
             positions = position_ids
-        mask = document_mask(position_ids, attention_mask)
+        mask = (
+            document_mask(position_ids, attention_mask)
+            if cu_seqlens is None
+            else DocumentSpans.from_cu_seqlens(cu_seqlens, b, s)
+        )
         # default positions end at s - 1: no device sync (and no torch.compile graph break)
         cos, sin = self.rotary(positions, s - 1 if position_ids is None else None)
         x = self.embed_tokens(input_ids)

@@ -25,6 +25,7 @@ class PretrainModule(ValidationCorpusMetrics, LMModule):
             batch["labels"],
             position_ids=batch.get("position_ids"),
             attention_mask=batch.get("attention_mask"),
+            cu_seqlens=batch.get("cu_seqlens"),
         )
         self.tally_validation(-scores.logp, batch["labels"])
         return loss, {"tokens": n.float()}

@@ -29,5 +29,6 @@ class SFTModule(LMModule):
             labels,
             position_ids=batch.get("position_ids"),
             attention_mask=batch.get("attention_mask"),
+            cu_seqlens=batch.get("cu_seqlens"),
         )
         return loss, {"assistant_tokens": n.float()}
