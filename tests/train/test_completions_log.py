@@ -116,3 +116,11 @@ def test_a_module_without_rollouts_is_left_alone(tmp_path) -> None:
 def test_bad_settings_are_refused_naming_the_option(tmp_path, kw, match) -> None:
     with pytest.raises(ValueError, match=match):
         CompletionsLog(tmp_path / "c.jsonl", **kw)
+
+
+def test_the_next_due_step_travels_in_the_checkpoint(tmp_path) -> None:
+    logs = CompletionsLog(tmp_path / "c.jsonl", every_n_steps=5)
+    logs.next_step = 15
+    resumed = CompletionsLog(tmp_path / "c.jsonl", every_n_steps=5)
+    resumed.load_state_dict(logs.state_dict())
+    assert resumed.next_step == 15

@@ -184,3 +184,13 @@ def test_disabled_keeps_nothing(tmp_path) -> None:
     ema = EMA(enabled=False)
     _fit(tmp_path, ema, max_steps=2)
     assert ema.n_averaged == 0 and ema.average == {}
+
+
+def test_sharded_weights_are_refused() -> None:
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    trainer = SimpleNamespace(strategy=FSDPStrategy())
+    with pytest.raises(ValueError, match=r"callbacks\.ema: sharded weights"):
+        EMA().on_train_start(trainer, Linear())
