@@ -289,6 +289,8 @@ class GRPOModule(GlobalTokenNormaliser, RolloutModule, LMModule):
         """The generation batch of ``samples`` with their ``advantages`` (``[N]`` or
         completion-aligned ``[N, T]``; PPO adds its per-token ``values`` and ``returns``),
         split and reused as the data module hands the batch out."""
+        for observe in self.rollout_observers:  # e.g. the completions log
+            observe(int(self.global_step), samples, advantages)
         lengths = [len(c) for c in samples.completions]
         reuse = self.batch_reuse
 

@@ -58,8 +58,20 @@ class RolloutSource(ABC):
         return None
 
 
+#: sees each generation batch once it is scored: ``(step, samples, advantages)``, the
+#: advantages ``[N]`` or completion-aligned ``[N, T]`` (the completions log)
+RolloutObserver = Callable[[int, Samples, Any], None]
+
+
 class RolloutModule(ABC):
-    """A module that trains on rollouts: what the step ledger and a replay may change."""
+    """A module that trains on rollouts: what the step ledger and a replay may change, and
+    what callbacks may watch (``observe_rollouts``)."""
+
+    rollout_observers: tuple[RolloutObserver, ...] = ()
+
+    def observe_rollouts(self, observer: RolloutObserver) -> None:
+        """Call ``observer`` with every generation batch from now on."""
+        self.rollout_observers = (*self.rollout_observers, observer)
 
     @abstractmethod
     def wrap_source(self, wrap: Callable[[RolloutSource], RolloutSource]) -> None:
