@@ -45,10 +45,18 @@ class PrepareOptions:
     #: the input's record layout and field renames (:mod:`astrai.data.formats`)
     format: str | None = None
     columns: dict[str, str] | None = None
+    #: how packed windows are filled and which end of an over-long record is kept (TRL's names)
+    packing_strategy: str = "greedy"
+    truncation_mode: str = "keep_start"
 
     #: options added after format 1: at their default they stay out of the signature, so
     #: outputs prepared before the option existed keep theirs
-    UNSIGNED_AT_DEFAULT: ClassVar[tuple[str, ...]] = ("format", "columns")
+    UNSIGNED_AT_DEFAULT: ClassVar[tuple[str, ...]] = (
+        "format",
+        "columns",
+        "packing_strategy",
+        "truncation_mode",
+    )
 
     def signature(self) -> dict[str, Any]:
         """The options as the output's signature records them."""
@@ -58,8 +66,6 @@ class PrepareOptions:
             for k, v in asdict(self).items()
             if not (k in self.UNSIGNED_AT_DEFAULT and v == defaults[k])
         }
-    packing_strategy: str = "greedy"
-    truncation_mode: str = "keep_start"
 
     @classmethod
     def parse(

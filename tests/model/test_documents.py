@@ -186,3 +186,28 @@ def test_varlen_route_takes_the_flattened_layout(tiny_model, monkeypatch):
         monkeypatch.setattr(varlen_module, "varlen_attn", _reference_varlen)
         varlen = tiny_model(batch["input_ids"], position_ids=pos, cu_seqlens=cu)
     torch.testing.assert_close(varlen, loop, atol=1e-6, rtol=0)
+
+
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.backends.cuda.is_flash_attention_available()),
+    reason="needs a CUDA device with flash attention (the varlen route)",
+)
+def test_flash_varlen_route_equals_the_span_loop_on_cuda():
+    """On a GPU in bf16 the spans go through flash varlen in one call: outputs and input
+    gradients within bf16's rounding of the per-span SDPA loop (run by `make gpu-check`)."""
+    spans = DocumentSpans([[(0, 5), (5, 12), (12, 16)], [(0, 9), (9, 16)]])
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (
+        torch.randn(2, 4, 16, 64, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
+        for _ in range(3)
+    )
+    fast = spans.attend(q, k, v, scale=0.125)
+    (fast.float() ** 2).sum().backward()
+    fast_grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    loop = spans.attend(q.float(), k.float(), v.float(), scale=0.125)  # fp32: the span loop
+    (loop**2).sum().backward()
+    torch.testing.assert_close(fast.float(), loop, atol=3e-2, rtol=3e-2)
+    for got, t in zip(fast_grads, (q, k, v)):
+        torch.testing.assert_close(got.float(), t.grad.float(), atol=1e-1, rtol=5e-2)
