@@ -44,7 +44,7 @@ GPU_PY ?= $(PY)
 GPU_TRAIN := trainer.max_steps=20 trainer.val_check_interval=20 trainer.limit_val_batches=2 \
 	callbacks.progress_bar=null
 gpu-check:
-	$(GPU_PY) -m pytest -m gpu tests/extension tests/inference -q
+	$(GPU_PY) -m pytest -m gpu tests/extension tests/inference tests/model/test_documents.py -q
 	$(GPU_PY) -m astrai.bench kernels out=experiments/bench/kernels-gpu.json
 	$(GPU_PY) -m astrai.bench engine device=cuda dtype=bfloat16 model=qwen3-0.6b \
 		engine=paged engine.max_batch_size=256 requests=256 prompt_min=100 prompt_max=1024 \

@@ -188,6 +188,7 @@ def test_varlen_route_takes_the_flattened_layout(tiny_model, monkeypatch):
     torch.testing.assert_close(varlen, loop, atol=1e-6, rtol=0)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(
     not (torch.cuda.is_available() and torch.backends.cuda.is_flash_attention_available()),
     reason="needs a CUDA device with flash attention (the varlen route)",
