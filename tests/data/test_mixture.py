@@ -4,6 +4,7 @@ entries are refused naming ``data.train.sources[i]``."""
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from pathlib import Path
@@ -303,3 +304,38 @@ def test_a_split_with_source_and_sources_is_refused(tmp_path: Path, tok_dir) -> 
         AstraiDataModule(train=spec).connect(tok_dir, tmp_path)
     with pytest.raises(ValueError, match=r"data\.train\.replacement: must be true or false"):
         AstraiDataModule(train=_mix_spec(replacement="no")).connect(tok_dir, tmp_path)
+
+
+def test_a_source_s_own_format_reads_its_layout(tmp_path: Path, tok_dir) -> None:
+    """Sources of one mixture in different layouts: an entry's `prepare: {format: alpaca}`
+    reads Alpaca records into the same documents as the equivalent `messages` records."""
+    rows = [(f"add {i} and {i + 1}", str(2 * i + 1)) for i in range(6)]
+    chat, alpaca = tmp_path / "chat.jsonl", tmp_path / "alpaca.jsonl"
+    chat.write_text(
+        "".join(
+            json.dumps(
+                {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+            )
+            + "\n"
+            for q, a in rows
+        )
+    )
+    alpaca.write_text(
+        "".join(json.dumps({"instruction": q, "input": "", "output": a}) + "\n" for q, a in rows)
+    )
+    spec = {
+        "_target_": "astrai.data.SFTDataset",
+        "sources": [
+            {"source": str(chat), "weight": 1, "name": "chat"},
+            {"source": str(alpaca), "weight": 1, "name": "alpaca", "prepare": {"format": "alpaca"}},
+        ],
+        "prepare": {},
+    }
+    dm = AstraiDataModule(train=spec, batch_size=2, seed=0)
+    dm.connect(tok_dir, tmp_path / "cache")
+    dm.setup("fit")
+    chat_ds, alpaca_ds = dm.datasets["train"].datasets
+    assert len(chat_ds) == len(alpaca_ds) == 6
+    for i in range(6):
+        for key in ("input_ids", "labels"):
+            assert torch.equal(chat_ds[i][key], alpaca_ds[i][key]), (i, key)
