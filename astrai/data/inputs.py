@@ -1,5 +1,6 @@
-"""Where ``prepare`` reads from: files, directories or ``builtin:<name>`` records, what the
-output's signature records about them, and the tokenizer given as an object or a directory."""
+"""Where ``prepare`` reads from: files (JSON / JSONL, text, parquet, arrow), directories,
+``datasets`` folders or ``builtin:<name>`` records, what the output's signature records about
+them, and the tokenizer given as an object or a directory."""
 
 from __future__ import annotations
 
@@ -9,32 +10,55 @@ from pathlib import Path
 from typing import Any
 
 from astrai.data.builtin import BUILTIN_PREFIX, builtin_records
+from astrai.data.readers import (
+    COLUMNAR_SUFFIXES,
+    dataset_folder_files,
+    is_dataset_folder,
+    iter_columnar,
+)
 from astrai.data.storage import DataError, JsonStorage
 from astrai.tokenizer import AutoTokenizer
 
 TEXT_SUFFIXES = (".txt", ".md")
-RECORD_SUFFIXES = (".json", ".jsonl")
+RECORD_SUFFIXES = (".json", ".jsonl", *COLUMNAR_SUFFIXES)
 
 
 def input_files(path: Path, kind: str) -> list[Path]:
-    """The input files of a file or directory (sorted, hidden ones skipped) for ``kind``."""
+    """The input files of a file or directory (sorted, hidden ones skipped) for ``kind``; a
+    ``datasets`` folder (``save_to_disk``), also inside a directory, is its arrow files in
+    the dataset's order."""
     suffixes = RECORD_SUFFIXES + (TEXT_SUFFIXES if kind == "pretrain" else ())
     if path.is_file():
         if path.suffix not in suffixes:
             raise DataError(f"{path}: kind={kind} reads {', '.join(suffixes)} files")
         return [path]
+    if is_dataset_folder(path):
+        return dataset_folder_files(path)
     if path.is_dir():
-        files = sorted(
-            p
-            for p in path.rglob("*")
-            if p.is_file()
-            and p.suffix in suffixes
-            and not any(part.startswith(".") for part in p.relative_to(path).parts)
-        )
+        files = _folder_files(path, suffixes)
         if not files:
             raise DataError(f"{path}: no input files ({', '.join(suffixes)}) in this directory")
         return files
     raise FileNotFoundError(f"input not found: {path}")
+
+
+def _folder_files(path: Path, suffixes: tuple[str, ...]) -> list[Path]:
+    """The input files under a directory in path order, a ``datasets`` folder met on the way
+    taking the place of its first data file with all of them (its JSON metadata is not
+    records)."""
+
+    def visible(p: Path) -> bool:
+        return not any(part.startswith(".") for part in p.relative_to(path).parts)
+
+    found = [p for p in path.rglob("*") if visible(p)]
+    folders = [p for p in found if is_dataset_folder(p)]
+    groups = [(files[0], files) for files in map(dataset_folder_files, folders) if files]
+    groups += [
+        (p, [p])
+        for p in found
+        if p.is_file() and p.suffix in suffixes and not any(d in p.parents for d in folders)
+    ]
+    return [f for _, files in sorted(groups, key=lambda g: g[0]) for f in files]
 
 
 def is_record_source(input: Any) -> bool:
@@ -61,6 +85,9 @@ def iter_input(input: Any, kind: str, builtin: Mapping[str, Any]) -> Iterator[tu
     for path in input_files(Path(input), kind):
         if path.suffix in TEXT_SUFFIXES:
             yield str(path), {"text": path.read_text(encoding="utf-8", errors="replace")}
+            continue
+        if path.suffix in COLUMNAR_SUFFIXES:
+            yield from iter_columnar(path)
             continue
         for line, record in JsonStorage(path).iter_records(with_errors=True):
             yield f"{path}:{line}", record
