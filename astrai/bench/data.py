@@ -1,7 +1,9 @@
 """Data benchmark: preprocessing throughput and the memory cost of random access.
 
 1. ``prepare`` throughput (tokenize + write HDF5) on real text, the stdlib corpus
-   (``kind=pretrain``), and on arithmetic chats (``kind=sft``, chat template and loss mask).
+   (``kind=pretrain``), and on arithmetic chats (``kind=sft``, chat template and loss mask);
+   the same chats again from a JSONL file and from a parquet file (``sft_jsonl``,
+   ``sft_parquet``: the reader's cost, since the rest of the work is equal).
 2. A synthetic corpus of ``tokens`` random ids (documents of ``doc_min..doc_max`` tokens),
    written in chunks with :class:`~astrai.data.storage.H5Writer` into a temporary directory.
 3. In a fresh process: open the corpus, then read ``reads`` random ``window_size`` windows
@@ -28,7 +30,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from astrai.data.builtin import stdlib_corpus
+from astrai.data.builtin import builtin_records, stdlib_corpus
 from astrai.data.datasets import PretrainDataset
 from astrai.data.prepare import prepare
 from astrai.data.storage import H5Storage, H5Writer, token_dtype
@@ -74,14 +76,35 @@ def bench_prepare(cfg: dict[str, Any], work: Path) -> dict[str, Any]:
         ("sft", "builtin:arithmetic/sft", {"n": cfg["sft_records"], "seed": cfg["seed"]}),
     ):
         r = prepare(kind, source, work / "prepared", tok, builtin=builtin, overwrite=True)
-        out[kind] = {
-            "records": r.records,
-            "documents": r.documents,
-            "tokens": r.tokens,
-            "seconds": r.seconds,
-            "tokens_per_s": r.tokens / r.seconds,
-        }
+        out[kind] = _throughput(r)
+    for name, path in _chat_files(cfg, work).items():
+        r = prepare("sft", path, work / "prepared", tok, name=name, overwrite=True)
+        out[name] = _throughput(r)
     return out
+
+
+def _throughput(r: Any) -> dict[str, Any]:
+    return {
+        "records": r.records,
+        "documents": r.documents,
+        "tokens": r.tokens,
+        "seconds": r.seconds,
+        "tokens_per_s": r.tokens / r.seconds,
+    }
+
+
+def _chat_files(cfg: dict[str, Any], work: Path) -> dict[str, Path]:
+    """The arithmetic chats as a JSONL file and as a parquet file (pyarrow's defaults)."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    records = list(builtin_records("arithmetic/sft", n=cfg["sft_records"], seed=cfg["seed"]))
+    jsonl, parquet = work / "chats.jsonl", work / "chats.parquet"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in records))
+    pq.write_table(pa.Table.from_struct_array(pa.array(records)), parquet)
+    return {"sft_jsonl": jsonl, "sft_parquet": parquet}
 
 
 # ------------------------------------------------------------------------ synthetic corpus
@@ -233,6 +256,11 @@ def format_report(report: dict[str, Any]) -> str:
         f"prepare sft (arithmetic chats): {p['sft']['tokens']:,} tokens from "
         f"{p['sft']['documents']} records in {p['sft']['seconds']:.1f}s = "
         f"{p['sft']['tokens_per_s']:,.0f} tokens/s",
+        *(
+            f"prepare {name} (the same chats from a file): {p[name]['tokens']:,} tokens in "
+            f"{p[name]['seconds']:.1f}s = {p[name]['tokens_per_s']:,.0f} tokens/s"
+            for name in ("sft_jsonl", "sft_parquet")
+        ),
         f"synthetic corpus: {c['tokens']:,} tokens ({c['dtype']}), {c['documents']:,} documents, "
         f"{c['file_mb']:.0f} MB, written at {c['tokens_per_s']:,.0f} tokens/s",
         f"open: {ix['open_s'] * 1e3:.1f} ms; {ix['windows']:,} windows of "
