@@ -10,6 +10,8 @@ import math
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from torch.utils.data import Dataset
@@ -307,10 +309,11 @@ def test_a_split_with_source_and_sources_is_refused(tmp_path: Path, tok_dir) -> 
 
 
 def test_a_source_s_own_format_reads_its_layout(tmp_path: Path, tok_dir) -> None:
-    """Sources of one mixture in different layouts: an entry's `prepare: {format: alpaca}`
-    reads Alpaca records into the same documents as the equivalent `messages` records."""
+    """Sources of one mixture in different layouts and files: an entry's `prepare: {format:
+    alpaca}` reads Alpaca records from a parquet file into the same documents as the
+    equivalent `messages` records from JSONL."""
     rows = [(f"add {i} and {i + 1}", str(2 * i + 1)) for i in range(6)]
-    chat, alpaca = tmp_path / "chat.jsonl", tmp_path / "alpaca.jsonl"
+    chat, alpaca = tmp_path / "chat.jsonl", tmp_path / "alpaca.parquet"
     chat.write_text(
         "".join(
             json.dumps(
@@ -320,9 +323,8 @@ def test_a_source_s_own_format_reads_its_layout(tmp_path: Path, tok_dir) -> None
             for q, a in rows
         )
     )
-    alpaca.write_text(
-        "".join(json.dumps({"instruction": q, "input": "", "output": a}) + "\n" for q, a in rows)
-    )
+    alpaca_rows = [{"instruction": q, "input": "", "output": a} for q, a in rows]
+    pq.write_table(pa.Table.from_pylist(alpaca_rows), alpaca)
     spec = {
         "_target_": "astrai.data.SFTDataset",
         "sources": [
