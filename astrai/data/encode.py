@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 from astrai.data.formats import record_format
 from astrai.data.packing import PACKING_STRATEGIES
 from astrai.data.storage import DataError
+from astrai.tokenizer.chat import TURNS_FORMS, as_turns
 
 KINDS = ("pretrain", "sft", "preference", "prompt", "unpaired")
 TOKEN_KEYS = ("input_ids", "chosen_ids", "rejected_ids", "prompt_ids", "completion_ids")
@@ -155,13 +156,10 @@ def _require(record: Any, fields: Sequence[str], where: str) -> None:
 
 
 def _as_messages(value: Any, role: str, where: str, name: str) -> list[dict[str, Any]]:
-    if isinstance(value, str):
-        return [{"role": role, "content": value}]
-    if isinstance(value, Mapping):
-        return [dict(value)]
-    if isinstance(value, list) and all(isinstance(m, Mapping) for m in value):
-        return [dict(m) for m in value]
-    raise DataError(f"{where}: field {name!r} must be a string, a message or a list of messages")
+    turns = as_turns(value, role)
+    if turns is None:
+        raise DataError(f"{where}: field {name!r} {TURNS_FORMS}")
+    return turns
 
 
 def _fit(ids: list[int], mask: list[int], opts: PrepareOptions) -> tuple[list[int], list[int]]:

@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from astrai.data.storage import DataError
+from astrai.tokenizer.chat import TURNS_FORMS, as_turns
 
 FORMATS = ("openai", "sharegpt", "trl", "alpaca")
 
@@ -126,13 +127,10 @@ class _Fields:
 def _turns(value: Any, role: str, fields: _Fields, field: str) -> list[dict[str, Any]]:
     """A string as one turn of ``role``, a message or a list of messages as they are (the
     forms astrai's own prompt/chosen/rejected/completion fields take)."""
-    if isinstance(value, str):
-        return [{"role": role, "content": value}]
-    if isinstance(value, Mapping):
-        return [dict(value)]
-    if isinstance(value, list) and all(isinstance(m, Mapping) for m in value):
-        return [dict(m) for m in value]
-    raise fields.error(field, "must be a string, a message or a list of messages")
+    turns = as_turns(value, role)
+    if turns is None:
+        raise fields.error(field, TURNS_FORMS)
+    return turns
 
 
 def _with_tools(out: dict[str, Any], tools: Any) -> dict[str, Any]:

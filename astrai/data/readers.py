@@ -36,8 +36,8 @@ DATASET_INFO, DATASET_STATE, DATASET_DICT = "dataset_info.json", "state.json", "
 #: rows per record batch read from a parquet file: a few MB of chat records at most
 BATCH_ROWS = 1024
 #: a parquet file is read through a buffer of this size, not pre-buffered whole: pyarrow's
-#: default (``pre_buffer=True``) holds every column chunk it has read, so a 200 MB file grew
-#: the resident set by 240 MB; buffered, by 26 MB (tests/data/test_readers.py measures it)
+#: default (``pre_buffer=True``) holds every column chunk it has read, so a 194 MiB file grew
+#: the resident set by 209 MiB; buffered, by 11-13 MiB (tests/data/test_readers.py measures it)
 READ_BUFFER = 1 << 20
 
 

@@ -40,6 +40,7 @@ from astrai.model.scalar_head import (
     save_head_model,
     stored_tensor_names,
 )
+from astrai.tokenizer.chat import TURNS_FORMS, as_turns
 
 if TYPE_CHECKING:
     from astrai.model.config import ModelConfig
@@ -131,13 +132,10 @@ def score_sequences(
 
 # ---------------------------------------------------------------------- rendering
 def _messages(value: Any, role: str, name: str) -> list[dict[str, Any]]:
-    if isinstance(value, str):
-        return [{"role": role, "content": value}]
-    if isinstance(value, Mapping):
-        return [dict(value)]
-    if isinstance(value, list) and all(isinstance(m, Mapping) for m in value):
-        return [dict(m) for m in value]
-    raise ValueError(f"{name} must be a string, a message or a list of messages")
+    turns = as_turns(value, role)
+    if turns is None:
+        raise ValueError(f"{name} {TURNS_FORMS}")
+    return turns
 
 
 def render_for_reward(

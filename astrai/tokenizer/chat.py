@@ -8,9 +8,24 @@ from typing import Any
 
 from astrai.tokenizer.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate, TemplateError
 
-__all__ = ["CHAT_ROLES", "ChatFormatter", "span_mask"]
+__all__ = ["CHAT_ROLES", "TURNS_FORMS", "ChatFormatter", "as_turns", "span_mask"]
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
+#: what a prompt / completion / chosen / rejected field may hold (the error's wording)
+TURNS_FORMS = "must be a string, a message or a list of messages"
+
+
+def as_turns(value: Any, role: str) -> list[dict[str, Any]] | None:
+    """The turns of a record field: a string as one turn of ``role``, a message or a list of
+    messages as they are (TRL's standard and conversational forms); ``None`` for anything
+    else, so that each caller names the field in its own error."""
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    if isinstance(value, Mapping):
+        return [dict(value)]
+    if isinstance(value, list) and all(isinstance(m, Mapping) for m in value):
+        return [dict(m) for m in value]
+    return None
 
 
 class ChatFormatter:
