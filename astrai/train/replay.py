@@ -28,7 +28,17 @@ from omegaconf import DictConfig, OmegaConf
 
 log = logging.getLogger("astrai.train.replay")
 
-__all__ = ["ReplayError", "StepCheck", "find_checkpoint", "main", "replay"]
+__all__ = [
+    "ReplayError",
+    "StepCheck",
+    "check_data",
+    "check_start",
+    "find_checkpoint",
+    "fit_from",
+    "main",
+    "rebuild_start",
+    "replay",
+]
 
 #: what each replayed step is checked on
 CHECKS = ("micro_loss", "grad_norm", "weights_digest", "rng_digest", "batch_digest", "sample_ids")
@@ -107,9 +117,10 @@ class StepCheck:
         }
 
 
-def replay_callback(ledger: Any, until: int, checks: list[StepCheck]) -> Any:
+def replay_callback(ledger: Any, until: int, checks: list[StepCheck], checked: bool = True) -> Any:
     """A `StepLedger` that compares each step with the ledger instead of writing it, and
-    stops the fit after step ``until``."""
+    stops the fit after step ``until``. ``checked=False``: a counterfactual step (its batch
+    altered on purpose), run on the ledger's rollouts and not compared."""
     from astrai.train.ledger import StepLedger
 
     class ReplayCheck(StepLedger):
@@ -125,6 +136,9 @@ def replay_callback(ledger: Any, until: int, checks: list[StepCheck]) -> Any:
                 pl_module.wrap_source(lambda source: ReplaySource(ledger.rollout, source))
 
         def step_ended(self, trainer: Any, step: int, record: dict[str, Any]) -> None:
+            if not checked:
+                trainer.should_stop = step >= until
+                return
             check = StepCheck(step, ledger.step(step), record)
             checks.append(check)
             log.info("step %d: %s", step, "agrees" if check.ok else f"differs: {check.mismatches}")
@@ -136,7 +150,7 @@ def replay_callback(ledger: Any, until: int, checks: list[StepCheck]) -> Any:
     return ReplayCheck(path=ledger.path)
 
 
-def _check_data(cfg: DictConfig, datamodule: Any, saved: Any) -> None:
+def check_data(cfg: DictConfig, datamodule: Any, saved: Any) -> None:
     from astrai.data.datamodule import AstraiDataModule
     from astrai.data.fingerprint import data_changes
     from astrai.data.storage.h5 import DamagedDataError
@@ -198,29 +212,41 @@ def replay(run: str | Path, step: int, until: int | None = None) -> list[StepChe
         ledger.close()
 
 
-def _run(
-    cfg: DictConfig, ledger: Any, meta: Mapping[str, Any], ckpt: Path | None, at: int, until: int
-) -> list[StepCheck]:
+def rebuild_start(cfg: DictConfig, meta: Mapping[str, Any]) -> tuple[Any, Any]:
+    """The run's data module and module as its seed builds them, with the run's thread count,
+    the data checked against the ledger's fingerprint first."""
     import torch
-    from hydra.utils import instantiate
 
-    from astrai.train.ledger import weights_digest
     from astrai.train.runner import build_run
 
     torch.set_num_threads(int(meta.get("threads", torch.get_num_threads())))
     datamodule, module = build_run(cfg)
-    _check_data(cfg, datamodule, meta.get("data_fingerprint"))
-    if ckpt is None and weights_digest(module.state_dict().items()) != meta.get("start_digest"):
+    check_data(cfg, datamodule, meta.get("data_fingerprint"))
+    return datamodule, module
+
+
+def check_start(module: Any, meta: Mapping[str, Any]) -> None:
+    """The rebuilt start weights are the run's (the ledger's start digest)."""
+    from astrai.train.ledger import weights_digest
+
+    if weights_digest(module.state_dict().items()) != meta.get("start_digest"):
         raise ReplayError(
             "the rebuilt start weights differ from the run's (strategy.init_from or "
             "model.path now points at other weights?); replay needs a checkpoint before the step"
         )
-    log.info("replaying steps %d..%d from %s", at + 1, until, ckpt or "the start (seed)")
-    checks: list[StepCheck] = []
+
+
+def fit_from(
+    cfg: DictConfig, datamodule: Any, module: Any, ckpt: Path | None, callbacks: list[Any]
+) -> None:
+    """Train ``module`` from ``ckpt`` (None: its current weights, step 0) with the run's
+    trainer settings and only ``callbacks`` (one of them stops the fit), writing nothing."""
+    from hydra.utils import instantiate
+
     with tempfile.TemporaryDirectory(prefix="astrai-replay-") as scratch:
         trainer = instantiate(
             cfg.trainer,
-            callbacks=[replay_callback(ledger, until, checks)],
+            callbacks=callbacks,
             logger=False,
             enable_checkpointing=False,
             enable_progress_bar=False,
@@ -230,6 +256,17 @@ def _run(
             default_root_dir=scratch,
         )
         trainer.fit(module, datamodule=datamodule, ckpt_path=str(ckpt) if ckpt else None)
+
+
+def _run(
+    cfg: DictConfig, ledger: Any, meta: Mapping[str, Any], ckpt: Path | None, at: int, until: int
+) -> list[StepCheck]:
+    datamodule, module = rebuild_start(cfg, meta)
+    if ckpt is None:
+        check_start(module, meta)
+    log.info("replaying steps %d..%d from %s", at + 1, until, ckpt or "the start (seed)")
+    checks: list[StepCheck] = []
+    fit_from(cfg, datamodule, module, ckpt, [replay_callback(ledger, until, checks)])
     return checks
 
 
