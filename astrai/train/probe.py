@@ -6,6 +6,11 @@ A probe maps a module (and its tokenizer) to named numbers:
   (``callbacks.eval.suites.<name>``), else as ``python -m astrai.eval`` composes it. Requests
   carry per-request seeds, so two probes of the same weights give the same numbers and two
   probes of different weights share their sampling noise (common random numbers).
+- ``logprob=SOURCE``: the mean log-prob per token the policy gives the assistant turns of SFT
+  records (``builtin:arithmetic/sft/val``, a JSONL / parquet file: the reference answers),
+  teacher-forced: a continuous measure of "how likely is the right answer", which moves with
+  every update where exact match moves in steps of one item. Built-in records take the run's
+  task options (``arithmetic:``), ``n=256`` held-out records, seed 1.
 - ``pkg.module:function``: ``function(module, tokenizer) -> {name: value}``, any measure.
 
 A condition is ``metric op number`` (``exact_match < 0.5``; op one of < <= > >= == !=). A
@@ -27,7 +32,15 @@ from omegaconf import DictConfig, OmegaConf
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CallableProbe", "Condition", "EvalProbe", "Probe", "ProbeError", "parse_probe"]
+__all__ = [
+    "CallableProbe",
+    "Condition",
+    "EvalProbe",
+    "LogprobProbe",
+    "Probe",
+    "ProbeError",
+    "parse_probe",
+]
 
 OPS: dict[str, Callable[[float, float], bool]] = {
     "<=": operator.le,
@@ -112,6 +125,70 @@ class EvalProbe(Probe):
         return f"eval=[{','.join(self.names)}]"
 
 
+class LogprobProbe(Probe):
+    """Mean per-token log-prob of the assistant turns of SFT records (``logprob``) and their
+    mean per-record sum (``logprob_sum``), teacher-forced on the policy."""
+
+    def __init__(self, source: str, builtin: Mapping[str, Any], limit: int = 256) -> None:
+        self.source, self.builtin, self.limit = source, dict(builtin), int(limit)
+        self.encoded: list[tuple[list[int], list[int]]] | None = None
+
+    def _records(self, tokenizer: Any) -> list[tuple[list[int], list[int]]]:
+        from astrai.data.encode import PrepareOptions, encode_record
+        from astrai.data.inputs import iter_input
+
+        opts = PrepareOptions(
+            kind="sft",
+            max_length=None,
+            pack=False,
+            window_size=None,
+            truncate=False,
+            skip_bad_lines=False,
+            text_field="text",
+            add_bos=False,
+            add_eos=False,
+            required_fields=[],
+        )
+        out = []
+        for where, record in iter_input(self.source, "sft", self.builtin):
+            if isinstance(record, Exception):
+                raise ProbeError(f"probe logprob={self.source}: {record}")
+            row = encode_record(tokenizer, record, where, opts)
+            out.append((row["input_ids"], row["loss_mask"]))
+            if len(out) >= self.limit:
+                break
+        if not out:
+            raise ProbeError(f"probe logprob={self.source}: no records")
+        return out
+
+    def __call__(self, module: Any, tokenizer: Any) -> dict[str, float]:
+        import torch
+
+        model, tokenizer = module.live_policy()
+        if self.encoded is None:
+            self.encoded = self._records(tokenizer)
+        was_training = model.training
+        model.eval()
+        tokens, total, sums = 0, 0.0, []
+        try:
+            with torch.no_grad():
+                for ids, mask in self.encoded:
+                    x = torch.tensor([ids], device=next(model.parameters()).device)
+                    logp = torch.log_softmax(model(x)[0, :-1].double(), dim=-1)
+                    target = torch.tensor(ids[1:], device=logp.device)
+                    keep = torch.tensor(mask[1:], device=logp.device).bool()
+                    picked = logp.gather(1, target[:, None])[:, 0][keep]
+                    sums.append(float(picked.sum()))
+                    total += float(picked.sum())
+                    tokens += int(keep.sum())
+        finally:
+            model.train(was_training)
+        return {"logprob": total / max(tokens, 1), "logprob_sum": sum(sums) / len(sums)}
+
+    def __repr__(self) -> str:
+        return f"logprob={self.source}"
+
+
 def _suite_nodes(cfg: DictConfig, names: list[str]) -> dict[str, Any]:
     """Each named suite's config: the run's evaluation callback's, else conf/eval/<name>."""
     from hydra import compose, initialize_config_dir
@@ -158,6 +235,13 @@ def parse_probe(spec: str | Callable[..., Any] | Probe, cfg: DictConfig) -> Prob
             engine = instantiate(cfg.callbacks.eval.engine)
         size = OmegaConf.select(cfg, "callbacks.eval.max_batch_size", default=32)
         return EvalProbe(_suite_nodes(cfg, names), engine, int(size))
+    if text.startswith("logprob="):
+        source = text.removeprefix("logprob=")
+        task = OmegaConf.select(cfg, "arithmetic", default=None)
+        builtin = {"n": 256, "seed": 1}
+        if task is not None and source.startswith("builtin:arithmetic"):
+            builtin.update(OmegaConf.to_container(task, resolve=True))
+        return LogprobProbe(source, builtin)
     if re.fullmatch(r"[\w.]+[:.]\w+", text):
         from hydra.utils import get_method
 
@@ -167,7 +251,8 @@ def parse_probe(spec: str | Callable[..., Any] | Probe, cfg: DictConfig) -> Prob
             raise ProbeError(f"probe={text}: {err}") from None
         return CallableProbe(fn, text)
     raise ProbeError(
-        f"probe={text}: give eval=[suite,...] (conf/eval/) or a function as pkg.module:function"
+        f"probe={text}: give eval=[suite,...] (conf/eval/), logprob=SOURCE or a function as "
+        "pkg.module:function"
     )
 
 
