@@ -219,6 +219,13 @@ class LedgerFile:
             _append(group, name, dtype, values)
         self.h5.flush()
 
+    def rollout_index(self) -> list[tuple[int, int]]:
+        """``(seed, step it was sampled at)`` of every generation batch, in recorded order."""
+        group = self.h5.get("rollouts")
+        if group is None or "seed" not in group:
+            return []
+        return [(int(a), int(b)) for a, b in zip(group["seed"][:], group["step"][:], strict=True)]
+
     def rollout(self, seed: int) -> RolloutRecord:
         """The generation batch sampled with ``seed`` (the newest, after a resume)."""
         group = self.h5["rollouts"]

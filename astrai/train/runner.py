@@ -38,7 +38,7 @@ from omegaconf.errors import MissingMandatoryValue
 
 from astrai.data.builtin import is_builtin
 from astrai.tokenizer import AutoTokenizer
-from astrai.train import wandb_run
+from astrai.train import receipt, wandb_run
 from astrai.train.checkpoint import checkpoint_problem, newest_complete, remove_stale_temps
 from astrai.train.memory_plan_config import log_plan
 from astrai.train.tokenizer_setup import prepare_tokenizer
@@ -404,7 +404,9 @@ def train(cfg: DictConfig) -> float | None:
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=str(ckpt) if ckpt else None)
         failed = False
+        receipt.write_after_fit(cfg, trainer, callbacks, output_dir)
     except SIGTERMException:  # a SystemExit with status 0: make the stop visible to schedulers
+        receipt.write_after_fit(cfg, trainer, callbacks, output_dir)  # the steps it finished
         stops = [c for c in callbacks if isinstance(c, InterruptCheckpoint)]
         stopped_by = next((c.signal for c in stops if c.signal), signal.SIGTERM)
         if not any(c.saved for c in stops):

@@ -59,7 +59,7 @@ CASES = {
 REFERENCE_FREE = ("simpo", "cpo", "orpo", "reward")
 
 
-def _unpaired_files(root: Path) -> list[str]:
+def unpaired_files(root: Path) -> list[str]:
     """The built-in preference pairs as unpaired KTO records: chosen up, rejected down."""
     from astrai.data.builtin import builtin_records
 
@@ -80,7 +80,7 @@ def _unpaired_files(root: Path) -> list[str]:
 def test_kill_after_a_checkpoint_resumes_bit_identical(case, tmp_path, data_dir):
     run = [*COMMON, *CASES[case]]
     if case == "kto":
-        run += _unpaired_files(tmp_path)
+        run += unpaired_files(tmp_path)
     cli([*run, *run_dirs(tmp_path / "ref", data_dir)], env=KILL)
     where = tmp_path / "killed"
     args = [*run, *run_dirs(where, data_dir)]
