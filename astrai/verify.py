@@ -58,8 +58,13 @@ def _receipt_rows(receipt: dict[str, Any]) -> list[Row]:
 def _config_rows(receipt: dict[str, Any], run: Path) -> list[Row]:
     from astrai.train.receipt import code_digest, config_digest
 
-    path = run / receipt["config"]["file"]
-    if not path.is_file():
+    name = receipt["config"]["file"]
+    path = run / str(name)
+    if name is None:
+        rows = [
+            Row("config", "config", False, "the run saved no config file (launched without Hydra)")
+        ]
+    elif not path.is_file():
         rows = [Row("config", str(path), False, "missing")]
     else:
         ok = config_digest(path) == receipt["config"]["digest"]

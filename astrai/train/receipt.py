@@ -110,9 +110,14 @@ def ledger_leaves(ledger: LedgerFile) -> dict[int, bytes]:
 
 
 # ---------------------------------------------------------------------- digests
-def config_digest(path: str | Path) -> str:
-    """The composed config's digest: loaded unresolved, written as sorted compact JSON."""
-    data = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+def config_digest(path: str | Path | Any) -> str:
+    """The composed config's digest: loaded unresolved (a file, or the config itself without
+    Hydra's own node), written as sorted compact JSON."""
+    if isinstance(path, (str, Path)):
+        data = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    else:
+        data = OmegaConf.to_container(path, resolve=False)
+        data.pop("hydra", None)
     return _h(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
@@ -252,13 +257,15 @@ def write_receipt(run: str | Path, cfg: Any, history: list[Mapping[str, Any]]) -
         steps = sorted(leaves)
         final = ledger.step(steps[-1])["weights_digest"] if steps else meta.get("start_digest")
     hashes = [leaf_hash(leaves[s]) for s in steps]
+    saved = run / ".hydra" / "config.yaml"
     code, count = code_digest()
     receipt = {
         "receipt_version": RECEIPT_VERSION,
         "run": run.name,
         "config": {
-            "file": ".hydra/config.yaml",
-            "digest": config_digest(run / ".hydra" / "config.yaml"),
+            # a run launched without Hydra's run folder (the Python API) has no config file
+            "file": ".hydra/config.yaml" if saved.is_file() else None,
+            "digest": config_digest(saved if saved.is_file() else cfg),
             "overrides": list(OmegaConf.load(run / ".hydra" / "overrides.yaml"))
             if (run / ".hydra" / "overrides.yaml").is_file()
             else [],

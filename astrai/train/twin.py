@@ -34,8 +34,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from astrai.train.twin_stats import Effect, paired_effect
 
 log = logging.getLogger("astrai.train.twin")
@@ -68,12 +66,12 @@ def parse_treatment(text: str | Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(text, Mapping):
         data = dict(text)
     else:
-        try:
-            data = yaml.safe_load(text) if str(text).strip() else {}
-        except yaml.YAMLError as err:
+        from omegaconf import OmegaConf
+
+        try:  # OmegaConf's YAML: 3e-3 is a number, as on Hydra's command line
+            data = OmegaConf.to_container(OmegaConf.create(str(text))) if str(text).strip() else {}
+        except Exception as err:  # (OmegaConf's and yaml's errors name the position)
             raise TwinError(f"treatment={text!r}: not a mapping ({err})") from None
-    if data is None:
-        data = {}
     if not isinstance(data, dict):
         raise TwinError(f"treatment={text!r}: give a mapping, e.g. treatment='{{optim.lr: 3e-3}}'")
     if "seed" in data:
