@@ -247,13 +247,9 @@ def parse_args(argv: Sequence[str]) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    import warnings
+    from astrai.train.replay import setup_cli
 
-    from astrai.runtime import setup_logging
-
-    logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
-    setup_logging("info", lightning=True)
-    warnings.filterwarnings("ignore", message="Be aware that when using `ckpt_path`")
+    setup_cli()
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         rows = verify(args["receipt"], args.get("spot", 5), args.get("seed", 0), args.get("run"))

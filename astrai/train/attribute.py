@@ -25,7 +25,7 @@ from astrai.train.probe import Condition, Probe
 from astrai.train.rebuild import Rebuilder
 from astrai.train.replay import ReplayError
 from astrai.train.strategies.grpo.sampling import Samples
-from astrai.train.strategies.grpo.source import RolloutModule, RolloutSource
+from astrai.train.strategies.grpo.source import RolloutModule, RolloutSource, WrappingSource
 
 log = logging.getLogger(__name__)
 
@@ -56,26 +56,18 @@ def drop_group(samples: Samples, group: int | None, size: int) -> Samples:
     )
 
 
-class LeaveOutSource(RolloutSource):
+class LeaveOutSource(WrappingSource):
     """The wrapped source's samples without one prompt's group; keeps what it took."""
 
     def __init__(self, inner: RolloutSource, group: int | None, size: int) -> None:
-        self.inner, self.group, self.size = inner, group, size
+        super().__init__(inner)
+        self.group, self.size = group, size
         self.taken: Samples | None = None
 
     def take(self, batch: Mapping[str, Any], seed: int, step: int) -> Samples:
         self.taken = self.inner.take(batch, seed, step)
         self.waited = self.inner.waited
         return drop_group(self.taken, self.group, self.size)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.inner.load_state_dict(state)
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 class LeaveOutGroup(Callback):

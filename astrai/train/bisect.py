@@ -179,16 +179,11 @@ def parse_args(argv: Sequence[str]) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    import warnings
-
-    from astrai.runtime import setup_logging
     from astrai.train.attribute import Attribution, Unit, format_attribution
     from astrai.train.probe import ProbeError
-    from astrai.train.replay import ReplayError
+    from astrai.train.replay import ReplayError, setup_cli
 
-    logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
-    setup_logging("info", lightning=True)
-    warnings.filterwarnings("ignore", message="Be aware that when using `ckpt_path`")
+    setup_cli()
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         result = bisect(

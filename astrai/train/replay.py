@@ -324,13 +324,18 @@ def parse_args(argv: Sequence[str]) -> dict[str, Any]:
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def setup_cli() -> None:
+    """Logging for the commands that re-run a run's steps (replay, bisect, verify)."""
     from astrai.runtime import setup_logging
 
     logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
     setup_logging("info", lightning=True)
-    # the replay leaves out the run's callbacks (checkpointing, export, loggers) on purpose
+    # a re-run leaves out the run's callbacks (checkpointing, export, loggers) on purpose
     warnings.filterwarnings("ignore", message="Be aware that when using `ckpt_path`")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    setup_cli()
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         checks = replay(args["run"], args["step"], args.get("until"))

@@ -78,18 +78,11 @@ class RolloutModule(ABC):
         """Replace the module's source by ``wrap(source)`` (which may keep the old one)."""
 
 
-class RecordingSource(RolloutSource):
-    """``inner``'s samples, each also handed to ``record(seed, samples)`` (the ledger)."""
+class WrappingSource(RolloutSource):
+    """A source over ``inner``: its checkpoint entries and its closing are ``inner``'s."""
 
-    def __init__(self, inner: RolloutSource, record: Callable[[int, Samples], None]) -> None:
+    def __init__(self, inner: RolloutSource) -> None:
         self.inner = inner
-        self.record = record
-
-    def take(self, batch: Mapping[str, Any], seed: int, step: int) -> Samples:
-        samples = self.inner.take(batch, seed, step)
-        self.waited = self.inner.waited
-        self.record(seed, samples)
-        return samples
 
     def state_dict(self) -> dict[str, Any]:
         return self.inner.state_dict()
@@ -99,3 +92,17 @@ class RecordingSource(RolloutSource):
 
     def close(self) -> None:
         self.inner.close()
+
+
+class RecordingSource(WrappingSource):
+    """``inner``'s samples, each also handed to ``record(seed, samples)`` (the ledger)."""
+
+    def __init__(self, inner: RolloutSource, record: Callable[[int, Samples], None]) -> None:
+        super().__init__(inner)
+        self.record = record
+
+    def take(self, batch: Mapping[str, Any], seed: int, step: int) -> Samples:
+        samples = self.inner.take(batch, seed, step)
+        self.waited = self.inner.waited
+        self.record(seed, samples)
+        return samples
