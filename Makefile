@@ -16,7 +16,13 @@ PYTEST_WORKERS ?= -n 2 --dist loadfile --no-loadscope-reorder
 
 .PHONY: setup test train serve bench gpu-check lint format clean
 
-setup: $(STAMP)
+# The CPU attention kernel (astrai/extension/csrc/cpu_attention.cpp), compiled against the
+# installed torch with its cpp_extension (g++ and ninja): a failed build only warns, and the
+# CPU engine then runs torch_native's SDPA path (astrai/extension/cpu_kernels.py).
+KERNEL_SRC := astrai/extension/csrc/cpu_attention.cpp
+KERNEL_STAMP := astrai/extension/csrc/build/.built
+
+setup: $(STAMP) $(KERNEL_STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON_BOOTSTRAP) -m venv $(VENV)
@@ -24,6 +30,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install --quiet "$(TORCH_SPEC)"
 	$(PIP) install --quiet -e ".[dev]"
 	@touch $(STAMP)
+
+$(KERNEL_STAMP): $(KERNEL_SRC) $(STAMP)
+	$(PY) -m astrai.extension.build_kernel
+	@mkdir -p $(dir $(KERNEL_STAMP)) && touch $(KERNEL_STAMP)
 
 test: setup
 	WANDB_MODE=offline $(PY) -m pytest $(PYTEST_WORKERS) $(PYTEST_ARGS)

@@ -40,6 +40,10 @@ class KVCache:
     attn_out: torch.Tensor | None = None  # [>= batch, n_heads, head_dim]
     partial_out: torch.Tensor | None = None  # [>= batch, n_heads, splits, head_dim] fp32
     partial_lse: torch.Tensor | None = None  # [>= batch, n_heads, splits] fp32
+    # An int8 cache's fp32 scales, one per (layer, slot, KV head), `[n_layers, size, n_kv_heads]`
+    # (`kv_cache_dtype="int8"`); None for a cache in a floating dtype.
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
     # Backend scratch for this step: what a backend derives from the host-side lengths on
     # the first layer (e.g. the CPU decode's row segments) and reuses on the others.
     plan: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)

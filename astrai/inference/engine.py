@@ -110,6 +110,7 @@ class InferenceEngine:
         speculative: SpeculativeConfig | Mapping[str, Any] | None = None,
         enable_sleep_mode: bool = False,
         batch_invariant: bool = False,
+        kv_cache_dtype: str = "auto",
         start: bool = True,
     ) -> None:
         check_sleep_mode(enable_sleep_mode)  # before anything is allocated
@@ -140,6 +141,7 @@ class InferenceEngine:
             kv_tokens=kv_tokens,
             memory_fraction=memory_fraction,
             prefix_cache=invariance.prefix_cache,
+            kv_cache_dtype=kv_cache_dtype,
         )
         self.handoff = Handoff(stream_interval)
         self.adapters: EngineAdapters | NoAdapters = EngineAdapters.build(model, lora)

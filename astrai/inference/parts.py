@@ -7,7 +7,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
+import torch
+
 from astrai.inference.cache import PagePool
+from astrai.inference.cache.kv_dtype import check_kv_cache_dtype
 from astrai.inference.draft import DraftModelProposer
 from astrai.inference.ngram import NgramProposer
 from astrai.inference.speculative import NO_PROPOSER, Proposer, SpeculativeConfig
@@ -25,15 +28,21 @@ def kv_pool(
     kv_tokens: int | None,
     memory_fraction: float | None,
     prefix_cache: bool | None,
+    kv_cache_dtype: str = "auto",
 ) -> PagePool:
     """The KV pool of `model` on its device and dtype (`InferenceEngine`'s settings);
-    `max_seq_len` None: `min(max_position_embeddings, 4096)`."""
+    `max_seq_len` None: `min(max_position_embeddings, 4096)`; `kv_cache_dtype` "int8"
+    (`astrai.inference.cache.kv_dtype`) is checked against what serves it, before allocating."""
     cfg = model.config
     param = next(model.parameters())
+    dtype = param.dtype
+    if check_kv_cache_dtype(kv_cache_dtype) == "int8":
+        _check_int8_kv(cfg, param)
+        dtype = torch.int8
     return PagePool(
         num_layers=cfg.num_hidden_layers,
         **kv_geometry(cfg),  # K/V per kv head, or MLA's latent (astrai/model/mla_config.py)
-        dtype=param.dtype,
+        dtype=dtype,
         device=param.device,
         max_batch_size=max_batch_size,
         max_seq_len=max_seq_len or min(cfg.max_position_embeddings, 4096),
@@ -43,6 +52,23 @@ def kv_pool(
         memory_fraction=memory_fraction,
         enable_radix=prefix_cache,
     )
+
+
+def _check_int8_kv(cfg: Any, param: torch.Tensor) -> None:
+    """What an int8 KV cache needs: the CPU kernel reads it, for fp32 per-head K/V."""
+    from astrai.extension.cpu_kernels import paged_attention_op
+
+    why = None
+    if param.device.type != "cpu":
+        why = f"it is a CPU-engine option, the model is on {param.device.type}"
+    elif param.dtype != torch.float32:
+        why = f"it needs an fp32 model, this one is {param.dtype}"
+    elif cfg.attention_type == "mla":
+        why = "MLA's latent cache has no per-head K/V to scale"
+    elif paged_attention_op() is None:
+        why = "the CPU attention kernel is not built (`make setup`) or ASTR_CPU_KERNELS=0"
+    if why is not None:
+        raise ValueError(f"kv_cache_dtype='int8' cannot be used: {why}")
 
 
 def make_proposer(

@@ -18,6 +18,10 @@ from astrai.extension import (
     selected_backend,
 )
 from astrai.extension.backend import resolve_backend
+from astrai.extension.cpu_kernels import paged_attention_op
+
+# fp32 on the CPU: the compiled kernel when `make setup` built it, else SDPA
+CPU_AUTO = "cpu" if paged_attention_op() is not None else "torch_native"
 
 
 @pytest.fixture(autouse=True)
@@ -32,15 +36,15 @@ def case():
     return make_case([(2, 3), (0, 1)], n_heads=4, n_kv_heads=2, head_dim=16)
 
 
-def test_auto_picks_torch_native_on_cpu(case):
+def test_auto_picks_the_cpu_kernel_or_torch_native_on_cpu(case):
     assert selected_backend() is None
-    assert resolve_backend(case.q, case.cache).name == "torch_native"
+    assert resolve_backend(case.q, case.cache).name == CPU_AUTO
     out = attention(case.q, case.k, case.v, case.cache, LAYER, scale=0.25)
     assert out.shape == case.q.shape
 
 
-def test_auto_order_is_triton_flash_torch_native():
-    assert [b.value for b in selection.AUTO_ORDER] == ["triton", "flash", "torch_native"]
+def test_auto_order_is_triton_flash_cpu_torch_native():
+    assert [b.value for b in selection.AUTO_ORDER] == ["triton", "flash", "cpu", "torch_native"]
 
 
 def test_auto_takes_first_capable_backend(case, monkeypatch):
@@ -54,7 +58,7 @@ def test_auto_never_picks_the_triton_interpreter_on_cpu(case, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     triton = get_backend("triton")
     assert triton.supports(case.q, case.cache) is None  # servable when chosen explicitly
-    assert resolve_backend(case.q, case.cache).name == "torch_native"
+    assert resolve_backend(case.q, case.cache).name == CPU_AUTO
 
 
 def test_names_and_cuda_alias():
@@ -143,7 +147,7 @@ def test_selection_is_per_thread():
 
 def test_no_capable_backend_lists_every_reason(case):
     q = case.q.to(torch.int32)
-    with pytest.raises(BackendUnavailable, match=r"triton: .*flash: .*torch_native: "):
+    with pytest.raises(BackendUnavailable, match=r"triton: .*flash: .*cpu: .*torch_native: "):
         resolve_backend(q, case.cache)
 
 

@@ -5,6 +5,7 @@ tests and for code that must name one directly.
 """
 
 from astrai.extension.backend.base import AttentionBackend, BackendUnavailable
+from astrai.extension.backend.cpu_paged import CpuPagedBackend
 from astrai.extension.backend.flash import FlashAttnBackend
 from astrai.extension.backend.rotary import apply_rotary_emb, apply_rotary_qk
 from astrai.extension.backend.selection import (
@@ -22,6 +23,7 @@ __all__ = [
     "ATTN_BACKEND",
     "AttentionBackend",
     "BackendUnavailable",
+    "CpuPagedBackend",
     "FlashAttnBackend",
     "TorchNativeBackend",
     "TritonBackend",

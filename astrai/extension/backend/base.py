@@ -58,8 +58,24 @@ class AttentionBackend(ABC):
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, layer_id: int) -> None:
-    """Store this step's K/V at their slots; shared by the backends that gather afterwards."""
+    """Store this step's K/V at their slots; shared by the backends that gather afterwards.
+    An int8 cache stores each token's K/V per KV head as int8 with its absmax / 127 scale."""
     loc = kv_cache.out_cache_loc
     k_buf, v_buf = kv_cache.k_buffer[layer_id], kv_cache.v_buffer[layer_id]
+    if kv_cache.k_scale is not None and kv_cache.v_scale is not None:
+        for x, buf, scales in ((k, k_buf, kv_cache.k_scale), (v, v_buf, kv_cache.v_scale)):
+            values, scale = quantize_int8(x)
+            buf[loc] = values
+            scales[layer_id][loc] = scale
+        return
     k_buf[loc] = k.to(k_buf.dtype)
     v_buf[loc] = v.to(v_buf.dtype)
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x` `[tokens, heads, dim]` as int8 and its fp32 scale per (token, head): absmax / 127,
+    so every value round-trips within half a step of its row's scale."""
+    x = x.float()
+    scale = x.abs().amax(-1).div_(127.0).clamp_min_(torch.finfo(torch.float32).tiny)
+    values = torch.round(x / scale[..., None]).clamp_(-127, 127).to(torch.int8)
+    return values, scale

@@ -5,7 +5,8 @@ per-thread / per-task and nestable, like `torch.nn.attention.sdpa_kernel`) or fr
 `ASTR_BACKEND` environment variable, read at call time; the context wins over the env var.
 An explicitly selected backend that cannot serve a call raises `BackendUnavailable`: a
 benchmark or a bug report must never silently measure a different backend. Without an
-explicit selection each call takes the first of triton, flash, torch_native that supports it.
+explicit selection each call takes the first of triton, flash, cpu (the compiled CPU kernel,
+when built), torch_native that supports it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from enum import StrEnum
 import torch
 
 from astrai.extension.backend.base import AttentionBackend, BackendUnavailable
+from astrai.extension.backend.cpu_paged import CpuPagedBackend
 from astrai.extension.backend.flash import FlashAttnBackend
 from astrai.extension.backend.torch_native import TorchNativeBackend
 from astrai.extension.backend.triton import TritonBackend
@@ -36,6 +38,7 @@ class ATTN_BACKEND(StrEnum):
     TRITON = "triton"
     FLASH = "flash"
     TORCH_NATIVE = "torch_native"
+    CPU = "cpu"
     CUDA = "triton"
 
     @classmethod
@@ -48,15 +51,17 @@ class ATTN_BACKEND(StrEnum):
         return next((m for m in cls if m.value == name), None)
 
 
-_CHOICES = "triton, cuda (alias of triton), flash, torch_native"
+_CHOICES = "triton, cuda (alias of triton), flash, cpu, torch_native"
 AUTO_ORDER: tuple[ATTN_BACKEND, ...] = (
     ATTN_BACKEND.TRITON,
     ATTN_BACKEND.FLASH,
+    ATTN_BACKEND.CPU,
     ATTN_BACKEND.TORCH_NATIVE,
 )
 _BACKENDS: dict[ATTN_BACKEND, AttentionBackend] = {
     ATTN_BACKEND.TRITON: TritonBackend(),
     ATTN_BACKEND.FLASH: FlashAttnBackend(),
+    ATTN_BACKEND.CPU: CpuPagedBackend(),
     ATTN_BACKEND.TORCH_NATIVE: TorchNativeBackend(),
 }
 _selected: ContextVar[ATTN_BACKEND | None] = ContextVar("astrai_attn_backend", default=None)

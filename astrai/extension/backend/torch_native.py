@@ -32,6 +32,8 @@ class TorchNativeBackend(AttentionBackend):
             return f"query dtype {q.dtype} is not a floating-point type"
         if q.dim() != 3:
             return f"query must be [num_tokens, n_heads, head_dim], got shape {tuple(q.shape)}"
+        if not kv_cache.k_buffer.is_floating_point():
+            return f"KV cache dtype {kv_cache.k_buffer.dtype}: an int8 cache needs the CPU kernel"
         n_kv_heads, head_dim = kv_cache.k_buffer.shape[-2:]
         if q.shape[1] % n_kv_heads or q.shape[2] != head_dim:
             return (
@@ -131,8 +133,6 @@ class TorchNativeBackend(AttentionBackend):
         layer_id: int,
         scale: float,
     ) -> torch.Tensor:
-        gqa = q.shape[1] != kv_cache.k_buffer.shape[-2]
-        k_buf, v_buf = kv_cache.k_buffer[layer_id], kv_cache.v_buffer[layer_id]
         out = torch.empty_like(q)
         split = kv_cache.plan.get("decode_rows")
         if split is None:
@@ -142,30 +142,58 @@ class TorchNativeBackend(AttentionBackend):
                 q.index_select(0, split.tokens), split.cache, layer_id, scale
             )
         for i, start, q_len, kv_len in kv_cache.request_spans():
-            if i in split.rows:
-                continue
-            if q_len == kv_len:  # nothing cached: this step's own K/V are the whole context
-                keys, values = k[start : start + q_len], v[start : start + q_len]
-            else:  # a cached prefix: read back (a plain slice in contiguous rows)
-                keys = kv_cache.cached_rows(k_buf, i, kv_len)
-                values = kv_cache.cached_rows(v_buf, i, kv_len)
-            # 4-D [1, heads, len, D]: CPU SDPA takes its fused kernel only for 4-D inputs.
-            keys = keys.to(q.dtype).transpose(0, 1)[None]
-            values = values.to(q.dtype).transpose(0, 1)[None]
-            queries = q[start : start + q_len].transpose(0, 1)[None]
-            # the whole sequence computed now: the plain causal mask; else the suffix's
-            mask = None if q_len == kv_len else suffix_causal_mask(q_len, kv_len, q.device)
-            o = F.scaled_dot_product_attention(
-                queries,
-                keys,
-                values,
-                attn_mask=mask,
-                is_causal=mask is None,
-                scale=scale,
-                enable_gqa=gqa,
-            )
-            out[start : start + q_len] = o[0].transpose(0, 1)
+            if i not in split.rows:
+                out[start : start + q_len] = sdpa_request(
+                    q, k, v, kv_cache, layer_id, scale, (i, start, q_len, kv_len)
+                )
         return out
+
+
+def sdpa_request(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: KVCache,
+    layer_id: int,
+    scale: float,
+    span: tuple[int, int, int, int],
+) -> torch.Tensor:
+    """One request's extend rows `[q_len, heads, head_dim]` by one SDPA call: its keys are this
+    step's own K/V when nothing was cached, else read back from the cache (an int8 cache's
+    dequantized). `span` is one of
+    `kv_cache.request_spans()`. Shared with the CPU kernel's backend, which leaves long
+    prefill chunks to SDPA's blocked kernel."""
+    i, start, q_len, kv_len = span
+    if q_len == kv_len:  # nothing cached: this step's own K/V are the whole context
+        keys, values = k[start : start + q_len], v[start : start + q_len]
+    else:  # a cached prefix: read back (a plain slice in contiguous rows)
+        keys = kv_cache.cached_rows(kv_cache.k_buffer[layer_id], i, kv_len)
+        values = kv_cache.cached_rows(kv_cache.v_buffer[layer_id], i, kv_len)
+        if kv_cache.k_scale is not None and kv_cache.v_scale is not None:  # int8: dequantize
+            keys = (
+                keys.float()
+                * kv_cache.cached_rows(kv_cache.k_scale[layer_id], i, kv_len)[..., None]
+            )
+            values = (
+                values.float()
+                * kv_cache.cached_rows(kv_cache.v_scale[layer_id], i, kv_len)[..., None]
+            )
+    # 4-D [1, heads, len, D]: CPU SDPA takes its fused kernel only for 4-D inputs.
+    keys = keys.to(q.dtype).transpose(0, 1)[None]
+    values = values.to(q.dtype).transpose(0, 1)[None]
+    queries = q[start : start + q_len].transpose(0, 1)[None]
+    # the whole sequence computed now: the plain causal mask; else the suffix's
+    mask = None if q_len == kv_len else suffix_causal_mask(q_len, kv_len, q.device)
+    o = F.scaled_dot_product_attention(
+        queries,
+        keys,
+        values,
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=q.shape[1] != kv_cache.k_buffer.shape[-2],
+    )
+    return o[0].transpose(0, 1)
 
 
 def _per_request(q: torch.Tensor, kv_cache: KVCache, layer_id: int, scale: float) -> torch.Tensor:

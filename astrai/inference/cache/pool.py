@@ -28,6 +28,9 @@ class KVStorage:
 
     `v_head_dim=0` (MLA) leaves `v_buffer` zero-width: the one vector per token in `k_buffer`
     (the latent plus the rotary key) serves as both key and value.
+
+    An int8 `dtype` (`kv_cache_dtype="int8"`) adds `k_scale` / `v_scale`, one fp32 scale per
+    layer, slot and KV head (`[n_layers, size + 1, n_kv_heads]`); otherwise they are None.
     """
 
     def __init__(
@@ -55,27 +58,41 @@ class KVStorage:
             v_shape = (*shape[:-1], v_dim)
             self.k_buffer = torch.zeros(shape, dtype=dtype, device=device)
             self.v_buffer = torch.zeros(v_shape, dtype=dtype, device=device)
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
+        if dtype == torch.int8:
+            scale_shape = (num_layers, size + 1, num_kv_heads)
+            self.k_scale = torch.zeros(scale_shape, dtype=torch.float32, device=device)
+            self.v_scale = torch.zeros(scale_shape, dtype=torch.float32, device=device)
         # each buffer's storage size: what `restore` allocates again after a `release`
-        self.nbytes = tuple(b.untyped_storage().nbytes() for b in (self.k_buffer, self.v_buffer))
+        self.nbytes = tuple(b.untyped_storage().nbytes() for b in self.buffers)
+
+    @property
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        """K and V, and an int8 cache's scales."""
+        scales = (
+            () if self.k_scale is None or self.v_scale is None else (self.k_scale, self.v_scale)
+        )
+        return (self.k_buffer, self.v_buffer, *scales)
 
     @property
     def allocated_bytes(self) -> int:
-        """Bytes `k_buffer` and `v_buffer` hold now (0 while released)."""
-        return sum(b.untyped_storage().nbytes() for b in (self.k_buffer, self.v_buffer))
+        """Bytes `k_buffer` and `v_buffer` (and scales) hold now (0 while released)."""
+        return sum(b.untyped_storage().nbytes() for b in self.buffers)
 
     def release(self) -> int:
         """Free both buffers' memory, keeping the tensors (their shapes, views and every
         reference to them): the storages shrink to nothing, as FSDP frees a gathered
         parameter. Returns the bytes freed. Reading the KV before `restore` is an error."""
         freed = self.allocated_bytes
-        for buffer in (self.k_buffer, self.v_buffer):
+        for buffer in self.buffers:
             buffer.untyped_storage().resize_(0)
         return freed
 
     def restore(self) -> None:
         """Allocate the buffers again, zeroed, as a fresh pool's (`release` undone). On a GPU
         the new memory may sit at other addresses: captured graphs must be captured again."""
-        for buffer, nbytes in zip((self.k_buffer, self.v_buffer), self.nbytes):
+        for buffer, nbytes in zip(self.buffers, self.nbytes):
             storage = buffer.untyped_storage()
             if storage.nbytes() != nbytes:
                 storage.resize_(nbytes)
@@ -91,6 +108,8 @@ class KVStorage:
         v_head_dim: int | None = None,
     ) -> int:
         width = head_dim + (head_dim if v_head_dim is None else v_head_dim)
+        if dtype == torch.int8:  # one byte per element, and an fp32 scale for K and for V
+            return num_layers * num_kv_heads * (width + 2 * 4)
         return num_layers * num_kv_heads * width * torch.finfo(dtype).bits // 8
 
 
@@ -393,6 +412,8 @@ class PagePool:
             q_lens_host=tuple(q_lens),
             req_pool_indices_host=tuple(rows),
             row_stride=self.allocator.row_stride,
+            k_scale=self.storage.k_scale,
+            v_scale=self.storage.v_scale,
         )
 
     def stats(self) -> dict[str, Any]:
