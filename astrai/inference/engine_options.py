@@ -28,9 +28,8 @@ def check_engine_blocks(engine: Mapping[str, Any]) -> SpeculativeConfig | None:
     naming the key. Returns the speculative setting (None: off)."""
     from astrai.inference.adapters import LoRASettings
     from astrai.inference.batch_invariance import BatchInvariance
-    from astrai.inference.speculative import SpeculativeConfig
-
     from astrai.inference.cache.kv_dtype import check_kv_cache_dtype
+    from astrai.inference.speculative import SpeculativeConfig
 
     try:
         check_sleep_mode(engine.get("enable_sleep_mode", False))

@@ -71,7 +71,7 @@ def test_int8_pool_bytes_per_token():
 def test_a_bad_value_names_the_key(value, model, tokenizer):
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         check_kv_cache_dtype(value)
-    with pytest.raises(SystemExit, match="engine.kv_cache_dtype"):
+    with pytest.raises(SystemExit, match=r"engine\.kv_cache_dtype"):
         check_engine_blocks({"kv_cache_dtype": value})
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         InferenceEngine(model, tokenizer, kv_cache_dtype=value, start=False)
