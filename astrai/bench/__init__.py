@@ -14,6 +14,7 @@ BENCHMARKS: dict[str, str] = {
     "kernels": "astrai.bench.kernels",
     "packing": "astrai.bench.packing",
     "rollouts": "astrai.bench.rollouts",
+    "scaling": "astrai.bench.scaling",
     "serve": "astrai.bench.serve",
     "train": "astrai.bench.train",
     "weight_sync": "astrai.bench.weight_sync",

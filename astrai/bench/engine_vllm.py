@@ -94,6 +94,15 @@ def run_vllm(cfg: dict[str, Any], model: Transformer, work: Work, label: str) ->
     (tokens, seconds, tokens_per_s, ttft_p50/p99, the best of `cfg["repeats"]` runs), its
     `token_ids` per request and `vllm_version`; or ``{"note": why}`` when skipped or failed
     (`label`, the model or matrix row, names where)."""
+    payload = {"work": [[list(p), n] for p, n in work], "max_model_len": max_len(work)}
+    return run_child(cfg, model, payload, label)
+
+
+def run_child(
+    cfg: dict[str, Any], model: Transformer, payload: dict[str, Any], label: str
+) -> dict[str, Any]:
+    """The vLLM child on `model`'s HF export with `payload` (`work` or `points`, and
+    `max_model_len`; astrai/bench/vllm_child.py): its result, or ``{"note": why}``."""
     python = vllm_python(cfg)
     if python is None:
         return {"note": f"skipped: vllm_python=null and ASTR_VLLM_PYTHON unset; install: {INSTALL}"}
@@ -103,8 +112,7 @@ def run_vllm(cfg: dict[str, Any], model: Transformer, work: Work, label: str) ->
         save_pretrained(model, Path(tmp) / "hf", hf_format=True)
         request = {
             "model": str(Path(tmp) / "hf"),
-            "work": [[list(p), n] for p, n in work],
-            "max_model_len": max_len(work),
+            **payload,
             "dtype": cfg["dtype"],
             "repeats": cfg["repeats"],
         }

@@ -6,7 +6,10 @@ REQUEST: ``{"model": HF dir, "work": [[prompt ids, max_tokens], ...], "max_model
 "dtype": str, "repeats": int}``. RESULT: the best of ``repeats`` timed runs (tokens/s) as
 ``tokens, seconds, tokens_per_s, ttft_p50, ttft_p99`` (TTFT from vLLM's per-request
 metrics, from the start of the run), ``token_ids`` per request, ``vllm_version``; or
-``{"missing": why}`` with exit code `MISSING` when vLLM does not import. Every request is
+``{"missing": why}`` with exit code `MISSING` when vLLM does not import. With ``"points":
+[{"name": str, "work": [...]}, ...]`` instead of ``"work"`` (the scaling benchmark), one
+engine runs every point and RESULT is ``{"points": [figures per point, with "rss_bytes",
+the resident memory of this process and its workers after the point], "vllm_version"}``. Every request is
 greedy with ``min_tokens = max_tokens`` and EOS ignored, all handed to one `LLM.generate`
 after the engine started and one untimed warm-up generate, with the prefix cache emptied
 before each timed run.
@@ -15,6 +18,7 @@ before each timed run.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -51,6 +55,33 @@ def _run(llm: Any, prompts: list[Any], params: list[Any]) -> dict[str, Any]:
     return out
 
 
+def _tree_rss() -> int:
+    """Resident bytes of this process and its descendants (vLLM's engine core is a child)."""
+    parents: dict[int, int] = {}
+    rss: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            status = (entry / "status").read_text()
+        except OSError:
+            continue
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        pid = int(entry.name)
+        parents[pid] = int(fields.get("PPid", "0").strip())
+        rss[pid] = int(fields.get("VmRSS", "0 kB").split()[0]) * 1024
+    tree, frontier = set(), [os.getpid()]
+    while frontier:
+        pid = frontier.pop()
+        tree.add(pid)
+        frontier.extend(c for c, parent in parents.items() if parent == pid and c not in tree)
+    return sum(rss.get(pid, 0) for pid in tree)
+
+
+def _params(sampling: Any, work: list[Any]) -> list[Any]:
+    return [sampling(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0.0) for _, n in work]
+
+
 def main(request_path: str, result_path: str) -> int:
     request = json.loads(Path(request_path).read_text())
     try:
@@ -68,17 +99,26 @@ def main(request_path: str, result_path: str) -> int:
         disable_log_stats=False,  # per-request metrics: the TTFT
         seed=0,
     )
-    work = request["work"]
-    prompts = [TokensPrompt(prompt_token_ids=ids) for ids, _ in work]
-    params = [
-        SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0.0)
-        for _, n in work
-    ]
     warm = SamplingParams(max_tokens=2, min_tokens=2, ignore_eos=True, temperature=0.0)
     llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], [warm], use_tqdm=False)
-    runs = [_run(llm, prompts, params) for _ in range(max(1, int(request["repeats"])))]
+    repeats = max(1, int(request["repeats"]))
+    version = getattr(vllm, "__version__", "unknown")
+    if "points" in request:
+        points = []
+        for point in request["points"]:
+            prompts = [TokensPrompt(prompt_token_ids=ids) for ids, _ in point["work"]]
+            params = _params(SamplingParams, point["work"])
+            runs = [_run(llm, prompts, params) for _ in range(repeats)]
+            best = max(runs, key=lambda r: r["tokens_per_s"])
+            best.pop("token_ids")
+            points.append({"name": point["name"], **best, "rss_bytes": _tree_rss()})
+        Path(result_path).write_text(json.dumps({"points": points, "vllm_version": version}))
+        return 0
+    work = request["work"]
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids, _ in work]
+    runs = [_run(llm, prompts, _params(SamplingParams, work)) for _ in range(repeats)]
     best = max(runs, key=lambda r: r["tokens_per_s"])
-    best["vllm_version"] = getattr(vllm, "__version__", "unknown")
+    best["vllm_version"] = version
     Path(result_path).write_text(json.dumps(best))
     return 0
 
