@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 ENV_VAR = "ASTR_CPU_KERNELS"
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_attention.cpp"
 BUILD_DIR = SOURCE.parent / "build"
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++17"]
 
 
 def library_name() -> str:
@@ -53,7 +53,7 @@ def build(verbose: bool = False) -> Path:
         name=library_name(),
         sources=[str(SOURCE)],
         extra_cflags=CFLAGS,
-        extra_ldflags=["-fopenmp"],
+        extra_ldflags=["-fopenmp", "-lmvec"],
         build_directory=str(BUILD_DIR),
         is_python_module=False,
         verbose=verbose,

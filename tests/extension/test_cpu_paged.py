@@ -9,14 +9,14 @@ from kv_cases import LAYER, make_case, reference
 
 from astrai.extension import attention, attn_backend
 from astrai.extension.backend import CpuPagedBackend, TorchNativeBackend, resolve_backend
-from astrai.extension.backend.cpu_paged import KERNEL_MAX_Q
+from astrai.extension.backend.cpu_paged import EXTEND_MAX_Q, FRESH_MAX_Q
 from astrai.extension.cpu_kernels import ENV_VAR, paged_attention_op
 
 MIXED = [(0, 7), (5, 3), (0, 1), (9, 1), (2, 6)]  # (cached prefix, new tokens)
 DECODE = [(6, 1), (0, 1), (13, 1), (3, 1), (40, 1)]
 SPECULATIVE = [(6, 1), (5, 4), (13, 1), (0, 1), (3, 1), (9, 3)]
-# a chunk longer than KERNEL_MAX_Q beside short rows: SDPA serves it, the kernel the rest
-LONG = [(0, KERNEL_MAX_Q + 5), (7, 1), (3, KERNEL_MAX_Q + 1), (11, 2)]
+# chunks past the kernel's limits beside short rows: SDPA serves them, the kernel the rest
+LONG = [(0, FRESH_MAX_Q + 5), (7, 1), (3, EXTEND_MAX_Q + 1), (11, 2), (0, FRESH_MAX_Q)]
 
 needs_kernel = pytest.mark.skipif(
     paged_attention_op() is None, reason="the CPU kernel is not built (make setup builds it)"

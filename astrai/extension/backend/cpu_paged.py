@@ -4,9 +4,9 @@ layer for every such row of the step, parallel over (request, KV head) items.
 
 torch_native copies each decode row's whole context out of the pool (paged) or pads a
 strided view to its segment's longest row before SDPA; here nothing is gathered, nothing is
-padded, and each key row is loaded once for all query heads of its GQA group. Long prefill
-chunks (more than `KERNEL_MAX_Q` new tokens of one request) still go to SDPA's blocked
-kernel, which turns them into matrix products. Served on the CPU in fp32 with an fp32 or
+padded, and each key row is loaded once for all query heads of its GQA group. Longer extend
+rows (more than `EXTEND_MAX_Q` new tokens over a cached prefix, or a fresh prompt of more
+than `FRESH_MAX_Q`) still go to SDPA's blocked kernel, which turns them into matrix products. Served on the CPU in fp32 with an fp32 or
 int8 cache, when the kernel is built (`make setup`) and not turned off (`ASTR_CPU_KERNELS=0`);
 auto selection otherwise falls through to torch_native.
 """
@@ -23,10 +23,13 @@ from astrai.extension.cpu_kernels import paged_attention_op
 from astrai.extension.invariance import batch_invariant_enabled
 from astrai.extension.kv_cache import KVCache
 
-# A request with more new tokens than this goes to SDPA: its queries x keys form a product
-# that a blocked matmul kernel runs faster than per-row dot products (measured crossover on
-# the benchmark machine, experiments/bench/engine.md, issue #52).
-KERNEL_MAX_Q = 16
+# Requests with more new tokens than these go to SDPA: their queries x keys form a product
+# that a blocked matmul kernel runs faster than per-row dot products. Measured crossovers
+# (one thread, 4 requests, 8 heads / 4 KV heads x 64; experiments/bench/engine.md, #52):
+# over a cached prefix of 256-1024 tokens the kernel wins at 4 new tokens (0.72-0.93x SDPA's
+# time) and loses from 8 (1.13-1.53x); over nothing cached it wins up to 32 (0.31-0.64x).
+EXTEND_MAX_Q = 4
+FRESH_MAX_Q = 32
 _EMPTY = torch.empty(0)
 
 
@@ -47,7 +50,7 @@ class _KernelPlan:
         rows, starts, q_lens, kv_lens, sdpa = [], [], [], [], []
         for span in kv_cache.request_spans():
             i, start, q_len, kv_len = span
-            if q_len > KERNEL_MAX_Q:
+            if q_len > (FRESH_MAX_Q if q_len == kv_len else EXTEND_MAX_Q):
                 sdpa.append(span)
                 continue
             rows.append(pool_rows[i])
