@@ -15,9 +15,9 @@ import time
 import torch
 
 sys.path.insert(0, "tests/extension")
-from kv_cases import LAYER, make_case  # noqa: E402
+from kv_cases import LAYER, make_case
 
-from astrai.extension.backend import CpuPagedBackend, TorchNativeBackend, cpu_paged  # noqa: E402
+from astrai.extension.backend import CpuPagedBackend, TorchNativeBackend, cpu_paged
 
 
 def cpu_us(backend, case, n: int = 30) -> float:
