@@ -62,36 +62,53 @@ def prepack_rows(max_batch_size: int) -> int:
 _USERS: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
 
 
-def pack_projections(model: nn.Module, rows: int | None = None) -> int:
+def pack_projections(
+    model: nn.Module,
+    rows: int | None = None,
+    quantization: str | None = None,
+    *,
+    fuse: bool = True,
+    keep_fp32: tuple[nn.Module, ...] = (),
+) -> int:
     """Give every GQA attention a packed q/k/v and every SwiGLU MLP (shared experts
     included) a packed gate/up, for one more user (an engine); with `rows` (fp32 on the
     CPU with oneDNN) every other `Linear` gets its weight prepacked too, for products of
-    about `rows` rows. Returns the bytes the packs hold. Layers whose projections are not
-    plain `Linear`s (LoRA-wrapped) keep running them one by one. `release_projections`
-    undoes it when the last user is done."""
+    about `rows` rows. With `quantization` every pack, and every other `Linear` but those of
+    `keep_fp32`, holds its weight quantized (`astrai.extension.quantized`); `fuse=False`
+    packs each `Linear` alone. Returns the bytes the packs hold. Layers whose projections
+    are not plain `Linear`s (LoRA-wrapped) keep running them one by one.
+    `release_projections` undoes it when the last user is done."""
     mark_cache_resident(model)  # a prepacked pack keeps its plain copy only for F.linear's
     total, covered = 0, set()
-    for module, name, sources in _packable(model.modules()):
+    for module, name, sources in _packable(model.modules()) if fuse else ():
         pack = getattr(module, name, None)
-        if pack is None or not pack.serves(*sources) or pack.prepack_rows != rows:
+        if (
+            pack is None
+            or not pack.serves(*sources)
+            or pack.prepack_rows != rows
+            or pack.quantization != quantization
+        ):
             if not all(type(m) is Linear for m in sources):
                 continue
-            pack = PackedLinear(sources, rows)
+            pack = PackedLinear(sources, rows, quantization)
             setattr(module, name, pack)
         covered.update(id(m) for m in sources)
         total += pack.nbytes
+    kept = {id(m) for m in keep_fp32}
     for module in model.modules():
-        if type(module) is not Linear or id(module) in covered or rows is None:
+        quant = None if id(module) in kept else quantization
+        if type(module) is not Linear or id(module) in covered or (rows is None and not quant):
             continue
         pack = module.pack
-        if pack is None or pack.prepack_rows != rows:
-            pack = PackedLinear((module,), rows)
-            if pack.prepacked is None:  # nothing to gain: no oneDNN route for this weight
+        if pack is None or pack.prepack_rows != rows or pack.quantization != quant:
+            pack = PackedLinear((module,), rows, quant)
+            if pack.prepacked is None and pack.qweight is None:  # no oneDNN route: no gain
                 continue
             module.pack = pack
         total += pack.nbytes
     _USERS[model] = _USERS.get(model, 0) + 1
-    logger.info("packed the model's projections for inference: %.1f MiB", total / 2**20)
+    what = f"quantized ({quantization})" if quantization else "packed"
+    logger.info("%s the model's projections for inference: %.1f MiB", what, total / 2**20)
     return total
 
 
@@ -133,16 +150,29 @@ class ProjectionPacks:
     user had dropped them, rebuilt from the weights of that moment. Holding twice or releasing
     twice changes nothing, so a shutdown after a sleep leaves other engines' packs alone."""
 
-    def __init__(self, model: nn.Module, rows: int | None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        rows: int | None,
+        quantization: str | None = None,
+        *,
+        fuse: bool = True,
+        keep_fp32: tuple[nn.Module, ...] = (),
+    ) -> None:
         self.model = model
         self.rows = rows
+        self.quantization = quantization  # `pack_projections`' arguments
+        self.fuse = fuse
+        self.keep_fp32 = keep_fp32
         self.held = False
         self.nbytes = 0  # what the packs held at the last `hold`
 
     def hold(self) -> int:
         """Take the packs (`pack_projections`); the bytes they hold."""
         if not self.held:
-            self.nbytes = pack_projections(self.model, self.rows)
+            self.nbytes = pack_projections(
+                self.model, self.rows, self.quantization, fuse=self.fuse, keep_fp32=self.keep_fp32
+            )
             self.held = True
         return self.nbytes
 
