@@ -44,6 +44,7 @@ from collections.abc import Iterator
 
 from torch import nn
 
+from astrai.extension.quantized import int8_linear_vectorized
 from astrai.model.layers import MLP, Attention, Linear, PackedLinear, mark_cache_resident
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,13 @@ def pack_projections(
     are not plain `Linear`s (LoRA-wrapped) keep running them one by one.
     `release_projections` undoes it when the last user is done."""
     mark_cache_resident(model)  # a prepacked pack keeps its plain copy only for F.linear's
+    device = next(model.parameters()).device
+    if quantization and not int8_linear_vectorized(device):
+        logger.warning(
+            "%s: torch's int8 kernel is not vectorized on this CPU (AVX2 only): decoding will "
+            "be slower than fp32 (experiments/bench/quantization.md)",
+            quantization,
+        )
     total, covered = 0, set()
     for module, name, sources in _packable(model.modules()) if fuse else ():
         pack = getattr(module, name, None)
