@@ -13,6 +13,7 @@ BENCHMARKS: dict[str, str] = {
     "grpo_async": "astrai.bench.grpo_async",
     "kernels": "astrai.bench.kernels",
     "packing": "astrai.bench.packing",
+    "quant": "astrai.bench.quant",
     "rollouts": "astrai.bench.rollouts",
     "scaling": "astrai.bench.scaling",
     "serve": "astrai.bench.serve",

@@ -20,6 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from astrai.extension import BackendUnavailable, selected_backend
+from astrai.extension.quantized import check_quantization
 from astrai.inference.adapters import AdapterInfo, EngineAdapters, LoRASettings, NoAdapters
 from astrai.inference.batch import BatchResult, batch_output, group_tasks, prompt_groups, single
 from astrai.inference.batch_invariance import BatchInvariance
@@ -84,7 +85,10 @@ class InferenceEngine:
     graphs while the engine is not needed (a trainer's optimizer step), `wake_up()` takes them
     back (`astrai.inference.sleep`). `batch_invariant` (vLLM's `VLLM_BATCH_INVARIANT`): each
     request's tokens and log-probs independent of the rest of the step
-    (`astrai.inference.batch_invariance`, which says what it refuses).
+    (`astrai.inference.batch_invariance`, which says what it refuses). `quantization`
+    (vLLM's name; "int8_weight_only", None: off): the engine's packs hold the projections
+    as int8 with per-channel scales, the LM head and the embedding staying as they are; the
+    model's own parameters are never changed (`astrai.extension.quantized`).
     """
 
     def __init__(
@@ -111,9 +115,11 @@ class InferenceEngine:
         enable_sleep_mode: bool = False,
         batch_invariant: bool = False,
         kv_cache_dtype: str = "auto",
+        quantization: str | None = None,
         start: bool = True,
     ) -> None:
         check_sleep_mode(enable_sleep_mode)  # before anything is allocated
+        self.quantization = check_quantization(quantization)
         invariance = BatchInvariance.of_engine(  # what it refuses: before any allocation
             batch_invariant, model.config, prefix_cache, decode_graphs, speculative, max_seq_len
         )
@@ -130,7 +136,13 @@ class InferenceEngine:
         self.packed_projections = bool(packed_projections)  # before a pool sized by free memory
         self.packs: ProjectionPacks = NoPacks()
         if self.packed_projections:
-            self.packs = ProjectionPacks(model, prepack_rows(max_batch_size))
+            self.packs = ProjectionPacks(
+                model, prepack_rows(max_batch_size), self.quantization, keep_fp32=(model.lm_head,)
+            )
+        elif self.quantization:  # each projection quantized alone
+            self.packs = ProjectionPacks(
+                model, None, self.quantization, fuse=False, keep_fp32=(model.lm_head,)
+            )
         self.packs.hold()
         self.pool = kv_pool(
             model,

@@ -1,5 +1,5 @@
 """The `engine` group's optional blocks (`engine.lora`, `engine.speculative`),
-`engine.enable_sleep_mode`, `engine.kv_cache_dtype` and `engine.batch_invariant` (with what it refuses) checked before a command loads its model, by the classes the engine
+`engine.enable_sleep_mode`, `engine.kv_cache_dtype`, `engine.quantization` and `engine.batch_invariant` (with what it refuses) checked before a command loads its model, by the classes the engine
 reads them with: `serve` and `generate` fail in a second with one line naming the key instead
 of after minutes of loading."""
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from astrai.extension.quantized import check_quantization
 from astrai.model.directory import check_model_dir
 
 if TYPE_CHECKING:
@@ -24,7 +25,7 @@ def check_sleep_mode(enabled: Any) -> bool:
 
 def check_engine_blocks(engine: Mapping[str, Any]) -> SpeculativeConfig | None:
     """Check `engine["lora"]`, `engine["speculative"]` (and a draft model's directory) and
-    `engine["enable_sleep_mode"]`, `engine["kv_cache_dtype"]` and `engine["batch_invariant"]`; a bad one is a SystemExit
+    `engine["enable_sleep_mode"]`, `engine["kv_cache_dtype"]`, `engine["quantization"]` and `engine["batch_invariant"]`; a bad one is a SystemExit
     naming the key. Returns the speculative setting (None: off)."""
     from astrai.inference.adapters import LoRASettings
     from astrai.inference.batch_invariance import BatchInvariance
@@ -36,6 +37,10 @@ def check_engine_blocks(engine: Mapping[str, Any]) -> SpeculativeConfig | None:
         check_kv_cache_dtype(engine.get("kv_cache_dtype", "auto"))
     except ValueError as err:
         raise SystemExit(f"engine.{err}") from None
+    try:
+        check_quantization(engine.get("quantization"))  # the message names engine.quantization
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
     try:
         LoRASettings.of(engine.get("lora"))
         spec = SpeculativeConfig.of(engine.get("speculative"))

@@ -17,6 +17,7 @@ from torch import nn
 from astrai.extension import KVCache, apply_rotary_emb, apply_rotary_qk, attention, linear
 from astrai.extension.linear import last_level_cache_bytes, prepack_weight
 from astrai.extension.lora import LoRALayer
+from astrai.extension.quantized import int8_linear, quantize_int8
 from astrai.model.config import ModelConfig
 from astrai.model.documents import DocumentSpans, training_attention
 
@@ -81,16 +82,25 @@ class PackedLinear:
     several), and with `prepack_rows` the result is also kept in oneDNN's blocked layout
     for products of about that many rows (`astrai.extension.linear.prepack_weight`).
     `astrai.model.packed` says when engines make them, what they cost and how they stay in
-    step with the parameters."""
+    step with the parameters. `quantization` ("int8_weight_only"): the packed weight is kept
+    as int8 with per-channel scales instead (`astrai.extension.quantized`), no fp32 copy."""
 
-    def __init__(self, sources: Sequence[Linear], prepack_rows: int | None = None) -> None:
+    def __init__(
+        self,
+        sources: Sequence[Linear],
+        prepack_rows: int | None = None,
+        quantization: str | None = None,
+    ) -> None:
         if not sources or any(type(m) is not Linear for m in sources):
             raise TypeError("PackedLinear packs plain astrai Linear layers only")
         if len({m.in_features for m in sources}) != 1:
             raise ValueError("PackedLinear: the packed layers must read the same input size")
         self.sources = tuple(sources)
         self.sizes = [m.out_features for m in sources]
-        self.prepack_rows = prepack_rows
+        self.prepack_rows = prepack_rows  # unused when quantized
+        self.quantization = quantization
+        self.qweight: torch.Tensor | None = None  # int8 [out, in] (quantization)
+        self.scales: torch.Tensor | None = None  # fp32 [out]
         self.weight: torch.Tensor | None = torch.empty(0)
         self.bias: torch.Tensor | None = None
         self.prepacked: torch.Tensor | None = None
@@ -126,12 +136,27 @@ class PackedLinear:
                     ]
                     self.bias = _cat_into(self.bias, parts)
             self.prepacked = None
+            if self.quantization is not None:
+                self._quantize(weight)
+                self.weight = None
+                self._key = key
+                return
             if self.prepack_rows is not None:
                 self.prepacked = prepack_weight(weight, self.prepack_rows)
             # A prepacked copy serves every product unless tiny ones go to F.linear.
             keep = self.prepacked is None or sources[0].cache_resident or len(sources) == 1
             self.weight = weight if keep else None
         self._key = key
+
+    def _quantize(self, weight: torch.Tensor) -> None:
+        """int8 weight and scales from `weight`, in place when the shapes are unchanged
+        (captured graphs keep the address)."""
+        qweight, scales = quantize_int8(weight)
+        if self.qweight is not None and self.qweight.shape == qweight.shape:
+            self.qweight.copy_(qweight)
+            self.scales.copy_(scales)
+        else:
+            self.qweight, self.scales = qweight, scales
 
     def serves(self, *modules: nn.Module) -> bool:
         """Whether this pack stands for exactly `modules` (refreshed if a weight changed);
@@ -146,6 +171,8 @@ class PackedLinear:
     def nbytes(self) -> int:
         """Bytes this pack holds beyond the parameters (a prepacked layout's padding aside)."""
         total = 0
+        if self.qweight is not None:
+            total += self.qweight.numel() + self.scales.numel() * 4
         if self.prepacked is not None:
             total += math.prod(self.prepacked.shape) * 4  # fp32 only
         if len(self.sources) > 1:
@@ -163,13 +190,16 @@ class PackedLinear:
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Each source's output, as views of one product's columns (with the source's
         adapter deltas, in an engine step with adapter rows)."""
-        out = linear(
-            x,
-            self.weight,
-            self.bias,
-            small_on_aten=self.sources[0].cache_resident,
-            prepacked=self.prepacked,
-        )
+        if self.qweight is not None:
+            out = int8_linear(x, self.qweight, self.scales, self.bias)
+        else:
+            out = linear(
+                x,
+                self.weight,
+                self.bias,
+                small_on_aten=self.sources[0].cache_resident,
+                prepacked=self.prepacked,
+            )
         parts = out.split(self.sizes, dim=-1) if len(self.sizes) > 1 else (out,)
         for source, part in zip(self.sources, parts):
             if source.lora is not None:

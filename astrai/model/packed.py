@@ -28,6 +28,12 @@ policy that trains while an engine shares it (GRPO) never generates with stale w
 the concatenations are rewritten in place, so CUDA graphs that captured them keep their
 address. A module whose sources were replaced (LoRA wrapping a projection) is no longer
 served by its pack; a wrapped `Linear`'s own prepacked weight still serves the wrapper.
+
+Quantized packs (`engine.quantization`, `astrai.extension.quantized`): every pack, q/k/v and
+gate/up concatenated as before, and every other `Linear` but the LM head holds its weight as
+int8 with per-channel scales and no fp32 copy; requantized, like the copies above, whenever a
+source changed. Concatenating stays on: one int8 product for q/k/v ran about twice as fast
+as three (experiments/bench/quantization.md).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from collections.abc import Iterator
 
 from torch import nn
 
+from astrai.extension.quantized import int8_linear_vectorized
 from astrai.model.layers import MLP, Attention, Linear, PackedLinear, mark_cache_resident
 
 logger = logging.getLogger(__name__)
@@ -62,36 +69,60 @@ def prepack_rows(max_batch_size: int) -> int:
 _USERS: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
 
 
-def pack_projections(model: nn.Module, rows: int | None = None) -> int:
+def pack_projections(
+    model: nn.Module,
+    rows: int | None = None,
+    quantization: str | None = None,
+    *,
+    fuse: bool = True,
+    keep_fp32: tuple[nn.Module, ...] = (),
+) -> int:
     """Give every GQA attention a packed q/k/v and every SwiGLU MLP (shared experts
     included) a packed gate/up, for one more user (an engine); with `rows` (fp32 on the
     CPU with oneDNN) every other `Linear` gets its weight prepacked too, for products of
-    about `rows` rows. Returns the bytes the packs hold. Layers whose projections are not
-    plain `Linear`s (LoRA-wrapped) keep running them one by one. `release_projections`
-    undoes it when the last user is done."""
+    about `rows` rows. With `quantization` every pack, and every other `Linear` but those of
+    `keep_fp32`, holds its weight quantized (`astrai.extension.quantized`); `fuse=False`
+    packs each `Linear` alone. Returns the bytes the packs hold. Layers whose projections
+    are not plain `Linear`s (LoRA-wrapped) keep running them one by one.
+    `release_projections` undoes it when the last user is done."""
     mark_cache_resident(model)  # a prepacked pack keeps its plain copy only for F.linear's
+    device = next(model.parameters()).device
+    if quantization and not int8_linear_vectorized(device):
+        logger.warning(
+            "%s: torch's int8 kernel is not vectorized on this CPU (AVX2 only): decoding will "
+            "be slower than fp32 (experiments/bench/quantization.md)",
+            quantization,
+        )
     total, covered = 0, set()
-    for module, name, sources in _packable(model.modules()):
+    for module, name, sources in _packable(model.modules()) if fuse else ():
         pack = getattr(module, name, None)
-        if pack is None or not pack.serves(*sources) or pack.prepack_rows != rows:
+        if (
+            pack is None
+            or not pack.serves(*sources)
+            or pack.prepack_rows != rows
+            or pack.quantization != quantization
+        ):
             if not all(type(m) is Linear for m in sources):
                 continue
-            pack = PackedLinear(sources, rows)
+            pack = PackedLinear(sources, rows, quantization)
             setattr(module, name, pack)
         covered.update(id(m) for m in sources)
         total += pack.nbytes
+    kept = {id(m) for m in keep_fp32}
     for module in model.modules():
-        if type(module) is not Linear or id(module) in covered or rows is None:
+        quant = None if id(module) in kept else quantization
+        if type(module) is not Linear or id(module) in covered or (rows is None and not quant):
             continue
         pack = module.pack
-        if pack is None or pack.prepack_rows != rows:
-            pack = PackedLinear((module,), rows)
-            if pack.prepacked is None:  # nothing to gain: no oneDNN route for this weight
+        if pack is None or pack.prepack_rows != rows or pack.quantization != quant:
+            pack = PackedLinear((module,), rows, quant)
+            if pack.prepacked is None and pack.qweight is None:  # no oneDNN route: no gain
                 continue
             module.pack = pack
         total += pack.nbytes
     _USERS[model] = _USERS.get(model, 0) + 1
-    logger.info("packed the model's projections for inference: %.1f MiB", total / 2**20)
+    what = f"quantized ({quantization})" if quantization else "packed"
+    logger.info("%s the model's projections for inference: %.1f MiB", what, total / 2**20)
     return total
 
 
@@ -133,16 +164,29 @@ class ProjectionPacks:
     user had dropped them, rebuilt from the weights of that moment. Holding twice or releasing
     twice changes nothing, so a shutdown after a sleep leaves other engines' packs alone."""
 
-    def __init__(self, model: nn.Module, rows: int | None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        rows: int | None,
+        quantization: str | None = None,
+        *,
+        fuse: bool = True,
+        keep_fp32: tuple[nn.Module, ...] = (),
+    ) -> None:
         self.model = model
         self.rows = rows
+        self.quantization = quantization  # `pack_projections`' arguments
+        self.fuse = fuse
+        self.keep_fp32 = keep_fp32
         self.held = False
         self.nbytes = 0  # what the packs held at the last `hold`
 
     def hold(self) -> int:
         """Take the packs (`pack_projections`); the bytes they hold."""
         if not self.held:
-            self.nbytes = pack_projections(self.model, self.rows)
+            self.nbytes = pack_projections(
+                self.model, self.rows, self.quantization, fuse=self.fuse, keep_fp32=self.keep_fp32
+            )
             self.held = True
         return self.nbytes
 
