@@ -1,9 +1,12 @@
-"""Quantization benchmark: decode speed and accuracy of `engine.quantization` against fp32.
+"""Quantization benchmark: decode speed and accuracy of `engine.quantization` and
+`engine.kv_cache_dtype` against fp32.
 
     python -m astrai.bench quant [model=...] [batches=[1,2,4,16]] [out=report.json]
+    python -m astrai.bench quant 'variants=[{},{kv_cache_dtype:int8}]' engine.max_prefill_tokens=32
 
-Decode: tokens/s of `engine_steps.measure_batch` (pure-decode steps of B running requests,
-the loop thread off) for each `quantizations` value at each of `batches`, `repeats` times
+Each of `variants` is a set of engine settings (the first, `{}` by default, the fp32
+baseline). Decode: tokens/s of `engine_steps.measure_batch` (pure-decode steps of B running
+requests, the loop thread off) for each variant at each of `batches`, `repeats` times
 alternated between the values, the median kept. Accuracy, on the same weights: perplexity of
 the first `ppl_docs` documents of the built-in stdlib corpus's val split (`builtin:stdlib/val`,
 the eval perplexity suite's corpus), each its first `ppl_tokens` tokens scored by
@@ -32,8 +35,9 @@ from astrai.tokenizer import AutoTokenizer
 logger = logging.getLogger(__name__)
 
 
-def _label(quantization: str | None) -> str:
-    return quantization or "fp32"
+def _label(variant: dict[str, Any]) -> str:
+    """`fp32` for the baseline, else the settings' values (`int8_weight_only`, `int8`)."""
+    return "+".join(f"{k}={v}" for k, v in sorted(variant.items())) or "fp32"
 
 
 def _documents(tokenizer: AutoTokenizer, count: int, length: int) -> list[list[int]]:
@@ -60,11 +64,9 @@ def accuracy(cfg: dict[str, Any], model: Transformer, tokenizer: AutoTokenizer) 
     prompts = [d[: cfg["agree_prompt_tokens"]] for d in docs[: cfg["agree_prompts"]]]
     out: dict[str, Any] = {"ppl_docs": len(docs[: cfg["ppl_docs"]]), "prompts": len(prompts)}
     greedy: dict[str, list[list[int]]] = {}
-    for quant in cfg["quantizations"]:
+    for quant in cfg["variants"]:
         max_len = cfg["ppl_tokens"] + cfg["agree_tokens"] + 1
-        with factory(
-            model, tokenizer, start=False, max_seq_len=max_len, quantization=quant
-        ) as engine:
+        with factory(model, tokenizer, start=False, max_seq_len=max_len, **quant) as engine:
             out[f"ppl_{_label(quant)}"] = _perplexity(engine, docs[: cfg["ppl_docs"]])
             results = engine.run_batch(
                 prompts,
@@ -74,8 +76,8 @@ def accuracy(cfg: dict[str, Any], model: Transformer, tokenizer: AutoTokenizer) 
                 return_details=True,
             )
             greedy[_label(quant)] = [r.token_ids for r in results]
-    base = _label(cfg["quantizations"][0])
-    for quant in cfg["quantizations"][1:]:
+    base = _label(cfg["variants"][0])
+    for quant in cfg["variants"][1:]:
         label = _label(quant)
         pairs = [(a, b) for x, y in zip(greedy[base], greedy[label]) for a, b in zip(x, y)]
         out[f"agreement_{label}"] = sum(a == b for a, b in pairs) / len(pairs)
@@ -84,16 +86,18 @@ def accuracy(cfg: dict[str, Any], model: Transformer, tokenizer: AutoTokenizer) 
 
 
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
+    if not cfg["variants"] or any(not isinstance(v, dict) for v in cfg["variants"]):
+        raise SystemExit("variants: a list of engine settings, e.g. [{}, {kv_cache_dtype: int8}]")
     model, tokenizer, device = bench_model(cfg)
     report: dict[str, Any] = report_header(cfg, model, device)
     report["load"] = os.getloadavg()[0]
     factory = instantiate(cfg["engine"])
     runs: dict[str, dict[int, list[float]]] = {
-        _label(q): {b: [] for b in cfg["batches"]} for q in cfg["quantizations"]
+        _label(q): {b: [] for b in cfg["batches"]} for q in cfg["variants"]
     }
     for _ in range(cfg["repeats"]):
         for batch in cfg["batches"]:
-            for quant in cfg["quantizations"]:  # alternated: a shared machine's noise is shared
+            for quant in cfg["variants"]:  # alternated: a shared machine's noise is shared
                 got = measure_batch(
                     factory,
                     model,
@@ -101,7 +105,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                     batch,
                     cfg["steps"],
                     prompt_len=cfg["prompt_len"],
-                    quantization=quant,
+                    **quant,
                 )
                 runs[_label(quant)][batch].append(got["tokens_per_s"])
                 logger.info("%s batch %d: %.1f tokens/s", _label(quant), batch, got["tokens_per_s"])
