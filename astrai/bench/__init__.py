@@ -16,6 +16,7 @@ BENCHMARKS: dict[str, str] = {
     "rollouts": "astrai.bench.rollouts",
     "serve": "astrai.bench.serve",
     "train": "astrai.bench.train",
+    "train_trl": "astrai.bench.train_trl",
     "weight_sync": "astrai.bench.weight_sync",
 }
 
