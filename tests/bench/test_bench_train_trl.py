@@ -47,7 +47,7 @@ def test_train_trl_benchmark_runs_both_sides_on_the_same_work(tmp_path):
         assert len(a["losses"]) == len(t["losses"]) == 3, name
         assert w["finite_losses"], name
         assert a["threads"] == t["threads"] == 1
-        assert w["speedup"] > 0 and isinstance(w["met"], bool)
+        assert w["speedup"] > 0 and w["speedup_cpu_time"] > 0 and isinstance(w["met"], bool)
     # same weights and the same batch: the first step's loss is the same on both sides
     sft, dpo = saved["workloads"]["sft"], saved["workloads"]["dpo"]
     assert sft["first_loss"]["astrai"] == pytest.approx(sft["first_loss"]["trl"], rel=1e-4)
