@@ -6,13 +6,14 @@ rollout. A step, from the end of the previous one to its own end, splits into:
 
 - ``generation``: the rollout source's ``take`` (the engine's prefill and decode, with the
   rewards scored as groups finish);
-- ``host_before``: the rest up to the policy's training forward (advantages, the slice's
+- ``host_before``: the rest up to the policy's next forward (advantages, the slice's
   padding and tensors, Lightning's batch hooks);
+- ``old_logp``: a forward of the policy without gradient before the training forward (the
+  old policy's log-probs computed apart from the rollout's: 0 when the engine's sampling
+  log-probs serve, as with ``num_iterations=1``);
 - ``forward``: the policy's forward with the LM head (log-probs and entropy), up to the
   reference's forward;
 - ``reference``: the reference's forward (its log-probs) and the loss, up to the backward;
-- ``old_logp``: the old policy's log-probs, computed apart from the rollout's (0 when the
-  engine's sampling log-probs serve, as with ``num_iterations=1``);
 - ``backward``; ``host_after_backward``: gradient statistics and clipping, up to the
   optimizer's step; ``optimizer``: its step and ``zero_grad``;
 - ``loop``: what is left (Lightning's loop, logging, the engine's weight version bump).
@@ -33,9 +34,9 @@ from astrai.train.strategies.grpo.source import RolloutSource, WrappingSource
 PHASES = (
     "generation",
     "host_before",
+    "old_logp",
     "forward",
     "reference",
-    "old_logp",
     "backward",
     "host_after_backward",
     "optimizer",
@@ -74,9 +75,11 @@ class GRPOStepProfile(L.Callback):
 
     def _mark(self, name: str) -> Any:
         def hook(module: torch.nn.Module, args: Any) -> None:
-            # the first training forward after the rollout (the engine runs the same model)
-            if "gen_end" in self.marks and name not in self.marks:
-                self.marks[name] = time.perf_counter()
+            # the first training forward after the rollout (the engine runs the same model);
+            # the policy's without gradient there is an old-log-probs pass
+            key = "old_logp" if name == "forward" and not torch.is_grad_enabled() else name
+            if "gen_end" in self.marks and key not in self.marks:
+                self.marks[key] = time.perf_counter()
 
         return hook
 
@@ -103,12 +106,13 @@ class GRPOStepProfile(L.Callback):
         end, m = time.perf_counter(), self.marks
         start = self._last_end if self._last_end is not None else m["gen_start"]
         reference_end = m.get("reference", m["backward"])
+        old_logp = m.get("old_logp", m["forward"])
         phases = {
             "generation": m["gen_end"] - m["gen_start"],
-            "host_before": m["forward"] - m["gen_end"],
+            "host_before": old_logp - m["gen_end"],
+            "old_logp": m["forward"] - old_logp,
             "forward": reference_end - m["forward"],
             "reference": m["backward"] - reference_end,
-            "old_logp": 0.0,
             "backward": m["backward_end"] - m["backward"],
             "host_after_backward": m["optimizer"] - m["backward_end"],
             "optimizer": end - m["optimizer"],
