@@ -18,6 +18,7 @@ BENCHMARKS: dict[str, str] = {
     "scaling": "astrai.bench.scaling",
     "serve": "astrai.bench.serve",
     "train": "astrai.bench.train",
+    "train_trl": "astrai.bench.train_trl",
     "weight_sync": "astrai.bench.weight_sync",
 }
 

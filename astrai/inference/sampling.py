@@ -322,12 +322,51 @@ def _exponential_noise(
         # seeded batch leaves torch's default generator (the trainer's dropout) untouched
         rows = torch.empty(len(shared), probs.shape[1], dtype=probs.dtype, device=probs.device)
         noise[shared] = rows.exponential_(generator=generator)
-    for i, gen in enumerate(own):
-        if gen is not None:  # drawn alone so the row's stream ignores its batch companions
-            row = torch.empty(probs.shape[1], dtype=probs.dtype, device=gen.device)
-            noise[i] = row.exponential_(generator=gen).to(probs.device)
+    seeded = [i for i, gen in enumerate(own) if gen is not None]
+    if seeded and _cpu_rows_from_uniform(probs, [own[i] for i in seeded]):
+        noise[seeded] = _exponential_rows([own[i] for i in seeded], probs.shape[1])
+        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    for i in seeded:  # drawn alone so the row's stream ignores its batch companions
+        gen = own[i]
+        row = torch.empty(probs.shape[1], dtype=probs.dtype, device=gen.device)
+        noise[i] = row.exponential_(generator=gen).to(probs.device)
     # Exp(1) can round to 0; p / 0 would be inf (or nan for a filtered token).
     return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+
+def _exponential_rows(generators: Sequence[torch.Generator], width: int) -> torch.Tensor:
+    """``[len(generators), width]`` fp32 Exp(1) draws, row ``i`` from ``generators[i]``: the
+    very values ``exponential_`` gives (torch's CPU kernel draws a uniform double ``u`` and
+    returns ``-log1p(-u)`` rounded to fp32), with each row's uniforms drawn alone and the
+    logarithm taken once for the whole block: the logarithm, a scalar loop inside
+    ``exponential_``, was most of a seeded sampling step (6 of 7 ms for 128 x 2048 rows)."""
+    u = torch.empty(len(generators), width, dtype=torch.float64)
+    for row, gen in zip(u, generators):
+        row.uniform_(generator=gen)
+    return u.neg_().log1p_().neg_().to(torch.float32)
+
+
+_UNIFORM_EXPONENTIAL: bool | None = None
+
+
+def _cpu_rows_from_uniform(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> bool:
+    """Whether :func:`_exponential_rows` serves these rows: fp32 on the CPU, and this torch's
+    ``exponential_`` found (once, on a sample) to be that transform of its uniforms, bit for
+    bit; otherwise each row keeps its own ``exponential_``."""
+    global _UNIFORM_EXPONENTIAL
+    if probs.dtype != torch.float32 or probs.device.type != "cpu":
+        return False
+    if any(gen.device.type != "cpu" for gen in generators):
+        return False
+    if _UNIFORM_EXPONENTIAL is None:
+        seeds = (0, 1, 12345)
+        expected = [
+            torch.empty(4099).exponential_(generator=torch.Generator().manual_seed(seed))
+            for seed in seeds
+        ]
+        got = _exponential_rows([torch.Generator().manual_seed(seed) for seed in seeds], 4099)
+        _UNIFORM_EXPONENTIAL = all(torch.equal(e, g) for e, g in zip(expected, got))
+    return _UNIFORM_EXPONENTIAL
 
 
 # ---------------------------------------------------------------------- penalties and bias

@@ -335,6 +335,28 @@ def test_seeded_rows_reproduce_across_runs_and_batch_companions():
     assert _seeded_run(43, logits_steps, companions=3) != alone
 
 
+def test_seeded_noise_is_each_rows_own_exponential_draw():
+    """The seeded rows' noise, drawn as uniforms per row and one logarithm for the block
+    (the fast path), is bit for bit each row's own ``exponential_`` (the draws, and where
+    each generator's stream ends), beside a row of the shared generator."""
+    from astrai.inference.sampling import _exponential_noise
+
+    for width in (1, 2048, 5003):
+        ours = [torch.Generator().manual_seed(s) for s in (3, 4, 5)]
+        theirs = [torch.Generator().manual_seed(s) for s in (3, 4, 5)]
+        probs = torch.rand(4, width)
+        noise = _exponential_noise(
+            probs, torch.Generator().manual_seed(9), [*ours[:2], None, ours[2]]
+        )
+        expected = [torch.empty(width).exponential_(generator=g) for g in theirs]
+        shared = torch.empty(width).exponential_(generator=torch.Generator().manual_seed(9))
+        tiny = torch.finfo(torch.float32).tiny
+        for row, e in zip((0, 1, 3), expected):
+            assert torch.equal(noise[row], e.clamp_min(tiny))
+        assert torch.equal(noise[2], shared.clamp_min(tiny))
+        assert all(torch.equal(a.get_state(), b.get_state()) for a, b in zip(ours, theirs))
+
+
 def test_seeded_one_shot_without_generators_is_reproducible():
     logits = torch.randn(2, 1000, generator=gen()) * 0.1
     params = [SamplingParams(seed=7), SamplingParams(seed=8)]
