@@ -188,21 +188,36 @@ def _result(
 
 
 class StepClock(L.Callback):
-    """When each training step ended (after the optimizer step), and its loss."""
+    """When each training step ended (after the optimizer step; wall clock and process CPU
+    time), and its loss; `from_first_start`: the first stamp is when the first step began.
+    The device syncs before the stamps that bound the timed steps (after `warmup_steps`)."""
 
-    def __init__(self, warmup_steps: int, device: torch.device) -> None:
+    def __init__(
+        self, device: torch.device, warmup_steps: int = 0, from_first_start: bool = False
+    ) -> None:
         self.warmup_steps, self.device = warmup_steps, device
+        self.from_first_start = from_first_start
         self.stamps: list[float] = []
         self.cpu: list[float] = []
         self.losses: list[torch.Tensor] = []
 
+    def _stamp(self) -> None:
+        self.stamps.append(time.perf_counter())
+        self.cpu.append(time.process_time())
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, i: int
+    ) -> None:
+        if self.from_first_start and not self.stamps:
+            _sync(self.device)
+            self._stamp()
+
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, i: int
     ) -> None:
-        if len(self.stamps) in (self.warmup_steps - 1, trainer.max_steps - 1):
+        if len(self.losses) in (self.warmup_steps - 1, trainer.max_steps - 1):
             _sync(self.device)
-        self.stamps.append(time.perf_counter())
-        self.cpu.append(time.process_time())
+        self._stamp()
         self.losses.append(outputs["loss"].detach())
 
 
@@ -211,7 +226,7 @@ def run_astrai(cfg: dict[str, Any], batches: list[dict[str, torch.Tensor]]) -> d
     device = torch.device(cfg["device"])
     torch.manual_seed(cfg["seed"])
     module = instantiate_strategy(OmegaConf.create(cfg), None)
-    clock = StepClock(cfg["warmup_steps"], device)
+    clock = StepClock(device, cfg["warmup_steps"])
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.filterwarnings("ignore", ".*does not have many workers.*")
         csv = CSVLogger(tmp, name="bench") if cfg["logger"] else False

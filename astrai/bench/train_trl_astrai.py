@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import tempfile
-import time
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -21,33 +20,11 @@ import torch
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
+from astrai.bench.train import StepClock
 from astrai.bench.train_trl_data import PAD_ID, DPOData, GRPOData, SFTData
 from astrai.data.datasets import IGNORE_INDEX, collate_preference, collate_prompt
 from astrai.train.runner import instantiate_strategy
 from astrai.train.strategies.grpo.source import RolloutSource, WrappingSource
-
-
-class StepClock(L.Callback):
-    """When each optimizer step ended (wall clock and process CPU time) and its loss."""
-
-    def __init__(self) -> None:
-        self.stamps: list[float] = []
-        self.cpu: list[float] = []
-        self.losses: list[torch.Tensor] = []
-
-    def on_train_batch_start(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, i: int
-    ) -> None:
-        if not self.stamps:  # the first step starts here
-            self.stamps.append(time.perf_counter())
-            self.cpu.append(time.process_time())
-
-    def on_train_batch_end(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, i: int
-    ) -> None:
-        self.stamps.append(time.perf_counter())
-        self.cpu.append(time.process_time())
-        self.losses.append(outputs["loss"].detach())
 
 
 class RolloutTokens(L.Callback):
@@ -156,7 +133,7 @@ def run_astrai(
     module = build_module(cfg, workload, checkpoint)
     batch = BATCHES[workload](data)
     n = int(cfg["warmup_steps"]) + int(cfg["steps"])
-    clock = StepClock()
+    clock = StepClock(torch.device("cpu"), from_first_start=True)
     loader = DataLoader([batch] * n, batch_size=None, shuffle=False, num_workers=0)
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.filterwarnings("ignore", ".*does not have many workers.*")

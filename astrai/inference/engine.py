@@ -32,7 +32,7 @@ from astrai.inference.handoff import Handoff
 from astrai.inference.logprobs import ScoreResult
 from astrai.inference.loop import EngineLoop
 from astrai.inference.params import SamplingParams, params_from
-from astrai.inference.parts import kv_pool, make_proposer
+from astrai.inference.parts import kv_pool, make_proposer, projection_packs
 from astrai.inference.result import GenerateResult, interleave, stream_deltas, stream_text
 from astrai.inference.runner import ModelRunner
 from astrai.inference.scheduler import InferenceScheduler
@@ -48,7 +48,6 @@ from astrai.inference.speculative import Proposer, SpeculativeConfig
 from astrai.inference.structured import StructuredOutput
 from astrai.inference.task import Rejection, Task
 from astrai.model import Transformer
-from astrai.model.packed import NoPacks, ProjectionPacks, prepack_rows
 from astrai.tokenizer import AutoTokenizer
 
 logger = logging.getLogger(__name__)
@@ -134,15 +133,9 @@ class InferenceEngine:
                 f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {cfg.vocab_size}"
             )
         self.packed_projections = bool(packed_projections)  # before a pool sized by free memory
-        self.packs: ProjectionPacks = NoPacks()
-        if self.packed_projections:
-            self.packs = ProjectionPacks(
-                model, prepack_rows(max_batch_size), self.quantization, keep_fp32=(model.lm_head,)
-            )
-        elif self.quantization:  # each projection quantized alone
-            self.packs = ProjectionPacks(
-                model, None, self.quantization, fuse=False, keep_fp32=(model.lm_head,)
-            )
+        self.packs = projection_packs(
+            model, self.packed_projections, self.quantization, max_batch_size
+        )
         self.packs.hold()
         self.pool = kv_pool(
             model,

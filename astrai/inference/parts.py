@@ -1,5 +1,5 @@
-"""The engine's optional and sized parts, built from its settings: the model's KV pool and
-the speculation proposer (`NoProposer` when speculation is off; the adapters' registry is
+"""The engine's optional and sized parts, built from its settings: the model's packed (or
+quantized) projections, its KV pool and the speculation proposer (`NoProposer` when speculation is off; the adapters' registry is
 `EngineAdapters.build`)."""
 
 from __future__ import annotations
@@ -16,6 +16,22 @@ from astrai.inference.ngram import NgramProposer
 from astrai.inference.speculative import NO_PROPOSER, Proposer, SpeculativeConfig
 from astrai.model import Transformer
 from astrai.model.mla_config import kv_geometry
+from astrai.model.packed import NoPacks, ProjectionPacks, prepack_rows
+
+
+def projection_packs(
+    model: Transformer, packed: bool, quantization: str | None, max_batch_size: int
+) -> ProjectionPacks:
+    """The model's inference projections: fused and pre-packed for `max_batch_size` rows
+    (`packed`), or each quantized alone (`quantization` without `packed`), or none. The LM
+    head stays fp32: its logits feed sampling and log-probs."""
+    if packed:
+        return ProjectionPacks(
+            model, prepack_rows(max_batch_size), quantization, keep_fp32=(model.lm_head,)
+        )
+    if quantization:
+        return ProjectionPacks(model, None, quantization, fuse=False, keep_fp32=(model.lm_head,))
+    return NoPacks()
 
 
 def kv_pool(

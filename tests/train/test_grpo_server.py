@@ -156,11 +156,14 @@ def test_the_issue_spelling_composes(tmp_path):
 class Replicas:
     """Replica processes on one model directory; `kill(i)` sends SIGKILL."""
 
-    def __init__(self, model_dir: Path, count: int) -> None:
+    def __init__(self, model_dir: Path, count: int, threads: int | None = None) -> None:
         self.procs: list[subprocess.Popen] = []
         self.logs: list[Path] = []
         self.urls: list[str] = []
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+        # the trainer's thread count (default: this process's): batch invariance holds for
+        # one thread count only
+        threads = threads or torch.get_num_threads()
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "WANDB_MODE": "offline"}
         for _ in range(count):
             port = free_port()
             log = model_dir.parent / f"replica-{port}.log"
@@ -174,7 +177,7 @@ class Replicas:
                         f"model_path={model_dir}",
                         f"port={port}",
                         "allow_weight_updates=true",
-                        "threads=1",
+                        f"threads={threads}",
                         "device=cpu",
                         "engine=paged",
                         "engine.batch_invariant=true",
@@ -445,7 +448,8 @@ def test_server_mode_on_two_fsdp2_ranks_equals_colocated(tmp_path, data_dir):
         return where
 
     colocated = run(tmp_path / "colocated")
-    replicas = Replicas(colocated / "run" / "export", 2)  # the run's config and tokenizer
+    # the run's config and tokenizer; the CLI's thread count (train_helpers.cli)
+    replicas = Replicas(colocated / "run" / "export", 2, int(os.environ.get("OMP_NUM_THREADS", 1)))
     try:
         server = run(
             tmp_path / "server",

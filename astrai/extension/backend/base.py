@@ -57,6 +57,20 @@ class AttentionBackend(ABC):
         return f"{type(self).__name__}(name={self.name!r})"
 
 
+def shape_mismatch(q: torch.Tensor, kv_cache: KVCache) -> str | None:
+    """Why a `[num_tokens, n_heads, head_dim]` query cannot attend over this cache's
+    `[..., n_kv_heads, head_dim]` keys (None: it can); the CPU backends' common check."""
+    if q.dim() != 3:
+        return f"query must be [num_tokens, n_heads, head_dim], got shape {tuple(q.shape)}"
+    n_kv_heads, head_dim = kv_cache.k_buffer.shape[-2:]
+    if q.shape[1] % n_kv_heads or q.shape[2] != head_dim:
+        return (
+            f"query heads/head_dim {tuple(q.shape[1:])} do not fit a cache of "
+            f"{n_kv_heads} kv heads x {head_dim}"
+        )
+    return None
+
+
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, layer_id: int) -> None:
     """Store this step's K/V at their slots; shared by the backends that gather afterwards.
     An int8 cache stores each token's K/V per KV head as int8 with its absmax / 127 scale."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from astrai.extension.backend.base import AttentionBackend, write_kv
+from astrai.extension.backend.base import AttentionBackend, shape_mismatch, write_kv
 from astrai.extension.backend.torch_native import sdpa_request
 from astrai.extension.cpu_kernels import paged_attention_op
 from astrai.extension.invariance import batch_invariant_enabled
@@ -74,14 +74,12 @@ class CpuPagedBackend(AttentionBackend):
             return f"runs on the CPU only, query is on {q.device.type}"
         if q.dtype != torch.float32:
             return f"query dtype {q.dtype} is not float32"
-        if q.dim() != 3:
-            return f"query must be [num_tokens, n_heads, head_dim], got shape {tuple(q.shape)}"
         k_buf = kv_cache.k_buffer
         if k_buf.dtype not in (torch.float32, torch.int8):
             return f"KV cache dtype {k_buf.dtype} is not float32 or int8"
-        n_kv_heads, head_dim = k_buf.shape[-2:]
-        if q.shape[1] % n_kv_heads or q.shape[2] != head_dim:
-            return f"query heads/head_dim {tuple(q.shape[1:])} do not fit the cache"
+        mismatch = shape_mismatch(q, kv_cache)
+        if mismatch is not None:
+            return mismatch
         if kv_cache.v_buffer.shape != k_buf.shape or kv_cache.v_buffer.stride() != k_buf.stride():
             return "K and V buffers differ in shape or layout (MLA's latent cache)"
         if k_buf.stride(-1) != 1:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from astrai.extension.backend.base import AttentionBackend, write_kv
+from astrai.extension.backend.base import AttentionBackend, shape_mismatch, write_kv
 from astrai.extension.invariance import batch_invariant_enabled
 from astrai.extension.kv_cache import KVCache, suffix_causal_mask
 
@@ -30,17 +30,9 @@ class TorchNativeBackend(AttentionBackend):
     def supports(self, q: torch.Tensor, kv_cache: KVCache) -> str | None:
         if not q.is_floating_point():
             return f"query dtype {q.dtype} is not a floating-point type"
-        if q.dim() != 3:
-            return f"query must be [num_tokens, n_heads, head_dim], got shape {tuple(q.shape)}"
         if not kv_cache.k_buffer.is_floating_point():
             return f"KV cache dtype {kv_cache.k_buffer.dtype}: an int8 cache needs the CPU kernel"
-        n_kv_heads, head_dim = kv_cache.k_buffer.shape[-2:]
-        if q.shape[1] % n_kv_heads or q.shape[2] != head_dim:
-            return (
-                f"query heads/head_dim {tuple(q.shape[1:])} do not fit a cache of "
-                f"{n_kv_heads} kv heads x {head_dim}"
-            )
-        return None
+        return shape_mismatch(q, kv_cache)
 
     def forward(
         self,
