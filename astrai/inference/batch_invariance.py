@@ -11,7 +11,9 @@ Refused with it, each with a ValueError naming both keys (checked before anythin
 allocated): `prefix_cache=true` (a cached page's KV was computed within another request's
 prefill chunk, whose length changes its bits; `null` resolves to off), `speculative`
 (drafts change which rows a step verifies), `decode_graphs` true or `"stand-in"` (captured
-batch sizes pad the decode batch; `null` resolves to eager), and for a model with dynamic
+batch sizes pad the decode batch; `null` resolves to eager), `kv_cache_dtype=int8` (only the
+CPU kernel reads an int8 cache, and invariant attention is torch_native's per request), and
+for a model with dynamic
 RoPE a `max_seq_len` beyond its `max_position_embeddings`. LoRA adapters (served ones and
 a training run's live adapter) are made invariant (`astrai.extension.lora`).
 """
@@ -43,6 +45,7 @@ class BatchInvariance:
         prefix_cache: bool | None = None,
         decode_graphs: bool | str | None = None,
         speculative: object = None,
+        kv_cache_dtype: str = "auto",
         dynamic_rope: bool = False,
         max_seq_len: int | None = None,
         max_position_embeddings: int | None = None,
@@ -71,6 +74,11 @@ class BatchInvariance:
                 f"decode_graphs={decode_graphs!r}",
                 "captured graphs pad the decode batch; leave decode_graphs null or false",
             ),
+            (
+                kv_cache_dtype == "int8",
+                "kv_cache_dtype=int8",
+                "invariant attention runs torch_native per request, which reads no int8 cache",
+            ),
         )
         if dynamic_rope and max_seq_len is not None and max_position_embeddings is not None:
             beyond = max_seq_len > max_position_embeddings
@@ -98,6 +106,7 @@ class BatchInvariance:
         decode_graphs: bool | str | None,
         speculative: object,
         max_seq_len: int | None,
+        kv_cache_dtype: str = "auto",
     ) -> BatchInvariance:
         """The check on `InferenceEngine`'s arguments for a model of `config`."""
         return cls.check(
@@ -105,6 +114,7 @@ class BatchInvariance:
             prefix_cache=prefix_cache,
             decode_graphs=decode_graphs,
             speculative=speculative,
+            kv_cache_dtype=kv_cache_dtype,
             dynamic_rope=(config.rope_scaling or {}).get("rope_type") == "dynamic",
             max_seq_len=max_seq_len,
             max_position_embeddings=config.max_position_embeddings,
@@ -118,6 +128,7 @@ class BatchInvariance:
             prefix_cache=engine.get("prefix_cache"),
             decode_graphs=engine.get("decode_graphs"),
             speculative=engine.get("speculative"),
+            kv_cache_dtype=engine.get("kv_cache_dtype") or "auto",
             key_prefix=key_prefix,
         )
 

@@ -17,7 +17,6 @@ from collections.abc import AsyncGenerator, Callable, Generator, Mapping, Sequen
 from typing import Any, Literal
 
 import torch
-from tqdm.auto import tqdm
 
 from astrai.extension import BackendUnavailable, selected_backend
 from astrai.extension.quantized import check_quantization
@@ -40,6 +39,7 @@ from astrai.inference.scoring import (
     check_score_requests,
     score_params,
     score_phases,
+    score_progress,
     score_result,
     score_tasks,
 )
@@ -48,6 +48,7 @@ from astrai.inference.speculative import Proposer, SpeculativeConfig
 from astrai.inference.structured import StructuredOutput
 from astrai.inference.task import Rejection, Task
 from astrai.model import Transformer
+from astrai.model.factory import check_vocab
 from astrai.tokenizer import AutoTokenizer
 
 logger = logging.getLogger(__name__)
@@ -87,7 +88,8 @@ class InferenceEngine:
     (`astrai.inference.batch_invariance`, which says what it refuses). `quantization`
     (vLLM's name; "int8_weight_only", None: off): the engine's packs hold the projections
     as int8 with per-channel scales, the LM head and the embedding staying as they are; the
-    model's own parameters are never changed (`astrai.extension.quantized`).
+    model's own parameters are never changed (`astrai.extension.quantized`). `kv_cache_dtype`
+    (vLLM's; "auto", "int8": per-head scales): `astrai.inference.cache.kv_dtype`.
     """
 
     def __init__(
@@ -120,7 +122,13 @@ class InferenceEngine:
         check_sleep_mode(enable_sleep_mode)  # before anything is allocated
         self.quantization = check_quantization(quantization)
         invariance = BatchInvariance.of_engine(  # what it refuses: before any allocation
-            batch_invariant, model.config, prefix_cache, decode_graphs, speculative, max_seq_len
+            batch_invariant,
+            model.config,
+            prefix_cache,
+            decode_graphs,
+            speculative,
+            max_seq_len,
+            kv_cache_dtype,
         )
         self.batch_invariant = invariance.enabled
         # No .eval() here: GRPO shares the live policy module, whose mode Lightning owns. The
@@ -128,10 +136,7 @@ class InferenceEngine:
         self.model = model
         self.tokenizer = tokenizer
         cfg = model.config
-        if len(tokenizer) > cfg.vocab_size:
-            raise ValueError(
-                f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {cfg.vocab_size}"
-            )
+        check_vocab(cfg.vocab_size, tokenizer, source="the model")
         self.packed_projections = bool(packed_projections)  # before a pool sized by free memory
         self.packs = projection_packs(
             model, self.packed_projections, self.quantization, max_batch_size
@@ -539,11 +544,7 @@ class InferenceEngine:
         )
         tasks = score_tasks(pairs, base, self.check_request, selected_backend())
         phases = score_phases([c for c, _ in pairs], self.pool.shares_prefixes)
-        with tqdm(
-            total=len(tasks), desc="score", unit="req", disable=None if progress else True
-        ) as bar:
-            for t in tasks:
-                t.on_finish = lambda _, bar=bar: bar.update(1)
+        with score_progress(tasks, progress):
             self._run_here([[([tasks[i]], None) for i in phase] for phase in phases])
         return [
             score_result(i, t, len(context))

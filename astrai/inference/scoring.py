@@ -8,11 +8,13 @@ softmax, so no full-vocabulary logits tensor for a whole batch ever exists.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from tqdm.auto import tqdm
 
 from astrai.inference.batch import single
 from astrai.inference.logprobs import PromptScores, ScoreResult, TokenLogprob, TopLogprobs
@@ -190,6 +192,17 @@ def score_phases(contexts: Sequence[Sequence[int]], shared: bool) -> list[list[i
         (rest if key in seen else first).append(i)
         seen.add(key)
     return [first, rest] if rest else [first]
+
+
+@contextmanager
+def score_progress(tasks: Sequence[Task], progress: bool) -> Iterator[None]:
+    """A progress bar (`progress`; off: none) that counts the score tasks as they finish."""
+    with tqdm(
+        total=len(tasks), desc="score", unit="req", disable=None if progress else True
+    ) as bar:
+        for t in tasks:
+            t.on_finish = lambda _, bar=bar: bar.update(1)
+        yield
 
 
 def score_result(index: int, task: Task, context_len: int) -> ScoreResult:

@@ -96,3 +96,13 @@ def test_int8_refused_for_a_non_fp32_model(tokenizer):
     half = tiny_transformer(len(tokenizer)).to(torch.bfloat16)
     with pytest.raises(ValueError, match="needs an fp32 model"):
         InferenceEngine(half, tokenizer, kv_cache_dtype="int8", start=False)
+
+
+def test_int8_refused_with_batch_invariance(model, tokenizer):
+    """Invariant attention is torch_native's per request, which reads no int8 cache: refused
+    by the engine and by the config check, naming both keys."""
+    with pytest.raises(ValueError, match="batch_invariant=true cannot be combined with kv_cache"):
+        InferenceEngine(model, tokenizer, kv_cache_dtype="int8", batch_invariant=True, start=False)
+    with pytest.raises(SystemExit, match=r"engine\.batch_invariant=true .* engine\.kv_cache"):
+        check_engine_blocks({"batch_invariant": True, "kv_cache_dtype": "int8"})
+    check_engine_blocks({"batch_invariant": True, "kv_cache_dtype": "auto"})  # accepted

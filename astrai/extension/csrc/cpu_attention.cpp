@@ -23,6 +23,10 @@
 #include <type_traits>
 #include <vector>
 
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
 namespace {
 
 // Dot products as four independent 8-lane accumulators: one accumulator would be one chain of
@@ -37,10 +41,16 @@ inline v8f load8(const float* p) {
   return v;
 }
 
+// int8 -> fp32: GCC turns the generic conversion into 8 scalar conversions, so AVX2 gets
+// its sign-extend and convert instructions (4x faster int8 decode attention than without).
 inline v8f load8(const int8_t* p) {
+#ifdef __AVX2__
+  return (v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+#else
   v8i8 v;
   __builtin_memcpy(&v, p, sizeof(v));
   return __builtin_convertvector(v, v8f);
+#endif
 }
 
 inline float hsum(v8f v) {
