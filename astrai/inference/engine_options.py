@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from astrai.extension.quantized import check_quantization
 from astrai.model.directory import check_model_dir
 
 if TYPE_CHECKING:
@@ -27,6 +26,7 @@ def check_engine_blocks(engine: Mapping[str, Any]) -> SpeculativeConfig | None:
     """Check `engine["lora"]`, `engine["speculative"]` (and a draft model's directory) and
     `engine["enable_sleep_mode"]`, `engine["kv_cache_dtype"]`, `engine["quantization"]` and `engine["batch_invariant"]`; a bad one is a SystemExit
     naming the key. Returns the speculative setting (None: off)."""
+    from astrai.extension.quantized import check_quantization  # torch: after the preflight
     from astrai.inference.adapters import LoRASettings
     from astrai.inference.batch_invariance import BatchInvariance
     from astrai.inference.cache.kv_dtype import check_kv_cache_dtype
