@@ -45,7 +45,7 @@ class BatchInvariance:
         prefix_cache: bool | None = None,
         decode_graphs: bool | str | None = None,
         speculative: object = None,
-        kv_cache_dtype: str = "auto",
+        kv_cache_dtype: str | None = "auto",
         dynamic_rope: bool = False,
         max_seq_len: int | None = None,
         max_position_embeddings: int | None = None,
@@ -56,6 +56,8 @@ class BatchInvariance:
         `dynamic_rope`: the model's RoPE is dynamic NTK, whose frequencies past
         `max_position_embeddings` follow the step's longest position: refused with a
         `max_seq_len` beyond it (None, the default context, stays within it)."""
+        from astrai.inference.cache.kv_dtype import check_kv_cache_dtype  # its package: torch
+
         k = key_prefix
         if not isinstance(batch_invariant, bool):
             raise ValueError(f"{k}batch_invariant must be true or false, got {batch_invariant!r}")
@@ -75,7 +77,7 @@ class BatchInvariance:
                 "captured graphs pad the decode batch; leave decode_graphs null or false",
             ),
             (
-                kv_cache_dtype == "int8",
+                check_kv_cache_dtype(kv_cache_dtype) == "int8",  # as the pool reads it
                 "kv_cache_dtype=int8",
                 "invariant attention runs torch_native per request, which reads no int8 cache",
             ),
@@ -128,7 +130,7 @@ class BatchInvariance:
             prefix_cache=engine.get("prefix_cache"),
             decode_graphs=engine.get("decode_graphs"),
             speculative=engine.get("speculative"),
-            kv_cache_dtype=engine.get("kv_cache_dtype") or "auto",
+            kv_cache_dtype=engine.get("kv_cache_dtype"),
             key_prefix=key_prefix,
         )
 

@@ -105,4 +105,8 @@ def test_int8_refused_with_batch_invariance(model, tokenizer):
         InferenceEngine(model, tokenizer, kv_cache_dtype="int8", batch_invariant=True, start=False)
     with pytest.raises(SystemExit, match=r"engine\.batch_invariant=true .* engine\.kv_cache"):
         check_engine_blocks({"batch_invariant": True, "kv_cache_dtype": "int8"})
+    with pytest.raises(ValueError, match="cannot be combined with kv_cache_dtype=int8"):
+        InferenceEngine(  # spelled as the pool accepts it
+            model, tokenizer, kv_cache_dtype=" INT8", batch_invariant=True, start=False
+        )
     check_engine_blocks({"batch_invariant": True, "kv_cache_dtype": "auto"})  # accepted
