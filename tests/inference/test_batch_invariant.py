@@ -188,7 +188,7 @@ def test_another_attention_backend_is_refused_per_request(model, tokenizer):
     with _engine(model, tokenizer, batch_invariant=True) as engine:
         with attn_backend("flash"):
             out = engine.run_batch([[5, 6, 7]], max_tokens=2, return_details=True)
-        fine = engine.run_batch([[5, 6, 7]], max_tokens=2, return_details=True)
+        fine = engine.run_batch([[5, 6, 7]], max_tokens=2, ignore_eos=True, return_details=True)
     assert out[0].finish_reason == "aborted" and "batch_invariant" in out[0].error
     assert fine[0].finish_reason == "length"
 

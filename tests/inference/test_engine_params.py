@@ -73,7 +73,7 @@ def test_score_takes_prompt_logprobs_from_params(model, tokenizer):
 
 
 def test_max_prompt_tokens_rejects_one_token_over_the_limit(model, tokenizer):
-    ok = SamplingParams(max_tokens=4)
+    ok = SamplingParams(max_tokens=4, ignore_eos=True)  # a sampled EOS would end it "stop"
     with InferenceEngine(model, tokenizer, max_seq_len=64, max_prompt_tokens=10) as eng:
         assert eng.max_prompt_tokens == 10
         eng.check_request(list(range(1, 11)), ok)  # exactly at the limit
