@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from astrai.serve.best_of import check_best_of
 from astrai.serve.errors import APIError
 from astrai.serve.logprobs import LegacyLogprobs, token_text
 from astrai.serve.openai_builder import OpenAIStyleBuilder, usage
@@ -17,6 +18,7 @@ from astrai.serve.protocol import Choice, Prepared, RequestContext
 from astrai.serve.request import openai_params, or_default, stop_strings
 from astrai.serve.schemas import CompletionRequest, given
 from astrai.serve.settings import ServeSettings
+from astrai.serve.structured_outputs import structured_outputs_constraint
 from astrai.serve.tool_parsers import Event, TextDelta
 from astrai.tokenizer import AutoTokenizer
 
@@ -66,12 +68,7 @@ class CompletionsResponseBuilder(OpenAIStyleBuilder):
         if body.suffix:
             raise APIError(400, "suffix: insertion (suffix) is not supported", param="suffix")
         n = or_default(body, "n")
-        if body.best_of is not None and body.best_of != n:
-            raise APIError(
-                400,
-                f"best_of: only best_of == n is supported (got best_of={body.best_of}, n={n})",
-                param="best_of",
-            )
+        best_of = check_best_of(body.best_of, n, stream=bool(body.stream))
         echo = bool(body.echo)
         max_tokens = or_default(body, "max_tokens")
         if max_tokens == 0 and not echo:
@@ -85,6 +82,9 @@ class CompletionsResponseBuilder(OpenAIStyleBuilder):
             extra["logprobs"] = k
         if echo and (k is not None or max_tokens == 0):
             extra["prompt_logprobs"] = k or 0  # scoring only: the engine samples nothing
+        structured = structured_outputs_constraint(body.structured_outputs, tokenizer)
+        if structured is not None:  # compiled already: a bad one was a 400 naming it
+            extra["structured"] = structured
         field = given(body, "max_tokens")
         return Prepared(
             prompts=prompts,
@@ -93,6 +93,7 @@ class CompletionsResponseBuilder(OpenAIStyleBuilder):
             ),
             max_tokens_param=field,
             n=n,
+            best_of=best_of,
             stops=stop_strings(body.stop),
             stream=bool(body.stream),
             include_usage=bool(body.stream_options and body.stream_options.include_usage),

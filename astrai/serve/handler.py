@@ -26,6 +26,7 @@ from fastapi.responses import Response, StreamingResponse
 from astrai.inference import EngineNotReady, RequestRejected
 from astrai.inference.adapters import AdapterNotFound
 from astrai.serve.adapters import model_not_found
+from astrai.serve.best_of import keep_best
 from astrai.serve.errors import APIError
 from astrai.serve.limits import check_prompt_chars, check_unicode
 from astrai.serve.protocol import (
@@ -118,6 +119,7 @@ class ProtocolHandler:
             self._release(ctx)  # also cancels the engine tasks still running
         if ctx.error is not None:
             raise failed(ctx)
+        keep_best(ctx)  # best_of > n: the n most likely of each prompt's samples
         try:
             return SafeJSONResponse(self.builder.format_response(ctx))
         except APIError:  # an output the protocol cannot carry (a NaN log-prob, logprobs.py)
@@ -142,8 +144,8 @@ class ProtocolHandler:
                 except (TypeError, ValueError) as err:
                     raise bad_settings(err) from err
         for prompt, ids in enumerate(p.prompts):
-            first = prompt * p.n  # choice `first + j` is sample j: seed `seed + first + j`
-            params = replace(p.params, n=p.n, seed=None if seed is None else seed + first)
+            first = prompt * p.samples  # choice `first + j` is sample j: seed `seed + first + j`
+            params = replace(p.params, n=p.samples, seed=None if seed is None else seed + first)
             try:  # the engine's one request check: bad settings raise, naming the parameter
                 results = self.engine.submit_group(ids, params=params)
             except EngineNotReady as err:

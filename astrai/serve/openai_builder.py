@@ -18,6 +18,7 @@ from astrai.serve.request import openai_params, or_default, render_prompt, stop_
 from astrai.serve.schemas import ChatCompletionRequest, ChatMessage, NamedToolChoice, given
 from astrai.serve.settings import ServeSettings
 from astrai.serve.structured import response_format_constraint, tool_call_constraint
+from astrai.serve.structured_outputs import conflict, structured_outputs_constraint
 from astrai.serve.tool_parsers import Event, TextDelta, argument_fragments
 from astrai.tokenizer import AutoTokenizer
 
@@ -151,6 +152,12 @@ class OpenAIResponseBuilder(OpenAIStyleBuilder):
         if tools and (choice == "required" or isinstance(choice, NamedToolChoice)):
             functions = [t["function"] for t in tools]
             structured = tool_call_constraint(functions, settings, tokenizer)
+            if body.structured_outputs is not None:
+                raise conflict("tool_choice")
+        if body.structured_outputs is not None:  # vLLM's field (structured_outputs.py)
+            if structured is not None:
+                raise conflict("response_format")
+            structured = structured_outputs_constraint(body.structured_outputs, tokenizer)
         structured = after_reasoning(structured, reasoning, tokenizer)  # after the thinking
         if structured is not None:  # compiled already: a bad schema was a 400 naming it
             extra["structured"] = structured

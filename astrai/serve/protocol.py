@@ -35,8 +35,8 @@ class Prepared:
     """A request reduced to what the engine and the parsers need.
 
     `prompts` holds one token list per prompt (chat: one; legacy completions: a batch);
-    each is sampled `n` times, choice `index = prompt_index * n + j` (a seed then grows by
-    the choice's index). `params` is the request's one `SamplingParams`, its protocol's
+    each is sampled `n` times (`best_of` times, the `n` best kept), choice `index =
+    prompt_index * samples + j` (a seed then grows by the choice's index). `params` is the request's one `SamplingParams`, its protocol's
     defaults applied (`astrai.serve.request`), submitted as it is. `prompt_param` is the
     request field an error about a prompt names; `options` is the builder's own (echo...).
     `max_tokens_param` is the field that set `max_tokens` explicitly (`max_tokens`,
@@ -57,6 +57,12 @@ class Prepared:
     max_tokens_param: str | None = None
     options: dict[str, Any] = field(default_factory=dict)
     reasoning: Any = None  # astrai.serve.reasoning.Reasoning: split the thinking off
+    best_of: int | None = None  # > n: sample this many, answer the n best (`best_of.py`)
+
+    @property
+    def samples(self) -> int:
+        """Sequences sampled per prompt: `best_of` when it is set, else `n`."""
+        return self.best_of or self.n
 
 
 @dataclass

@@ -97,6 +97,23 @@ class ResponseFormat(_Body):
     json_schema: JsonSchemaFormat | None = None
 
 
+class StructuredOutputsParams(_Body):
+    """vLLM's `structured_outputs` (extra body): exactly one constraint kind; checked and
+    compiled by `astrai.serve.structured_outputs`. `json` is the wire name (an alias: the
+    attribute would shadow pydantic's `BaseModel.json`)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    json_: Any = Field(default=None, alias="json")  # a schema or its text: checked on use
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = None
+    json_object: bool | None = None
+    # vLLM options this server does not implement: a 400 naming them, never ignored.
+    structural_tag: Any = None
+    whitespace_pattern: Any = None
+
+
 class ChatCompletionRequest(_Body):
     model: str | None = "astrai"  # null: the base model, as in vLLM
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
@@ -123,6 +140,7 @@ class ChatCompletionRequest(_Body):
     chat_template_kwargs: dict[str, Any] | None = None  # template variables (enable_thinking)
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    structured_outputs: StructuredOutputsParams | None = None  # vLLM's extra body field
 
 
 # One prompt of the legacy completions API: text, or token ids (strict: "1" is not a token).
@@ -154,6 +172,7 @@ class CompletionRequest(_Body):
     )
     seed: int | None = None
     user: str | None = None
+    structured_outputs: StructuredOutputsParams | None = None  # vLLM's extra body field
 
 
 # --------------------------------------------------------------------------- Anthropic

@@ -37,7 +37,7 @@ def response_format_constraint(
         return None
     field = "response_format"
     if fmt.type == "json_object":
-        return _compiled(lambda: StructuredOutput.json_object(field=field), tokenizer, field)
+        return compiled(lambda: StructuredOutput.json_object(field=field), tokenizer, field)
     if fmt.json_schema is None or fmt.json_schema.schema_ is None:
         raise APIError(
             400,
@@ -45,7 +45,7 @@ def response_format_constraint(
             param="response_format",
         )
     schema = fmt.json_schema.schema_
-    return _compiled(lambda: StructuredOutput.json_schema(schema, field=field), tokenizer, field)
+    return compiled(lambda: StructuredOutput.json_schema(schema, field=field), tokenizer, field)
 
 
 def tool_call_constraint(
@@ -70,14 +70,16 @@ def tool_call_constraint(
             param="tool_choice",
         )
     start, end = parser.forced  # the parser's tags around a JSON call, which it reads back
-    return _compiled(
+    return compiled(
         lambda: StructuredOutput.tool_call(tools, start=start, end=end, field="tools"),
         tokenizer,
         "tools",
     )
 
 
-def _compiled(make: Any, tokenizer: AutoTokenizer, field: str) -> StructuredOutput:
+def compiled(make: Any, tokenizer: AutoTokenizer, field: str) -> StructuredOutput:
+    """`make()` compiled against `tokenizer` now: a spec or grammar that does not build is
+    a 400 naming `field`, before anything is queued."""
     try:
         spec = make()
         grammar_compiler(tokenizer).compile(spec)

@@ -186,7 +186,7 @@ BAD = [
     ({"prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
     ({"prompt": PROMPT, "max_tokens": -1}, "max_tokens"),
     ({"prompt": PROMPT, "suffix": "x"}, "suffix"),
-    ({"prompt": PROMPT, "best_of": 3}, "best_of"),
+    ({"prompt": PROMPT, "n": 3, "best_of": 2}, "best_of"),
     ({"prompt": PROMPT, "n": 0}, "n"),
     ({"max_tokens": 2}, "prompt"),
     ({"prompt": "word " * 3000}, "prompt"),
