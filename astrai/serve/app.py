@@ -35,6 +35,7 @@ from astrai.serve.schemas import (
 from astrai.serve.score import RewardScorer, ScoreRequest, score_request
 from astrai.serve.settings import ServeSettings
 from astrai.serve.state import ServerState
+from astrai.serve.tokenize_routes import install_tokenize_routes
 
 if TYPE_CHECKING:
     from astrai.inference import InferenceEngine
@@ -178,7 +179,8 @@ def create_app(
     async def model(model_id: str) -> dict:
         return state.models.card(model_id)
 
-    install_router_compat(app, state, openai, completions, auth)  # what routers ask workers
+    install_router_compat(app, state)  # what routers ask workers
+    install_tokenize_routes(app, state, openai, completions, auth)  # vLLM's (de)tokenize
     if settings.allow_runtime_lora:  # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING
         install_runtime_lora(app, state.models, settings.allowed_lora_roots, [check_key])
 

@@ -142,7 +142,10 @@ class OpenAIResponseBuilder(OpenAIStyleBuilder):
         if choice == "required" and not body.tools:
             raise APIError(400, "tool_choice: required needs tools", param="tool_choice")
         kwargs = body.chat_template_kwargs
-        prompt_ids = render_prompt(tokenizer, [_message(m) for m in body.messages], tools, kwargs)
+        messages = [_message(m) for m in body.messages]
+        prompt_ids = render_prompt(
+            tokenizer, messages, tools, kwargs, add_generation_prompt=body.add_generation_prompt
+        )
         thinking = (kwargs or {}).get("enable_thinking", True) is not False
         reasoning = reasoning_for(
             settings.reasoning_parser, tokenizer, prompt_ids, enabled=thinking

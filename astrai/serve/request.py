@@ -28,9 +28,12 @@ def render_prompt(
     messages: list[dict[str, Any]],
     tools: list[dict] | None,
     extra: dict[str, Any] | None = None,
+    *,
+    add_generation_prompt: bool = True,
 ) -> list[int]:
     """Chat template -> ids; template failures are the client's input, so a 400. `extra`:
-    more template variables (`chat_template_kwargs`, e.g. `enable_thinking`)."""
+    more template variables (`chat_template_kwargs`, e.g. `enable_thinking`);
+    `add_generation_prompt` false (vLLM's option) leaves the assistant's header out."""
     clash = sorted(set(extra or ()) & set(_RESERVED))
     if clash:
         raise APIError(
@@ -40,7 +43,11 @@ def render_prompt(
         )
     try:
         ids = tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=True, tokenize=True, **(extra or {})
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=True,
+            **(extra or {}),
         )
     except (ValueError, TypeError) as err:
         raise APIError(400, f"cannot render the conversation: {err}", param="messages") from err

@@ -141,6 +141,7 @@ class ChatCompletionRequest(_Body):
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     structured_outputs: StructuredOutputsParams | None = None  # vLLM's extra body field
+    add_generation_prompt: bool = True  # vLLM's: false renders no assistant header
 
 
 # One prompt of the legacy completions API: text, or token ids (strict: "1" is not a token).

@@ -11,8 +11,12 @@ from astrai.serve import ServerThread, ServeSettings, create_app
 
 def test_tokenize_prompt_is_the_tokenizer_encoding(base_url, tokenizer):
     prompt = "def tokenize(text):\n    return text.split()"
+    # vLLM's default `add_special_tokens: true` runs the post-processor (a BOS here); false
+    # gives the ids `/v1/completions` submits (a prompt as given).
     r = httpx.post(f"{base_url}/tokenize", json={"model": "x", "prompt": prompt})
     assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == tokenizer.encode(prompt, add_special_tokens=True)
+    r = httpx.post(f"{base_url}/tokenize", json={"prompt": prompt, "add_special_tokens": False})
     body = r.json()
     assert body["tokens"] == tokenizer.encode(prompt)
     assert body["count"] == len(body["tokens"]) and body["token_strs"] is None
