@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from astrai.serve.best_of import check_best_of
 from astrai.serve.errors import APIError, openai_error_body
 from astrai.serve.logprobs import chat_entries, token_text
 from astrai.serve.protocol import Choice, Prepared, RequestContext, ResponseBuilder, sse
@@ -128,6 +129,7 @@ class OpenAIResponseBuilder(OpenAIStyleBuilder):
         self, body: ChatCompletionRequest, tokenizer: AutoTokenizer, settings: ServeSettings
     ) -> Prepared:
         top = top_logprobs(body)
+        best_of = check_best_of(body.best_of, or_default(body, "n"), stream=bool(body.stream))
         tools = None
         choice = body.tool_choice
         if body.tools and choice != "none":
@@ -177,6 +179,7 @@ class OpenAIResponseBuilder(OpenAIStyleBuilder):
             params=params,
             max_tokens_param=field,
             n=or_default(body, "n"),
+            best_of=best_of,
             stops=stop_strings(body.stop),
             parse_tools=tools is not None,
             tool_defs=[t["function"] for t in tools] if tools else None,

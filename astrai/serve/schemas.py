@@ -127,6 +127,7 @@ class ChatCompletionRequest(_Body):
     stream_options: StreamOptions | None = None
     stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] | None = 1
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None  # vLLM's; see best_of.py
     presence_penalty: Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)] | None = 0.0
     frequency_penalty: Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)] | None = 0.0
     logit_bias: dict[int, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = (

@@ -79,3 +79,32 @@ def test_bad_best_of_is_a_400_naming_it(oai, tokenizer, kwargs, words):
         _create(oai, tokenizer, prompt=PROMPTS[0], **kwargs)
     assert err.value.body["param"] == "best_of"
     assert words in err.value.body["message"]
+
+
+def _chat(oai: openai.OpenAI, **kwargs):
+    return oai.chat.completions.create(
+        model="astrai",
+        messages=[{"role": "user", "content": "Tell me something."}],
+        max_tokens=6,
+        temperature=1.0,
+        logprobs=True,
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize(("seed", "n", "best_of"), [(31, 1, 4), (32, 2, 4)])
+def test_chat_best_of_returns_the_top_n_by_cumulative_logprob(oai, seed, n, best_of):
+    every = _chat(oai, n=best_of, seed=seed)
+    ranked = sorted(
+        every.choices, key=lambda c: sum(e.logprob for e in c.logprobs.content), reverse=True
+    )
+    assert len(set(c.message.content for c in every.choices)) > n
+    got = _chat(oai, n=n, seed=seed, extra_body={"best_of": best_of})
+    assert [c.index for c in got.choices] == list(range(n))
+    assert [c.message.content for c in got.choices] == [c.message.content for c in ranked[:n]]
+
+
+def test_chat_best_of_below_n_is_a_400_naming_it(oai):
+    with pytest.raises(openai.BadRequestError) as err:
+        _chat(oai, n=2, extra_body={"best_of": 1})
+    assert err.value.body["param"] == "best_of"
