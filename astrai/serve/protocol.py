@@ -35,10 +35,11 @@ class Prepared:
     """A request reduced to what the engine and the parsers need.
 
     `prompts` holds one token list per prompt (chat: one; legacy completions: a batch);
-    each is sampled `n` times (`best_of` times, the `n` best kept), choice `index =
-    prompt_index * samples + j` (a seed then grows by the choice's index). `params` is the request's one `SamplingParams`, its protocol's
-    defaults applied (`astrai.serve.request`), submitted as it is. `prompt_param` is the
-    request field an error about a prompt names; `options` is the builder's own (echo...).
+    each is sampled `samples` times (`n`, or `best_of` with the `n` best kept), choice
+    `index = prompt_index * samples + j` (a seed then grows by the choice's index).
+    `params` is the request's one `SamplingParams`, its protocol's defaults applied
+    (`astrai.serve.request`), submitted as it is. `prompt_param` is the request field an
+    error about a prompt names; `options` is the builder's own (echo...).
     `max_tokens_param` is the field that set `max_tokens` explicitly (`max_tokens`,
     `max_completion_tokens`), the one a context-length refusal names; None: the
     protocol's default, which is capped to what fits after the prompt.
