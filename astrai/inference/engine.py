@@ -67,10 +67,12 @@ class InferenceEngine:
     `cache_mode="contiguous"` (default) gives every batch slot `max_seq_len` fixed KV slots;
     `"paged"` shares a pool of `page_size`-token pages (budget `kv_tokens` or `memory_fraction`
     of free memory) with radix prefix sharing when `page_size > 1` (`prefix_cache=False` turns
-    it off, `True` forces it on). `logprob_chunk`: prompt positions with logits at once.
+    it off, `True` forces it on). `logprob_chunk` bounds the prompt positions whose
+    full-vocabulary logits exist at once (prompt log-probs, `score`).
     `stream_interval` (seconds): streamed text may wait that long to leave with the next
     steps' (first tokens and ends never wait; `astrai.inference.handoff`); 0: every step.
-    `max_prompt_tokens` rejects longer prompts (None: the context is the only limit).
+    `max_prompt_tokens` rejects longer prompts (None: the context is the only limit): the
+    server's cap, applied by the one prompt check every caller goes through.
     `packed_projections`: q/k/v and gate/up as one product each, on the fp32 CPU every matmul
     from oneDNN-prepacked weights (copies: `astrai.model.packed`; False saves that memory).
     `lora` (`LoRASettings`): LoRA adapters, one per request (`astrai.inference.adapters`).
@@ -414,12 +416,7 @@ class InferenceEngine:
         except RequestRejected as err:
             rejection = err.rejection
         tasks = group_tasks(prompt_ids, params, selected_backend())
-        results = []
-        for task in tasks:
-            result = GenerateResult(task, self.tokenizer)
-            task.on_token = result.on_token
-            task.on_finish = result.on_finish
-            results.append(result)
+        results = [GenerateResult.attached(task, self.tokenizer) for task in tasks]
         self._queue(tasks, rejection)
         return results
 
