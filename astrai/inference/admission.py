@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from astrai.inference.params import SamplingParams
+from astrai.inference.priority import first_waiting
 from astrai.inference.processors import describe
 from astrai.inference.task import Rejection, Task, TaskState
 
@@ -108,6 +109,7 @@ class Admission:
     max_batch_size: int
     max_seq_len: int
     batch_invariant: bool
+    scheduling_policy: str
     total_prompt_tokens: int
     total_cached_tokens: int
     _waiting: deque[Task]
@@ -208,10 +210,9 @@ class Admission:
         self._finish(task, reason, error)
 
     def _next_admissible(self) -> Task | None:
-        """The first waiting task whose adapter can have a slot now (the base always can);
-        as vLLM, requests whose adapter must wait for a slot do not hold up the others."""
+        """The first waiting task (in the `scheduling_policy`'s order) whose adapter can have
+        a slot now (the base always can); as vLLM, requests whose adapter must wait for a slot
+        do not hold up the others."""
         slots = self.adapter_slots
-        for task in self._waiting:
-            if task.adapter is None or slots.available(task.adapter):
-                return task
-        return None
+        ready = (t for t in self._waiting if t.adapter is None or slots.available(t.adapter))
+        return first_waiting(ready, self.scheduling_policy)

@@ -19,11 +19,9 @@ from typing import Any, Literal
 import torch
 
 from astrai.extension import BackendUnavailable, selected_backend
-from astrai.extension.quantized import check_quantization
 from astrai.inference.adapters import AdapterInfo, EngineAdapters, LoRASettings, NoAdapters
 from astrai.inference.batch import BatchResult, batch_output, group_tasks, prompt_groups, single
-from astrai.inference.batch_invariance import BatchInvariance
-from astrai.inference.engine_options import check_sleep_mode
+from astrai.inference.engine_options import check_engine_arguments
 from astrai.inference.errors import EngineNotReady, RequestRejected
 from astrai.inference.grammar import grammar_compiler
 from astrai.inference.graph import DecodeGraphRunner
@@ -66,30 +64,28 @@ __all__ = [
 class InferenceEngine:
     """A model, its tokenizer, a KV pool, a scheduler, a model runner and a loop thread.
 
-    `cache_mode="contiguous"` (default) gives every batch slot `max_seq_len` fixed KV
-    slots; `"paged"` shares a pool of `page_size`-token pages (budget `kv_tokens` or
-    `memory_fraction` of free memory) with radix prefix sharing when `page_size > 1`
-    (`prefix_cache=False` turns it off, `True` forces it on). `logprob_chunk` bounds the
-    prompt positions whose full-vocabulary logits exist at once (prompt log-probs, `score`).
-    `stream_interval` (seconds): streamed text may wait that long to be delivered with the
-    next steps' (first tokens and ends never wait), so the readers' per-wake-up work does
-    not compete with steps far shorter than it (`astrai.inference.handoff`); 0: every step.
+    `cache_mode="contiguous"` (default) gives every batch slot `max_seq_len` fixed KV slots;
+    `"paged"` shares a pool of `page_size`-token pages (budget `kv_tokens` or `memory_fraction`
+    of free memory) with radix prefix sharing when `page_size > 1` (`prefix_cache=False` turns
+    it off, `True` forces it on). `logprob_chunk` bounds the prompt positions whose
+    full-vocabulary logits exist at once (prompt log-probs, `score`).
+    `stream_interval` (seconds): streamed text may wait that long to leave with the next
+    steps' (first tokens and ends never wait; `astrai.inference.handoff`); 0: every step.
     `max_prompt_tokens` rejects longer prompts (None: the context is the only limit): the
     server's cap, applied by the one prompt check every caller goes through.
-    `packed_projections`: q/k/v and gate/up as one product each, and on the fp32 CPU every
-    matmul from oneDNN-prepacked weights: copies kept in step with the model's, which
-    `astrai.model.packed` sizes (False saves that memory). `lora` (`LoRASettings`): serve LoRA
-    adapters, one per request (`SamplingParams.adapter`; `astrai.inference.adapters`).
+    `packed_projections`: q/k/v and gate/up as one product each, on the fp32 CPU every matmul
+    from oneDNN-prepacked weights (copies: `astrai.model.packed`; False saves that memory).
+    `lora` (`LoRASettings`): LoRA adapters, one per request (`astrai.inference.adapters`).
     `speculative` (`SpeculativeConfig`): speculative decoding (`astrai.inference.speculative`).
-    `enable_sleep_mode` (vLLM's name): `sleep()` frees the KV pool, the packs and the decode
-    graphs while the engine is not needed (a trainer's optimizer step), `wake_up()` takes them
-    back (`astrai.inference.sleep`). `batch_invariant` (vLLM's `VLLM_BATCH_INVARIANT`): each
-    request's tokens and log-probs independent of the rest of the step
-    (`astrai.inference.batch_invariance`, which says what it refuses). `quantization`
-    (vLLM's name; "int8_weight_only", None: off): the engine's packs hold the projections
-    as int8 with per-channel scales, the LM head and the embedding staying as they are; the
-    model's own parameters are never changed (`astrai.extension.quantized`). `kv_cache_dtype`
-    (vLLM's; "auto", "int8": per-head scales): `astrai.inference.cache.kv_dtype`.
+    `enable_sleep_mode`: `sleep()` frees the KV pool, packs and decode graphs while the engine
+    is idle (a trainer's optimizer step), `wake_up()` takes them back (`astrai.inference.sleep`).
+    vLLM's names, each explained by its module (checked by `astrai.inference.engine_options`):
+    `batch_invariant` (`VLLM_BATCH_INVARIANT`: each request's tokens and log-probs independent
+    of the rest of the step; what it refuses: `astrai.inference.batch_invariance`);
+    `quantization` ("int8_weight_only" packs; the model's parameters never change:
+    `astrai.extension.quantized`); `kv_cache_dtype` ("auto", "int8":
+    `astrai.inference.cache.kv_dtype`); `scheduling_policy` ("fcfs", "priority": lower
+    `SamplingParams.priority` first; `astrai.inference.priority`).
     """
 
     def __init__(
@@ -117,19 +113,22 @@ class InferenceEngine:
         batch_invariant: bool = False,
         kv_cache_dtype: str = "auto",
         quantization: str | None = None,
+        scheduling_policy: str = "fcfs",
         start: bool = True,
     ) -> None:
-        check_sleep_mode(enable_sleep_mode)  # before anything is allocated
-        self.quantization = check_quantization(quantization)
-        invariance = BatchInvariance.of_engine(  # what it refuses: before any allocation
-            batch_invariant,
+        checked = check_engine_arguments(  # before anything is allocated
             model.config,
-            prefix_cache,
-            decode_graphs,
-            speculative,
-            max_seq_len,
-            kv_cache_dtype,
+            enable_sleep_mode=enable_sleep_mode,
+            quantization=quantization,
+            scheduling_policy=scheduling_policy,
+            batch_invariant=batch_invariant,
+            prefix_cache=prefix_cache,
+            decode_graphs=decode_graphs,
+            speculative=speculative,
+            max_seq_len=max_seq_len,
+            kv_cache_dtype=kv_cache_dtype,
         )
+        invariance, self.quantization = checked.invariance, checked.quantization
         self.batch_invariant = invariance.enabled
         # No .eval() here: GRPO shares the live policy module, whose mode Lightning owns. The
         # model has no dropout; the runner runs it under inference_mode.
@@ -168,6 +167,7 @@ class InferenceEngine:
             adapters=slots,
             speculative_tokens=self.proposer.num_speculative_tokens,
             batch_invariant=invariance.enabled,
+            scheduling_policy=checked.scheduling_policy,
         )
         self.runner = ModelRunner(
             model,
@@ -354,6 +354,7 @@ class InferenceEngine:
         (`InferenceScheduler.problem`).
         """
         params.validate(vocab_size=self.vocab_size)
+        self.scheduler.check_priority(params.priority)  # vLLM: none under fcfs
         self.adapters.resolve(params.adapter)  # AdapterNotFound names it
         if params.structured is not None:  # compiled (and cached) now: a bad one is a 400
             grammar_compiler(self.tokenizer).compile(params.structured)
@@ -415,12 +416,7 @@ class InferenceEngine:
         except RequestRejected as err:
             rejection = err.rejection
         tasks = group_tasks(prompt_ids, params, selected_backend())
-        results = []
-        for task in tasks:
-            result = GenerateResult(task, self.tokenizer)
-            task.on_token = result.on_token
-            task.on_finish = result.on_finish
-            results.append(result)
+        results = [GenerateResult.attached(task, self.tokenizer) for task in tasks]
         self._queue(tasks, rejection)
         return results
 

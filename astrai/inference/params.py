@@ -103,7 +103,9 @@ class SamplingParams:
     prompt, one group whose samples share its prefill; with a seed, sample `j` draws with
     `seed + j` (`InferenceEngine.submit_group`, `run_batch`). `adapter`: the name of a LoRA
     adapter the engine has loaded (`astrai.inference.adapters`; None: the base model, or a
-    training run's live adapter). Frozen (batches reuse).
+    training run's live adapter). `priority` (vLLM's): an int, lower = served sooner, read
+    only under the engine's `scheduling_policy="priority"` (`astrai.inference.priority`; a
+    non-zero one under "fcfs" is refused, as vLLM). Frozen (batches reuse).
     """
 
     temperature: float = 1.0
@@ -126,6 +128,7 @@ class SamplingParams:
     structured: StructuredOutput | None = None
     n: int = 1
     adapter: str | None = None
+    priority: int = 0
 
     def __post_init__(self) -> None:
         stops = self.stop_ids
@@ -171,6 +174,8 @@ class SamplingParams:
         check_choice("max_tokens_policy", self.max_tokens_policy, MAX_TOKENS_POLICIES)
         if self.adapter is not None and not (isinstance(self.adapter, str) and self.adapter):
             raise ValueError(f"adapter must be None or an adapter's name, got {self.adapter!r}")
+        if not is_int(self.priority):
+            raise ValueError(f"priority must be an int, got {self.priority!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(
                 f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}"

@@ -49,6 +49,13 @@ class GenerateResult:
         self._subscribers: list[_Subscriber] = []
         self._sub_lock = threading.Lock()
 
+    @classmethod
+    def attached(cls, task: Task, tokenizer: AutoTokenizer) -> GenerateResult:
+        """A result fed by `task`: the task's `on_token` / `on_finish` are this result's."""
+        result = cls(task, tokenizer)
+        task.on_token, task.on_finish = result.on_token, result.on_finish
+        return result
+
     # -- loop side
     def on_token(self, task: Task, token: int, logprob: float) -> None:
         self._progress()

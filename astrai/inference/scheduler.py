@@ -19,7 +19,9 @@ When the paged KV pool runs out while decoding, the newest running request is pr
 (vLLM's recompute preemption): its complete pages go to the prefix cache, its KV is freed,
 and it goes back to the front of the waiting queue with its generated tokens; re-admitted,
 it prefills prompt + generated tokens (mostly prefix-cache hits) and samples on, so its
-stream has no gap or repeat. Only a request that cannot fit alone is aborted.
+stream has no gap or repeat. Only a request that cannot fit alone is aborted. With
+`scheduling_policy="priority"` the waiting queue is read in (priority, arrival) order and the
+preempted request is the least urgent running one (`astrai.inference.priority`).
 
 A prompt's complete pages enter the prefix cache as soon as its prefill completes. The `n`
 samples of one prompt are a group (`submit_group`): with a prefix cache, the followers are
@@ -52,6 +54,7 @@ from astrai.inference.groups import HeldFollowers
 from astrai.inference.logprobs import TopLogprobs
 from astrai.inference.metrics import EngineMetrics
 from astrai.inference.params import SamplingParams, check_max_prompt_tokens
+from astrai.inference.priority import check_priority, check_scheduling_policy, preemption_victim
 from astrai.inference.processors import describe
 from astrai.inference.speculative import SpecCounters, next_budget
 from astrai.inference.step_output import StepOutput
@@ -103,6 +106,7 @@ class InferenceScheduler(Admission):
         adapters: AdapterSlots | NoAdapterSlots = NO_ADAPTER_SLOTS,
         speculative_tokens: int = 0,
         batch_invariant: bool = False,
+        scheduling_policy: str = "fcfs",
     ) -> None:
         if max_prefill_tokens <= 0:
             raise ValueError(f"max_prefill_tokens must be positive, got {max_prefill_tokens}")
@@ -125,6 +129,8 @@ class InferenceScheduler(Admission):
         self.spec = SpecCounters(enabled=speculative_tokens > 0)
         # Prefill chunks fixed by the prompt alone (`astrai.inference.batch_invariance`).
         self.batch_invariant = batch_invariant
+        # Admission order and preemption victims (`astrai.inference.priority`).
+        self.scheduling_policy = check_scheduling_policy(scheduling_policy)
         # Set by `fail_all` (the loop crashed): every new request is rejected with it.
         self.failure: str | None = None
         # Set whenever there is new work (a submission, a cancellation) for an idle loop.
@@ -165,6 +171,10 @@ class InferenceScheduler(Admission):
             max_prompt_tokens=self.max_prompt_tokens,
             failure=self.failure,
         )
+
+    def check_priority(self, priority: int) -> None:
+        """A non-zero `priority` needs the "priority" policy: a ValueError naming it."""
+        check_priority(priority, self.scheduling_policy)
 
     def submit(self, task: Task) -> Task:
         """Queue a checked task (`InferenceEngine.check_request`); rejected if the loop has
@@ -448,8 +458,9 @@ class InferenceScheduler(Admission):
 
     def _reserve_decode(self) -> None:
         """Back the next token of every decoding task with KV, oldest first; when the pool is
-        short, preempt the newest running task (possibly the one asking) and retry. A task
-        that is alone and still cannot grow is aborted: nothing else holds memory."""
+        short, preempt the newest running task (possibly the one asking; under "priority"
+        the least urgent) and retry. A task that is alone and still cannot grow is aborted:
+        nothing else holds memory."""
         i = 0
         while i < len(self._running):
             t = self._running[i]
@@ -470,10 +481,12 @@ class InferenceScheduler(Admission):
                         f"({self.pool.capacity_tokens} tokens)",
                     )
                     break
-                victim = self._running[-1]
+                victim = preemption_victim(self._running, self.scheduling_policy)
+                before = self._running.index(victim) < i - 1  # already backed: keep our place
                 self._preempt(victim)
                 if victim is t:
                     break
+                i -= before
 
     def _preempt(self, task: Task) -> None:
         """Free `task`'s KV (caching its complete pages) and requeue it at the front (with

@@ -87,6 +87,7 @@ def openai_params(
         frequency_penalty=or_default(body, "frequency_penalty"),
         logit_bias=body.logit_bias or None,
         seed=body.seed,
+        priority=or_default(body, "priority"),
         **extra,
     )
 
@@ -95,6 +96,7 @@ def anthropic_params(
     body: MessagesRequest, settings: ServeSettings, *, max_tokens_param: str | None, **extra: Any
 ) -> SamplingParams:
     """The settings of an Anthropic Messages request (it has no penalties, bias or seed)."""
+    extra["priority"] = or_default(body, "priority")  # vLLM's extra field, as OpenAI's
     return _params(
         body, settings, max_tokens=body.max_tokens, max_tokens_param=max_tokens_param, **extra
     )

@@ -134,6 +134,7 @@ class ChatCompletionRequest(_Body):
         None
     )
     seed: int | None = None
+    priority: int | None = 0  # vLLM's: lower first under engine.scheduling_policy=priority
     user: str | None = None
     tools: list[OpenAITool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = "auto"
@@ -173,6 +174,7 @@ class CompletionRequest(_Body):
         None
     )
     seed: int | None = None
+    priority: int | None = 0  # vLLM's: lower first under engine.scheduling_policy=priority
     user: str | None = None
     structured_outputs: StructuredOutputsParams | None = None  # vLLM's extra body field
 
@@ -247,6 +249,7 @@ class MessagesRequest(_Body):
     top_k: Annotated[int, Field(ge=-1)] | None = 50
     stream: bool | None = False
     stop_sequences: Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
+    priority: int | None = 0  # vLLM's: lower first under engine.scheduling_policy=priority
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
     thinking: AnthropicThinking | None = None
