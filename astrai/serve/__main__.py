@@ -48,6 +48,7 @@ _SETTINGS = (
     "allow_runtime_lora",
     "allowed_lora_roots",
     "allow_weight_updates",
+    "max_stored_responses",
 )
 
 

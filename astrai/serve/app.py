@@ -24,6 +24,9 @@ from astrai.serve.metrics import HTTPMetrics
 from astrai.serve.openai_builder import OpenAIResponseBuilder
 from astrai.serve.openapi import install_openapi
 from astrai.serve.protocol import SafeJSONResponse
+from astrai.serve.responses_builder import ResponsesBuilder
+from astrai.serve.responses_request import ResponsesRequest
+from astrai.serve.responses_store import ResponseStore
 from astrai.serve.rl_routes import install_rl_routes
 from astrai.serve.router_compat import install_router_compat
 from astrai.serve.schemas import (
@@ -94,6 +97,9 @@ def create_app(
     openai = ProtocolHandler(state, OpenAIResponseBuilder())
     anthropic = ProtocolHandler(state, AnthropicResponseBuilder())
     completions = ProtocolHandler(state, CompletionsResponseBuilder())
+    responses = ProtocolHandler(
+        state, ResponsesBuilder(ResponseStore(settings.max_stored_responses))
+    )
 
     async def check_key(request: Request) -> None:
         if settings.api_key is None:
@@ -147,6 +153,10 @@ def create_app(
     @app.post("/v1/completions", dependencies=auth)
     async def text_completions(body: CompletionRequest, request: Request) -> Response:
         return await completions.handle(body, request)
+
+    @app.post("/v1/responses", dependencies=auth)
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        return await responses.handle(body, request)
 
     @app.post("/v1/messages", dependencies=auth)
     async def messages(body: MessagesRequest, request: Request) -> Response:

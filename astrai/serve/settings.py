@@ -56,6 +56,8 @@ class ServeSettings:
     allowed_lora_roots: tuple[str, ...] = ()
     # The RL routes that change the server's weights or pause it (astrai.serve.weight_routes)
     allow_weight_updates: bool = False
+    # /v1/responses kept for `previous_response_id` (an LRU; astrai.serve.responses_store)
+    max_stored_responses: int = 1000
 
     def __post_init__(self) -> None:
         check_choice("max_tokens_policy", self.max_tokens_policy, MAX_TOKENS_POLICIES)
@@ -81,6 +83,11 @@ class ServeSettings:
             raise ValueError(
                 "max_client_batch_size: must be a positive int (pairs per /v1/score request), "
                 f"got {self.max_client_batch_size!r}"
+            )
+        if not is_int(self.max_stored_responses) or self.max_stored_responses < 0:
+            raise ValueError(
+                "max_stored_responses: must be an int >= 0 (responses kept for "
+                f"previous_response_id), got {self.max_stored_responses!r}"
             )
         if not isinstance(self.allow_runtime_lora, bool):
             raise ValueError(
