@@ -4,8 +4,8 @@ Weights are always stored under Hugging Face's names (`model.layers.0.self_attn.
 experts one tensor per expert, as HF writes them, stacked in memory by `hf_moe`), so our
 directories differ from HF's only in `config.json`. `from_pretrained` reads ours and HF
 Llama, Qwen2, Qwen3, Mistral, Mixtral, Qwen2-MoE, Qwen3-MoE (`hf_moe`), DeepSeek-V2/V3
-(`hf_deepseek`), OLMo 2 (`hf_olmo2`) and Phi-3 / Phi-4 (`hf_phi3`) directories; `save_pretrained(hf_format=True)` writes one that
-`transformers.AutoModelForCausalLM` loads. Nothing here uses pickle.
+(`hf_deepseek`), OLMo 2 (`hf_olmo2`) and Phi-3 / Phi-4 (`hf_phi3`) directories;
+`save_pretrained(hf_format=True)` writes one that `transformers.AutoModelForCausalLM` loads. Nothing here uses pickle.
 """
 
 from __future__ import annotations
