@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     )
     from astrai.model.hub import AutoModel, CheckpointError, load_pretrained, save_pretrained
     from astrai.model.lora import LoRAConfig, inject_lora, load_lora, merge_lora, save_lora
-    from astrai.model.transformer import DecoderBlock, Transformer
+    from astrai.model.transformer import DecoderBlock, PostNormBlock, Transformer
 
 __getattr__ = lazy_exports(
     globals(),
@@ -32,7 +32,7 @@ __getattr__ = lazy_exports(
         ),
         "astrai.model.hub": ("AutoModel", "CheckpointError", "load_pretrained", "save_pretrained"),
         "astrai.model.lora": ("LoRAConfig", "inject_lora", "load_lora", "merge_lora", "save_lora"),
-        "astrai.model.transformer": ("DecoderBlock", "Transformer"),
+        "astrai.model.transformer": ("DecoderBlock", "PostNormBlock", "Transformer"),
     },
 )
 
@@ -44,6 +44,7 @@ __all__ = [
     "DecoderBlock",
     "LoRAConfig",
     "ModelConfig",
+    "PostNormBlock",
     "Transformer",
     "VocabMismatchError",
     "check_vocab",

@@ -13,6 +13,7 @@ from typing import Any
 
 from astrai.model.mla_config import mla_attention_params, mla_head_dim, mla_problems
 from astrai.model.moe_config import as_list, moe_layer, moe_param_delta, moe_problems
+from astrai.model.variant_config import variant_problems
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
@@ -87,6 +88,13 @@ class ModelConfig:
     qk_nope_head_dim: int | None = None
     qk_rope_head_dim: int | None = None
     v_head_dim: int | None = None
+    # ---- block variants (astrai/model/variants.py): OLMo 2 and Phi-3 / Phi-4
+    # "pre": x + f(norm(x)) (Llama); "post": x + norm(f(x)) (OLMo 2, no input norm)
+    norm_position: str = "pre"
+    # "head": q/k RMSNorm per head (Qwen3); "projection": over the whole projection (OLMo 2)
+    qk_norm_scope: str = "head"
+    # RoPE rotates the first `int(head_dim * partial_rotary_factor)` dims of each head (Phi-4-mini)
+    partial_rotary_factor: float = 1.0
 
     def __post_init__(self) -> None:
         self.mlp_only_layers = as_list(self.mlp_only_layers)  # a tuple or Hydra's ListConfig
@@ -159,6 +167,12 @@ class ModelConfig:
                 raise ConfigError(f"ModelConfig.rope_scaling.factor: must be > 0, got {factor!r}")
         for problem in moe_problems(self):  # MoE fields: astrai/model/moe_config.py
             raise ConfigError(problem)
+        for problem in variant_problems(self):  # block variants: astrai/model/variant_config.py
+            raise ConfigError(problem)
+
+    def rotary_dim(self) -> int:
+        """Dims of each head that RoPE rotates (all but under `partial_rotary_factor`)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def is_moe_layer(self, layer_id: int) -> bool:
         """Whether block `layer_id` has a routed-expert MLP (Qwen's and DeepSeek's rules)."""
@@ -229,7 +243,7 @@ class ModelConfig:
         if self.o_proj_bias:
             attn += h
         if self.qk_norm:
-            attn += 2 * d
+            attn += q + kv if self.qk_norm_scope == "projection" else 2 * d
         if self.attention_type == "mla":  # astrai/model/mla_config.py
             attn = mla_attention_params(self)
         block = attn + 3 * h * self.intermediate_size + 2 * h

@@ -3,9 +3,9 @@
 Weights are always stored under Hugging Face's names (`model.layers.0.self_attn...`; MoE
 experts one tensor per expert, as HF writes them, stacked in memory by `hf_moe`), so our
 directories differ from HF's only in `config.json`. `from_pretrained` reads ours and HF
-Llama, Qwen2, Qwen3, Mistral, Mixtral, Qwen2-MoE, Qwen3-MoE (`hf_moe`) and DeepSeek-V2/V3
-(`hf_deepseek`) directories; `save_pretrained(hf_format=True)` writes one that
-`transformers.AutoModelForCausalLM` loads. Nothing here uses pickle.
+Llama, Qwen2, Qwen3, Mistral, Mixtral, Qwen2-MoE, Qwen3-MoE (`hf_moe`), DeepSeek-V2/V3
+(`hf_deepseek`), OLMo 2 (`hf_olmo2`) and Phi-3 / Phi-4 (`hf_phi3`) directories;
+`save_pretrained(hf_format=True)` writes one that `transformers.AutoModelForCausalLM` loads. Nothing here uses pickle.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from astrai.files import naming_full_disk, publish
-from astrai.model import hf_deepseek, hf_moe
+from astrai.model import hf_deepseek, hf_moe, hf_olmo2, hf_phi3
 from astrai.model.config import ConfigError, ModelConfig
 from astrai.model.directory import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME
 from astrai.model.hf_common import hf_base_fields
@@ -43,6 +43,8 @@ HF_ARCHITECTURES = {
 }
 HF_ARCHITECTURES.update(hf_moe.MOE_ARCHITECTURES)  # Mixtral, Qwen2-MoE, Qwen3-MoE
 HF_ARCHITECTURES.update(hf_deepseek.DEEPSEEK_ARCHITECTURES)  # DeepSeek-V2 / V3 (MLA)
+HF_ARCHITECTURES.update(hf_olmo2.OLMO2_ARCHITECTURES)  # OLMo 2 (post-norm)
+HF_ARCHITECTURES.update(hf_phi3.PHI3_ARCHITECTURES)  # Phi-3 / Phi-4 (fused projections)
 # Old HF checkpoints sometimes carry these non-parameter buffers.
 _IGNORED_KEYS = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
@@ -77,7 +79,7 @@ def config_from_hf(data: dict[str, Any], *, source: str = CONFIG_NAME) -> ModelC
     if rope_params and all(isinstance(v, dict) for v in rope_params.values()):
         raise ConfigError(f"{source}: per-layer rope_parameters are not supported")
     partial = rope_params.get("partial_rotary_factor", data.get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
+    if partial not in (None, 1, 1.0) and model_type not in hf_phi3.PHI3_ARCHITECTURES:
         raise ConfigError(f"{source}: partial_rotary_factor={partial} is not supported")
     theta = rope_params.pop("rope_theta", None) or data.get("rope_theta") or 10000.0
     rope_params.pop("partial_rotary_factor", None)
@@ -124,6 +126,8 @@ def config_from_hf(data: dict[str, Any], *, source: str = CONFIG_NAME) -> ModelC
         hf_model_type=model_type,
     )
     fields.update(hf_moe.config_fields(data, model_type, source))
+    fields.update(hf_olmo2.config_fields(data, model_type, source))
+    fields.update(hf_phi3.config_fields(data, model_type, source))
     missing = [k for k, v in fields.items() if v is None and k in _HF_REQUIRED]
     if missing:
         raise ConfigError(f"{source}: missing required field(s) {missing}")
@@ -147,6 +151,11 @@ def hf_model_type(config: ModelConfig) -> str:
     """
     if config.attention_type == "mla":
         return hf_deepseek.hf_deepseek_model_type(config)
+    if hf_olmo2.is_olmo2(config):
+        return hf_olmo2.hf_olmo2_model_type(config)
+    phi3 = hf_phi3.hf_phi3_model_type(config)
+    if phi3 is not None:
+        return phi3
     if config.num_experts:
         return hf_moe.hf_moe_model_type(config)
     plain = not (config.qk_norm or config.attention_bias or config.o_proj_bias)
@@ -177,6 +186,8 @@ def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dic
         data["use_sliding_window"] = False
         data["sliding_window"] = None
     data.update(hf_moe.config_to_hf_fields(config, model_type))
+    data.update(hf_olmo2.config_to_hf_fields(config, model_type))
+    data.update(hf_phi3.config_to_hf_fields(config, model_type))
     return data
 
 
@@ -252,6 +263,7 @@ def read_hf_state(
     stored = read_state_dict(path, device)
     stored = {k: v for k, v in stored.items() if not _IGNORED_KEYS.search(k)}
     stored = hf_moe.state_from_hf(stored)  # per-expert HF tensors -> stacked experts
+    stored = hf_phi3.state_from_hf(stored, config)  # Phi-3's fused qkv / gate_up split
     return hf_deepseek.state_from_hf(stored, config)  # MLA rotary rows, shared experts
 
 
@@ -422,6 +434,7 @@ def save_pretrained(
     state = hf_deepseek.state_to_hf(state, config, unstack=hf_format)  # MLA: DeepSeek layout
     if hf_format:  # stacked experts -> the per-expert tensors of HF checkpoints
         state = hf_moe.state_to_hf(state, hf_model_type(config))
+        state = hf_phi3.state_to_hf(state, hf_model_type(config))  # fused qkv / gate_up
 
     names = write_weights(state, path, max_shard_size)
 

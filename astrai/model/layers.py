@@ -271,7 +271,7 @@ def rope_inv_freq(config: ModelConfig, seq_len: int | None = None) -> tuple[torc
     Formulas follow the published methods (and Hugging Face's implementation of them), so
     that HF checkpoints produce identical logits. `seq_len` only matters for dynamic NTK.
     """
-    dim = config.head_dim
+    dim = config.rotary_dim()
     base = config.rope_theta
     scaling = config.rope_scaling or {"rope_type": "default"}
     kind = scaling["rope_type"]
@@ -307,7 +307,7 @@ def rope_inv_freq(config: ModelConfig, seq_len: int | None = None) -> tuple[torc
 def _yarn_inv_freq(
     config: ModelConfig, scaling: dict, exponents: torch.Tensor
 ) -> tuple[torch.Tensor, float]:
-    dim, base = config.head_dim, config.rope_theta
+    dim, base = config.rotary_dim(), config.rope_theta
     original = scaling.get("original_max_position_embeddings", config.max_position_embeddings)
     factor = scaling.get("factor") or config.max_position_embeddings / original
 
@@ -383,7 +383,7 @@ class RotaryEmbedding(nn.Module):
         sync of computing it; the inference hot path always passes it.
         """
         if position_ids.device.type == "meta":
-            shape = (*position_ids.shape, self.config.head_dim // 2)
+            shape = (*position_ids.shape, self.config.rotary_dim() // 2)
             return torch.empty(shape, device="meta"), torch.empty(shape, device="meta")
         if max_position is None:
             max_position = int(position_ids.max())
@@ -399,6 +399,48 @@ class RotaryEmbedding(nn.Module):
 # RoPE itself lives in the extension layer, which dispatches to a fused kernel when one
 # can serve the call; training and serving therefore rotate through the same function.
 apply_rotary = apply_rotary_emb
+
+
+class PartialRotary:
+    """RoPE on the first `dim` dims of each head only, the rest passed through (Phi-4-mini's
+    `partial_rotary_factor`); the same call as `apply_rotary_qk`, so training and the engine
+    (both go through `Attention.project`) rotate alike."""
+
+    def __init__(self, dim: int) -> None:
+        self.dim = dim
+
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        d = self.dim
+        q_rot, k_rot = apply_rotary_qk(q[..., :d].contiguous(), k[..., :d].contiguous(), cos, sin)
+        return torch.cat((q_rot, q[..., d:]), -1), torch.cat((k_rot, k[..., d:]), -1)
+
+
+def rotary_for(config: ModelConfig):
+    """The q/k rotation of `config`: all of each head, or its first `rotary_dim()` dims."""
+    if config.rotary_dim() == config.head_dim:
+        return apply_rotary_qk
+    return PartialRotary(config.rotary_dim())
+
+
+class ProjectionRMSNorm(RMSNorm):
+    """RMSNorm over all heads of a q or k projection at once (OLMo 2), given `[..., heads,
+    head_dim]`: the statistics span the whole projection, as before OLMo 2's head split."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.flatten(-2)).view(x.shape)
+
+
+def qk_norms(config: ModelConfig) -> tuple[RMSNorm, RMSNorm]:
+    """q and k norms of `config.qk_norm_scope`: per head (Qwen3) or per projection (OLMo 2)."""
+    d, eps = config.head_dim, config.rms_norm_eps
+    if config.qk_norm_scope == "projection":
+        return (
+            ProjectionRMSNorm(config.num_attention_heads * d, eps),
+            ProjectionRMSNorm(config.num_key_value_heads * d, eps),
+        )
+    return RMSNorm(d, eps), RMSNorm(d, eps)
 
 
 # ---------------------------------------------------------------------- attention and MLP
@@ -428,10 +470,10 @@ class Attention(nn.Module):
         self.v_proj = Linear(h, kv, bias=config.attention_bias)
         self.o_proj = Linear(q, h, bias=config.o_proj_bias)
         if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm, self.k_norm = qk_norms(config)
         else:
             self.q_norm = self.k_norm = None
+        self.rotate_qk = rotary_for(config)
 
     def project(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -455,7 +497,7 @@ class Attention(nn.Module):
         v = v.view(*lead, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary_qk(q, k, cos, sin)
+        q, k = self.rotate_qk(q, k, cos, sin)
         return q, k, v
 
     def forward(

@@ -47,6 +47,38 @@ class DecoderBlock(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class PostNormBlock(nn.Module):
+    """Post-norm block (OLMo 2): x + norm(attn(x)), then x + norm(mlp(x)); no input norm."""
+
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.self_attn = make_attention(config, layer_id)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = make_mlp(config, layer_id)
+        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn_mask: torch.Tensor | DocumentSpans | None = None,
+    ) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, attn_mask))
+        return x + self.post_feedforward_layernorm(self.mlp(x))
+
+    def forward_cached(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache
+    ) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn.forward_cached(x, cos, sin, kv_cache))
+        return x + self.post_feedforward_layernorm(self.mlp(x))
+
+
+#: the block type of each `ModelConfig.norm_position`
+BLOCKS: dict[str, type[nn.Module]] = {"pre": DecoderBlock, "post": PostNormBlock}
+
+
 def document_mask(
     position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None
 ) -> torch.Tensor | DocumentSpans | None:
@@ -112,7 +144,7 @@ class Transformer(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderBlock(config, i) for i in range(config.num_hidden_layers)
+            BLOCKS[config.norm_position](config, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config)

@@ -74,6 +74,36 @@ CASES = {
         transformers.LlamaForCausalLM,
         dict(attention_bias=True),
     ),
+    "olmo2": (
+        transformers.Olmo2Config,
+        transformers.Olmo2ForCausalLM,
+        dict(tie_word_embeddings=False, pad_token_id=1, bos_token_id=None, eos_token_id=2),
+    ),
+    "olmo2-bias-tied": (
+        transformers.Olmo2Config,
+        transformers.Olmo2ForCausalLM,
+        dict(tie_word_embeddings=True, attention_bias=True, pad_token_id=1, eos_token_id=2),
+    ),
+    "phi3": (
+        transformers.Phi3Config,
+        transformers.Phi3ForCausalLM,
+        dict(pad_token_id=1, bos_token_id=0, eos_token_id=2),
+    ),
+    "phi4-mini-partial-rotary": (
+        transformers.Phi3Config,
+        transformers.Phi3ForCausalLM,
+        dict(
+            pad_token_id=1,
+            bos_token_id=0,
+            eos_token_id=2,
+            tie_word_embeddings=True,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.75,
+            },
+        ),
+    ),
 }
 
 

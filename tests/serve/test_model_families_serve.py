@@ -1,5 +1,6 @@
-"""The server answering through the OpenAI SDK with a mixture-of-experts model and a
-multi-head latent attention (MLA) model: the same greedy text as full recomputation."""
+"""The server answering through the OpenAI SDK with a mixture-of-experts model, a
+multi-head latent attention (MLA) model, an OLMo 2 (post-norm) and a Phi-4-mini-like
+(partial rotary) model: the same greedy text as full recomputation."""
 
 from __future__ import annotations
 
@@ -36,12 +37,21 @@ FAMILIES = {
         qk_rope_head_dim=8,
         v_head_dim=16,
     ),
+    # OLMo 2: post-norm blocks, q/k norm over the whole projection
+    "olmo2": dict(norm_position="post", qk_norm=True, qk_norm_scope="projection"),
+    # Phi-4-mini: RoPE on the first 3/4 of each head (Phi-3's fused projections are split on
+    # import, so the served model is this one)
+    "phi3": dict(partial_rotary_factor=0.75, hf_model_type="phi3"),
 }
 
 
 def _is_family(model, family: str) -> bool:
     if family == "moe":
         return [type(b.mlp).__name__ for b in model.layers] == ["MoE", "MoE"]
+    if family == "olmo2":
+        return [type(b).__name__ for b in model.layers] == ["PostNormBlock"] * 2
+    if family == "phi3":
+        return model.config.rotary_dim() == 12
     return model.config.attention_type == "mla"
 
 

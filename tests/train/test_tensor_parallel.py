@@ -216,6 +216,9 @@ def test_models_without_a_plan_are_refused() -> None:
     assert "model.attention_type='mla'" in mla and KEY in mla
     moe = [p for p in tensor_parallel_problems(preset("tiny", num_experts=4), 2) if "expert" in p]
     assert moe and "model.num_experts=4" in moe[0]
+    olmo2 = preset("tiny", norm_position="post", qk_norm=True, qk_norm_scope="projection")
+    (post,) = tensor_parallel_problems(olmo2, 2)
+    assert "model.norm_position='post'" in post and KEY in post
 
 
 def test_preflight_refuses_before_anything_loads() -> None:

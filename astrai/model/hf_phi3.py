@@ -1,0 +1,118 @@
+"""Hugging Face translation of Phi-3 / Phi-4 (`Phi3ForCausalLM`; Phi-4 and Phi-4-mini use
+this architecture): fused `qkv_proj` / `gate_up_proj` and `partial_rotary_factor`.
+
+The fused projections are split on import into our `q_proj`/`k_proj`/`v_proj` and
+`gate_proj`/`up_proj` (the same rows, so an engine packs them back for inference) and fused
+again on export. Refused with a clear error: `rope_scaling` of type "longrope" (Phi-3-*-128k,
+Phi-4-mini's long context) and a `sliding_window` shorter than `max_position_embeddings`.
+`hub.py` calls these.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from astrai.model.config import ConfigError, ModelConfig
+
+PHI3_ARCHITECTURES = {"phi3": "Phi3ForCausalLM"}
+_FUSED_QKV = re.compile(r"^(?P<prefix>.*\.self_attn)\.qkv_proj\.weight$")
+_FUSED_GATE_UP = re.compile(r"^(?P<prefix>.*\.mlp)\.gate_up_proj\.weight$")
+
+
+def config_fields(data: dict[str, Any], model_type: str | None, source: str) -> dict[str, Any]:
+    """The `ModelConfig` fields of a Phi-3 `config.json` beyond Llama's; {} for any other
+    model_type. Refuses what astrai cannot compute exactly (naming the field)."""
+    if model_type not in PHI3_ARCHITECTURES:
+        return {}
+    rope = dict(data.get("rope_parameters") or {})
+    scaling = data.get("rope_scaling") or rope
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind != "default":
+        raise ConfigError(
+            f"{source}: rope_scaling of type {kind!r} (Phi-3 long context) is not supported; "
+            "only the default RoPE of the 4k/16k Phi-3 and Phi-4 models"
+        )
+    window = data.get("sliding_window")
+    limit = data.get("max_position_embeddings", 4096)
+    if window is not None and window < limit:
+        raise ConfigError(
+            f"{source}: sliding_window={window} < max_position_embeddings={limit} is not "
+            "supported yet"
+        )
+    if data.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{source}: hidden_act={data['hidden_act']!r} is not supported")
+    partial = rope.get("partial_rotary_factor", data.get("partial_rotary_factor", 1.0))
+    return dict(partial_rotary_factor=float(partial), attention_bias=False, o_proj_bias=False)
+
+
+def hf_phi3_model_type(config: ModelConfig) -> str | None:
+    """'phi3' when `config` needs Phi-3 (partial rotary) or came from it and Phi-3 computes it
+    exactly; None when another family should represent it; a ConfigError when none can."""
+    plain = not (config.qk_norm or config.attention_bias or config.o_proj_bias)
+    if config.partial_rotary_factor != 1:
+        if not plain or config.num_experts:
+            raise ConfigError(
+                "partial_rotary_factor exports only as Phi-3, which has no qk_norm, biases or "
+                "experts"
+            )
+        return "phi3"
+    if config.hf_model_type == "phi3" and plain and not config.num_experts:
+        return "phi3"
+    return None
+
+
+def config_to_hf_fields(config: ModelConfig, model_type: str) -> dict[str, Any]:
+    """Phi-3's own `config.json` fields; {} for any other model_type."""
+    if model_type not in PHI3_ARCHITECTURES:
+        return {}
+    rope = {
+        "rope_type": "default",
+        "rope_theta": config.rope_theta,
+        "partial_rotary_factor": config.partial_rotary_factor,
+    }
+    return {
+        "partial_rotary_factor": config.partial_rotary_factor,
+        "rope_parameters": rope,
+        "rope_scaling": None,
+        "original_max_position_embeddings": config.max_position_embeddings,
+        "sliding_window": None,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+    }
+
+
+def state_from_hf(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Split Phi-3's fused `qkv_proj` / `gate_up_proj` into our projections (others pass)."""
+    q = config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in state.items():
+        if m := _FUSED_QKV.match(key):
+            for name, part in zip(("q_proj", "k_proj", "v_proj"), tensor.split([q, kv, kv])):
+                out[f"{m['prefix']}.{name}.weight"] = part
+        elif m := _FUSED_GATE_UP.match(key):
+            gate, up = tensor.chunk(2, dim=0)
+            out[f"{m['prefix']}.gate_proj.weight"] = gate
+            out[f"{m['prefix']}.up_proj.weight"] = up
+        else:
+            out[key] = tensor
+    return out
+
+
+def state_to_hf(state: dict[str, torch.Tensor], model_type: str) -> dict[str, torch.Tensor]:
+    """Fuse our projections into Phi-3's `qkv_proj` / `gate_up_proj` (for model_type 'phi3')."""
+    if model_type not in PHI3_ARCHITECTURES:
+        return state
+    out = dict(state)
+    for key in [k for k in state if k.endswith(".self_attn.q_proj.weight")]:
+        prefix = key.removesuffix(".q_proj.weight")
+        parts = [out.pop(f"{prefix}.{n}_proj.weight") for n in ("q", "k", "v")]
+        out[f"{prefix}.qkv_proj.weight"] = torch.cat(parts).contiguous()
+    for key in [k for k in state if k.endswith(".mlp.gate_proj.weight")]:
+        prefix = key.removesuffix(".gate_proj.weight")
+        parts = [out.pop(f"{prefix}.{n}_proj.weight") for n in ("gate", "up")]
+        out[f"{prefix}.gate_up_proj.weight"] = torch.cat(parts).contiguous()
+    return out
