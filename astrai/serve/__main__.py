@@ -49,6 +49,7 @@ _SETTINGS = (
     "allowed_lora_roots",
     "allow_weight_updates",
     "max_stored_responses",
+    "pooling_type",
 )
 
 

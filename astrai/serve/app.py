@@ -12,11 +12,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from astrai.inference.embedding import Embedder
 from astrai.inference.grammar import grammar_compiler
 from astrai.serve.access import AccessLogMiddleware
 from astrai.serve.adapters import RUNTIME_LORA_OFF, RUNTIME_LORA_PATHS, install_runtime_lora
 from astrai.serve.anthropic_builder import AnthropicResponseBuilder
 from astrai.serve.completions_builder import CompletionsResponseBuilder
+from astrai.serve.embeddings import install_embedding_routes
 from astrai.serve.errors import APIError, error_body, kind_for_status
 from astrai.serve.handler import ProtocolHandler
 from astrai.serve.limits import BodyLimitMiddleware
@@ -195,6 +197,7 @@ def create_app(
         install_runtime_lora(app, state.models, settings.allowed_lora_roots, [check_key])
 
     install_rl_routes(app, state, check_key)  # /generate, weight updates (opt-in)
+    install_embedding_routes(app, state, Embedder(engine, settings.pooling_type), auth)
 
     @app.get("/health")
     async def health() -> SafeJSONResponse:

@@ -7,6 +7,7 @@ import ipaddress
 import math
 from dataclasses import dataclass
 
+from astrai.inference.embedding import POOLING_TYPES
 from astrai.inference.params import MAX_TOKENS_POLICIES, check_choice, is_int
 from astrai.serve.lora_paths import AdapterRoots
 
@@ -58,9 +59,12 @@ class ServeSettings:
     allow_weight_updates: bool = False
     # /v1/responses kept for `previous_response_id` (an LRU; astrai.serve.responses_store)
     max_stored_responses: int = 1000
+    # /v1/embeddings' pooling of the final hidden states (vLLM's name; astrai.inference.embedding)
+    pooling_type: str = "last"
 
     def __post_init__(self) -> None:
         check_choice("max_tokens_policy", self.max_tokens_policy, MAX_TOKENS_POLICIES)
+        check_choice("pooling_type", self.pooling_type, POOLING_TYPES)
         # Values that would make every request fail are refused here, at start-up.
         if not is_int(self.max_body_bytes) or self.max_body_bytes <= 0:
             raise ValueError(
