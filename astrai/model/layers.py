@@ -418,6 +418,7 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.scale = self.head_dim**-0.5
+        self.window = config.layer_window(layer_id)  # None: attends to the whole prefix
         h, q, kv = (
             config.hidden_size,
             self.num_heads * self.head_dim,
@@ -476,6 +477,7 @@ class Attention(nn.Module):
             attn_mask,
             scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads,
+            window=self.window,
         )
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
