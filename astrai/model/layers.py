@@ -486,7 +486,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Packed `[T, H]` inference path: K/V go to the cache, attention reads it back."""
         q, k, v = self.project(x, cos, sin)
-        out = attention(q, k, v, kv_cache, self.layer_id, scale=self.scale)
+        out = attention(q, k, v, kv_cache, self.layer_id, scale=self.scale, window=self.window)
         return self.o_proj(out.reshape(x.shape[0], -1))
 
 
