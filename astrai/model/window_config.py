@@ -8,16 +8,14 @@ tokens including itself. ``layer_types`` (HF's name, Gemma/Qwen2 style) marks ea
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from astrai.model.config import ModelConfig
+from typing import Any
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
-def layer_window(config: ModelConfig, layer_id: int) -> int | None:
-    """The window of layer `layer_id` (None: it attends to the whole prefix)."""
+def layer_window(config: Any, layer_id: int) -> int | None:
+    """The window of layer `layer_id` of a `ModelConfig` (None: it attends to the whole
+    prefix); `Any`, as in moe_config, so that config.py imports this module, not the reverse."""
     if config.sliding_window is None:
         return None
     if config.layer_types is not None and config.layer_types[layer_id] != "sliding_attention":
@@ -25,7 +23,7 @@ def layer_window(config: ModelConfig, layer_id: int) -> int | None:
     return config.sliding_window
 
 
-def window_problems(config: ModelConfig) -> list[str]:
+def window_problems(config: Any) -> list[str]:
     """What is wrong with `sliding_window` / `layer_types`, each message naming the field."""
     problems = []
     if config.sliding_window is not None and config.sliding_window <= 0:
