@@ -113,6 +113,9 @@ class ModelRunner:
         if cfg.attention_type == "mla":  # the decode workspace is laid out for K/V heads
             logger.warning("decode graphs disabled: MLA decodes eagerly in the latent space")
             return
+        if cfg.sliding_window is not None:  # the window's branch depends on the step's length
+            logger.warning("decode graphs disabled: sliding-window attention decodes eagerly")
+            return
         if (cfg.rope_scaling or {}).get("rope_type") == "dynamic":
             logger.warning("decode graphs disabled: dynamic RoPE depends on the step's length")
             return

@@ -14,6 +14,7 @@ from typing import Any
 from astrai.model.mla_config import mla_attention_params, mla_head_dim, mla_problems
 from astrai.model.moe_config import as_list, moe_layer, moe_param_delta, moe_problems
 from astrai.model.variant_config import variant_problems
+from astrai.model.window_config import layer_window, window_problems
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
@@ -95,9 +96,14 @@ class ModelConfig:
     qk_norm_scope: str = "head"
     # RoPE rotates the first `int(head_dim * partial_rotary_factor)` dims of each head (Phi-4-mini)
     partial_rotary_factor: float = 1.0
+    # ---- sliding-window attention (astrai/model/window_config.py; HF's names and meaning)
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
 
     def __post_init__(self) -> None:
         self.mlp_only_layers = as_list(self.mlp_only_layers)  # a tuple or Hydra's ListConfig
+        if self.layer_types is not None:
+            self.layer_types = as_list(self.layer_types)
         self._check_types()
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
@@ -169,6 +175,8 @@ class ModelConfig:
             raise ConfigError(problem)
         for problem in variant_problems(self):  # block variants: astrai/model/variant_config.py
             raise ConfigError(problem)
+        for problem in window_problems(self):  # astrai/model/window_config.py
+            raise ConfigError(problem)
 
     def rotary_dim(self) -> int:
         """Dims of each head that RoPE rotates (all but under `partial_rotary_factor`)."""
@@ -177,6 +185,10 @@ class ModelConfig:
     def is_moe_layer(self, layer_id: int) -> bool:
         """Whether block `layer_id` has a routed-expert MLP (Qwen's and DeepSeek's rules)."""
         return moe_layer(self, layer_id)
+
+    def layer_window(self, layer_id: int) -> int | None:
+        """The sliding window of block `layer_id`, or None where it attends fully."""
+        return layer_window(self, layer_id)
 
     # ------------------------------------------------------------------ serialisation
     def to_dict(self) -> dict[str, Any]:

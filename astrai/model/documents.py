@@ -90,20 +90,23 @@ class DocumentSpans:
         *,
         scale: float,
         enable_gqa: bool = False,
+        window: int | None = None,
     ) -> torch.Tensor:
-        """Causal attention within each span; ``q, k, v`` are ``[B, heads, S, head_dim]``."""
+        """Causal attention within each span; ``q, k, v`` are ``[B, heads, S, head_dim]``;
+        `window`: each query also sees only its last `window` keys (sliding window)."""
         if _varlen_fits(q, v):
-            return self._attend_varlen(q, k, v, scale=scale, enable_gqa=enable_gqa)
+            return self._attend_varlen(q, k, v, scale=scale, enable_gqa=enable_gqa, window=window)
         rows = []
         for b, spans in enumerate(self.spans):
             parts = [
-                F.scaled_dot_product_attention(
+                training_attention(
                     q[b : b + 1, :, start:end],
                     k[b : b + 1, :, start:end],
                     v[b : b + 1, :, start:end],
-                    is_causal=True,
+                    None,
                     scale=scale,
                     enable_gqa=enable_gqa,
+                    window=window,
                 )
                 for start, end in spans
             ]
@@ -111,7 +114,14 @@ class DocumentSpans:
         return rows[0] if len(rows) == 1 else torch.cat(rows, dim=0)
 
     def _attend_varlen(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, enable_gqa: bool
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        scale: float,
+        enable_gqa: bool,
+        window: int | None,
     ) -> torch.Tensor:
         """All spans in one flash varlen call over the flattened ``[B * S, heads, head_dim]``."""
         from torch.nn.attention.varlen import varlen_attn
@@ -132,10 +142,21 @@ class DocumentSpans:
             longest,
             longest,
             scale=scale,
-            window_size=(-1, 0),  # causal
+            window_size=(-1 if window is None else window - 1, 0),  # causal (+ window)
             enable_gqa=enable_gqa,
         )
         return out.reshape(b, s, heads, v.shape[-1]).transpose(1, 2)
+
+
+def window_mask(seq: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """Boolean ``[S, S]`` causal sliding-window mask: query ``i`` sees keys ``i - window < j
+    <= i`` (transformers' ``sliding_window_causal_mask_function``); None when the window
+    covers the whole sequence (plain causal)."""
+    if window is None or window >= seq:
+        return None
+    pos = torch.arange(seq, device=device)
+    diff = pos[:, None] - pos[None, :]
+    return (diff >= 0) & (diff < window)
 
 
 def _varlen_fits(q: torch.Tensor, v: torch.Tensor) -> bool:
@@ -158,12 +179,17 @@ def training_attention(
     *,
     scale: float,
     enable_gqa: bool = False,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of the dense training forward, ``q, k, v`` as ``[B, heads, S, head_dim]``:
     causal (``layout`` None), under a boolean ``[B, 1, S, S]`` mask (padding), or within the
-    spans of packed documents (:class:`DocumentSpans`)."""
+    spans of packed documents (:class:`DocumentSpans`); `window` (a sliding-window layer)
+    further limits each query to its last `window` keys, HF's meaning."""
     if isinstance(layout, DocumentSpans):
-        return layout.attend(q, k, v, scale=scale, enable_gqa=enable_gqa)
+        return layout.attend(q, k, v, scale=scale, enable_gqa=enable_gqa, window=window)
+    local = window_mask(q.shape[2], window, q.device)
+    if local is not None:
+        layout = local if layout is None else layout & local
     return F.scaled_dot_product_attention(
         q,
         k,

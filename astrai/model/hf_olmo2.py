@@ -43,6 +43,8 @@ def hf_olmo2_model_type(config: ModelConfig) -> str:
         raise ConfigError(
             "OLMo 2 has no attention_bias != o_proj_bias and no partial_rotary_factor"
         )
+    if config.sliding_window is not None:
+        raise ConfigError("ModelConfig.sliding_window: OLMo 2 has no sliding-window attention")
     if config.num_experts:
         raise ConfigError("OLMo 2 has no mixture of experts (num_experts must be 0)")
     return "olmo2"

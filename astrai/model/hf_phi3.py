@@ -4,8 +4,9 @@ this architecture): fused `qkv_proj` / `gate_up_proj` and `partial_rotary_factor
 The fused projections are split on import into our `q_proj`/`k_proj`/`v_proj` and
 `gate_proj`/`up_proj` (the same rows, so an engine packs them back for inference) and fused
 again on export. Refused with a clear error: `rope_scaling` of type "longrope" (Phi-3-*-128k,
-Phi-4-mini's long context) and a `sliding_window` shorter than `max_position_embeddings`.
-`hub.py` calls these.
+Phi-4-mini's long context). A `sliding_window` shorter than `max_position_embeddings`
+(Phi-3-mini-4k: 2047) is one window on every layer, as transformers applies it; one at least
+that long is no window. `hub.py` calls these.
 """
 
 from __future__ import annotations
@@ -37,26 +38,24 @@ def config_fields(data: dict[str, Any], model_type: str | None, source: str) -> 
         )
     window = data.get("sliding_window")
     limit = data.get("max_position_embeddings", 4096)
-    if window is not None and window < limit:
-        raise ConfigError(
-            f"{source}: sliding_window={window} < max_position_embeddings={limit} is not "
-            "supported yet"
-        )
+    windowed = {"sliding_window": window} if window is not None and window < limit else {}
     if data.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{source}: hidden_act={data['hidden_act']!r} is not supported")
     partial = rope.get("partial_rotary_factor", data.get("partial_rotary_factor", 1.0))
-    return dict(partial_rotary_factor=float(partial), attention_bias=False, o_proj_bias=False)
+    fields = dict(partial_rotary_factor=float(partial), attention_bias=False, o_proj_bias=False)
+    return fields | windowed  # one window on every layer, as transformers' Phi-3 applies it
 
 
 def hf_phi3_model_type(config: ModelConfig) -> str | None:
     """'phi3' when `config` needs Phi-3 (partial rotary) or came from it and Phi-3 computes it
     exactly; None when another family should represent it; a ConfigError when none can."""
     plain = not (config.qk_norm or config.attention_bias or config.o_proj_bias)
+    plain = plain and config.layer_types is None  # Phi-3's window covers every layer
     if config.partial_rotary_factor != 1:
         if not plain or config.num_experts:
             raise ConfigError(
-                "partial_rotary_factor exports only as Phi-3, which has no qk_norm, biases or "
-                "experts"
+                "partial_rotary_factor exports only as Phi-3, which has no qk_norm, biases, "
+                "experts or per-layer windows (layer_types)"
             )
         return "phi3"
     if config.hf_model_type == "phi3" and plain and not config.num_experts:
@@ -78,7 +77,7 @@ def config_to_hf_fields(config: ModelConfig, model_type: str) -> dict[str, Any]:
         "rope_parameters": rope,
         "rope_scaling": None,
         "original_max_position_embeddings": config.max_position_embeddings,
-        "sliding_window": None,
+        "sliding_window": config.sliding_window,
         "resid_pdrop": 0.0,
         "embd_pdrop": 0.0,
     }

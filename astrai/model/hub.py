@@ -90,13 +90,6 @@ def config_from_hf(data: dict[str, Any], *, source: str = CONFIG_NAME) -> ModelC
         scaling["rope_type"] = kind
         if kind == "default":
             scaling = None
-    window = data.get("sliding_window")
-    if window and (model_type == "mistral" or data.get("use_sliding_window")):
-        logger.warning(
-            "%s: sliding_window=%s is ignored; sequences longer than it attend fully",
-            source,
-            window,
-        )
     if model_type == "qwen2":
         qkv_bias, o_bias = True, False
     elif model_type == "mistral":
@@ -128,10 +121,43 @@ def config_from_hf(data: dict[str, Any], *, source: str = CONFIG_NAME) -> ModelC
     fields.update(hf_moe.config_fields(data, model_type, source))
     fields.update(hf_olmo2.config_fields(data, model_type, source))
     fields.update(hf_phi3.config_fields(data, model_type, source))
+    fields.update(_window_from_hf(data, model_type, source))
     missing = [k for k, v in fields.items() if v is None and k in _HF_REQUIRED]
     if missing:
         raise ConfigError(f"{source}: missing required field(s) {missing}")
     return ModelConfig.from_dict({k: v for k, v in fields.items() if v is not None}, source=source)
+
+
+_WINDOW_TYPES = ("mistral", "qwen2", "qwen3")  # MoE families still attend fully
+
+
+def _window_from_hf(data: dict[str, Any], model_type: str, source: str) -> dict[str, Any]:
+    """`sliding_window` / `layer_types` as transformers reads them: Mistral's window covers
+    every layer; Qwen's needs `use_sliding_window`, and then layers from `max_window_layers`
+    on are local unless `layer_types` lists them."""
+    window = data.get("sliding_window")
+    if not window or not (model_type in ("mistral", "mixtral") or data.get("use_sliding_window")):
+        return {}
+    if model_type not in _WINDOW_TYPES:
+        logger.warning(
+            "%s: sliding_window=%s is ignored for %s; long sequences attend fully",
+            source,
+            window,
+            model_type,
+        )
+        return {}
+    if model_type == "mistral":
+        return {"sliding_window": window}
+    types = data.get("layer_types")
+    if types is None:
+        start = data.get("max_window_layers", 28)
+        types = [
+            "sliding_attention" if i >= start else "full_attention"
+            for i in range(data["num_hidden_layers"])
+        ]
+    if "sliding_attention" not in types:
+        return {}
+    return {"sliding_window": window, "layer_types": list(types)}
 
 
 _HF_REQUIRED = (
@@ -156,9 +182,13 @@ def hf_model_type(config: ModelConfig) -> str:
     phi3 = hf_phi3.hf_phi3_model_type(config)
     if phi3 is not None:
         return phi3
+    if config.num_experts and config.sliding_window is not None:
+        raise ConfigError("ModelConfig.sliding_window: HF export of MoE models drops it")
     if config.num_experts:
         return hf_moe.hf_moe_model_type(config)
     plain = not (config.qk_norm or config.attention_bias or config.o_proj_bias)
+    if config.sliding_window is not None:
+        return _windowed_model_type(config, plain)
     if config.hf_model_type == "mistral" and plain:
         return "mistral"
     if config.qk_norm:
@@ -170,6 +200,23 @@ def hf_model_type(config: ModelConfig) -> str:
     if config.attention_bias != config.o_proj_bias:
         raise ConfigError("o_proj_bias without attention_bias has no HF equivalent")
     return "llama"
+
+
+def _windowed_model_type(config: ModelConfig, plain: bool) -> str:
+    """Mistral holds one window on every layer; Qwen2/3 hold per-layer `layer_types`."""
+    every = config.layer_types is None or set(config.layer_types) == {"sliding_attention"}
+    if plain and every and config.hf_model_type in (None, "mistral", "llama"):
+        return "mistral"
+    if config.qk_norm and config.attention_bias == config.o_proj_bias:
+        return "qwen3"
+    if config.attention_bias and not config.o_proj_bias:
+        return "qwen2"
+    if plain and every:
+        return "mistral"
+    raise ConfigError(
+        "ModelConfig.sliding_window: no HF architecture holds this model "
+        "(Mistral: one window on every layer without biases; Qwen2/3: biases as theirs)"
+    )
 
 
 def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
@@ -185,10 +232,27 @@ def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dic
     if model_type in ("qwen2", "qwen3"):
         data["use_sliding_window"] = False
         data["sliding_window"] = None
+    data.update(_window_to_hf(config, model_type))
     data.update(hf_moe.config_to_hf_fields(config, model_type))
     data.update(hf_olmo2.config_to_hf_fields(config, model_type))
     data.update(hf_phi3.config_to_hf_fields(config, model_type))
     return data
+
+
+def _window_to_hf(config: ModelConfig, model_type: str) -> dict[str, Any]:
+    """The window fields transformers reads back as `config` (see `_window_from_hf`)."""
+    if model_type == "mistral":
+        return {"sliding_window": config.sliding_window}
+    if config.sliding_window is None or model_type not in ("qwen2", "qwen3"):
+        return {}
+    types = config.layer_types or ["sliding_attention"] * config.num_hidden_layers
+    first = types.index("sliding_attention")
+    return {
+        "use_sliding_window": True,
+        "sliding_window": config.sliding_window,
+        "max_window_layers": first,
+        "layer_types": list(types),
+    }
 
 
 def read_config(path: str | os.PathLike) -> ModelConfig:

@@ -460,6 +460,7 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.scale = self.head_dim**-0.5
+        self.window = config.layer_window(layer_id)  # None: attends to the whole prefix
         h, q, kv = (
             config.hidden_size,
             self.num_heads * self.head_dim,
@@ -518,6 +519,7 @@ class Attention(nn.Module):
             attn_mask,
             scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads,
+            window=self.window,
         )
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
@@ -526,7 +528,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Packed `[T, H]` inference path: K/V go to the cache, attention reads it back."""
         q, k, v = self.project(x, cos, sin)
-        out = attention(q, k, v, kv_cache, self.layer_id, scale=self.scale)
+        out = attention(q, k, v, kv_cache, self.layer_id, scale=self.scale, window=self.window)
         return self.o_proj(out.reshape(x.shape[0], -1))
 
 

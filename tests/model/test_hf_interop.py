@@ -48,6 +48,22 @@ CASES = {
         transformers.MistralForCausalLM,
         dict(tie_word_embeddings=False, sliding_window=None, head_dim=16),
     ),
+    # sliding windows shorter than the 48-token test sequences (astrai/model/window_config.py)
+    "mistral-window": (
+        transformers.MistralConfig,
+        transformers.MistralForCausalLM,
+        dict(sliding_window=8, head_dim=16),
+    ),
+    "qwen2-window-upper-layers": (
+        transformers.Qwen2Config,
+        transformers.Qwen2ForCausalLM,
+        dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),
+    ),
+    "qwen3-window-all-layers": (
+        transformers.Qwen3Config,
+        transformers.Qwen3ForCausalLM,
+        dict(use_sliding_window=True, sliding_window=5, max_window_layers=0),
+    ),
     "llama-linear": (
         transformers.LlamaConfig,
         transformers.LlamaForCausalLM,
@@ -88,6 +104,11 @@ CASES = {
         transformers.Phi3Config,
         transformers.Phi3ForCausalLM,
         dict(pad_token_id=1, bos_token_id=0, eos_token_id=2),
+    ),
+    "phi3-window": (  # Phi-3-mini-4k's shape: one window on every layer
+        transformers.Phi3Config,
+        transformers.Phi3ForCausalLM,
+        dict(pad_token_id=1, bos_token_id=0, eos_token_id=2, sliding_window=8),
     ),
     "phi4-mini-partial-rotary": (
         transformers.Phi3Config,
@@ -180,3 +201,19 @@ def test_load_in_other_dtype(tmp_path):
     with torch.no_grad():
         out = ours(ids(8))
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("case", ["mistral-window", "qwen2-window-upper-layers"])
+def test_sliding_window_config_round_trips_through_hf(case, tmp_path):
+    hf = build_hf(case)
+    hf.save_pretrained(tmp_path / "hf")
+    ours = AutoModel.from_pretrained(tmp_path / "hf")
+    expected = hf.config.layer_types if case.startswith("qwen2") else None
+    assert ours.config.sliding_window == 8
+    assert ours.config.layer_types == expected
+    save_pretrained(ours, tmp_path / "export", hf_format=True)
+    again = AutoModel.from_pretrained(tmp_path / "export")
+    assert again.config.to_dict() == ours.config.to_dict()
+    back = transformers.AutoConfig.from_pretrained(tmp_path / "export")
+    assert back.sliding_window == 8
+    assert getattr(back, "layer_types", None) == getattr(hf.config, "layer_types", None)

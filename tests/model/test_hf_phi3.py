@@ -75,17 +75,17 @@ def _rewrite_config(path, **changes) -> None:
     (path / "config.json").write_text(json.dumps(data))
 
 
-def test_longrope_and_sliding_window_are_refused_naming_the_field(tmp_path):
+def test_longrope_is_refused_naming_the_field_and_a_window_loads(tmp_path):
     build_hf("phi3").save_pretrained(tmp_path)
     longrope = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
     _rewrite_config(tmp_path, rope_scaling=longrope, rope_parameters=None)
     with pytest.raises(ConfigError, match="rope_scaling of type 'longrope'"):
         AutoModel.from_pretrained(tmp_path)
-    _rewrite_config(tmp_path, rope_scaling=None, sliding_window=32)
-    with pytest.raises(ConfigError, match="sliding_window=32"):
-        AutoModel.from_pretrained(tmp_path)
+    _rewrite_config(tmp_path, rope_scaling=None, sliding_window=32)  # one on every layer
+    assert AutoModel.from_pretrained(tmp_path).config.sliding_window == 32
     _rewrite_config(tmp_path, sliding_window=128)  # as long as the context: no window at all
-    assert AutoModel.from_pretrained(tmp_path).config.hf_model_type == "phi3"
+    windowless = AutoModel.from_pretrained(tmp_path).config
+    assert windowless.hf_model_type == "phi3" and windowless.sliding_window is None
 
 
 def test_partial_rotary_without_a_phi3_equivalent_is_refused(tmp_path):

@@ -25,6 +25,7 @@ from astrai.extension.backend.cpu_paged import CpuPagedBackend
 from astrai.extension.backend.flash import FlashAttnBackend
 from astrai.extension.backend.torch_native import TorchNativeBackend
 from astrai.extension.backend.triton import TritonBackend
+from astrai.extension.backend.windowed import windowed_attention
 from astrai.extension.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
@@ -156,12 +157,26 @@ def attention(
     layer_id: int,
     *,
     scale: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend causally per request.
 
     q: `[num_tokens, n_heads, head_dim]`; k, v: `[num_tokens, n_kv_heads, head_dim]` (RoPE
     applied); returns `[num_tokens, n_heads, head_dim]`. `scale` defaults to head_dim**-0.5.
+    `window`: a sliding-window layer's window; once a request's keys outgrow it, the call
+    goes to `windowed_attention` (SDPA over the window's rows), which the triton and flash
+    backends do not implement: selected explicitly, they refuse it.
     """
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    return resolve_backend(q, kv_cache).forward(q, k, v, kv_cache, layer_id, scale)
+    backend = resolve_backend(q, kv_cache)
+    if window is not None and kv_cache.max_len > window:
+        explicit = _explicit()
+        if explicit is not None and explicit[0] in (ATTN_BACKEND.TRITON, ATTN_BACKEND.FLASH):
+            raise BackendUnavailable(
+                f"attention backend {explicit[0].value!r} was selected by {explicit[1]} but "
+                f"has no sliding-window attention (sliding_window={window}); select "
+                "torch_native or cpu, or leave the choice to auto selection"
+            )
+        return windowed_attention(q, k, v, kv_cache, layer_id, scale, window)
+    return backend.forward(q, k, v, kv_cache, layer_id, scale)

@@ -1,0 +1,134 @@
+"""Sliding-window models in the engine: greedy output equals transformers' own greedy
+`generate` for prompts longer than the window and generation past it (paged cache, radix
+prefix cache, page size smaller than the window), per CPU backend; and the windowed
+attention reads only the window's rows."""
+
+import random
+
+import pytest
+import torch
+import transformers
+
+from astrai.extension import KVCache
+from astrai.extension.backend.windowed import windowed_attention
+from astrai.extension.cpu_kernels import paged_attention_op
+from astrai.inference import InferenceEngine
+from astrai.model import AutoModel
+
+WINDOW = 6
+BASE = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    initializer_range=0.2,  # spread-out logits: greedy has no near-ties
+)
+FAMILIES = {
+    "mistral": (transformers.MistralConfig, dict(sliding_window=WINDOW, head_dim=16)),
+    "qwen2": (
+        transformers.Qwen2Config,
+        dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+    ),
+}
+BACKENDS = [
+    "torch_native",
+    pytest.param(
+        "cpu",
+        marks=pytest.mark.skipif(
+            paged_attention_op() is None, reason="the CPU kernel is not built (make setup)"
+        ),
+    ),
+]
+
+
+def build_hf(family: str, vocab: int):
+    config_cls, extra = FAMILIES[family]
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(
+        config_cls(vocab_size=vocab, **BASE, **extra)
+    ).eval()
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_engine_greedy_equals_transformers_past_the_window(
+    family, backend, stdlib_tokenizer, tmp_path, monkeypatch
+):
+    tokenizer = stdlib_tokenizer
+    hf = build_hf(family, len(tokenizer))
+    hf.save_pretrained(tmp_path)
+    ours = AutoModel.from_pretrained(tmp_path).eval()
+    assert ours.config.sliding_window == WINDOW
+    rng = random.Random(3)
+    shared = [rng.randrange(300) for _ in range(13)]
+    first = [shared + [rng.randrange(300) for _ in range(rng.randint(1, 9))] for _ in range(2)]
+    second = [shared + [rng.randrange(300) for _ in range(rng.randint(1, 9))] for _ in range(3)]
+    monkeypatch.setenv("ASTR_BACKEND", backend)
+    kw = dict(max_tokens=10, temperature=0.0, ignore_eos=True)
+    with InferenceEngine(
+        ours,
+        tokenizer,
+        cache_mode="paged",
+        page_size=4,
+        prefix_cache=True,
+        max_batch_size=4,
+        max_seq_len=64,
+        start=False,
+    ) as eng:
+        out = eng.run_batch(first, **kw)
+        out += eng.run_batch(second, **kw)
+        assert eng.get_stats()["cached_prompt_tokens"] >= 12 * len(second)  # prefix reused
+    for prompt, ids in zip(first + second, out):
+        assert ids == hf_greedy(hf, prompt, 10)
+
+
+def test_windowed_attention_reads_only_the_window(monkeypatch):
+    """Slots outside the window hold NaN: the result stays finite and equals attention over
+    the window alone."""
+    torch.manual_seed(0)
+    kv_len, q_len, heads, dim = 20, 3, 2, 8
+    k_buf = torch.full((1, 64, heads, dim), float("nan"))
+    v_buf = torch.full((1, 64, heads, dim), float("nan"))
+    slots = torch.randperm(64)[:kv_len]
+    keys, values = torch.randn(kv_len, heads, dim), torch.randn(kv_len, heads, dim)
+    first = kv_len - q_len - WINDOW + 1
+    k_buf[0, slots[first : kv_len - q_len]] = keys[first : kv_len - q_len]
+    v_buf[0, slots[first : kv_len - q_len]] = values[first : kv_len - q_len]
+    cache = KVCache(
+        k_buffer=k_buf,
+        v_buffer=v_buf,
+        req_to_token=slots[None].to(torch.int32),
+        req_pool_indices=torch.tensor([0]),
+        seq_lens=torch.tensor([kv_len], dtype=torch.int32),
+        out_cache_loc=slots[kv_len - q_len :],
+        kv_indptr=torch.tensor([0, kv_len], dtype=torch.int32),
+        qo_indptr=torch.tensor([0, q_len], dtype=torch.int32),
+        max_len=kv_len,
+        max_q_len=q_len,
+        seq_lens_host=(kv_len,),
+        q_lens_host=(q_len,),
+    )
+    q = torch.randn(q_len, heads, dim)
+    new_k, new_v = keys[kv_len - q_len :], values[kv_len - q_len :]
+    out = windowed_attention(q, new_k, new_v, cache, 0, dim**-0.5, WINDOW)
+    for j in range(q_len):
+        pos = kv_len - q_len + j
+        seen = slice(pos - WINDOW + 1, pos + 1)
+        scores = torch.einsum("hd,khd->hk", q[j], keys[seen]) * dim**-0.5
+        expected = torch.einsum("hk,khd->hd", scores.softmax(-1), values[seen])
+        torch.testing.assert_close(out[j], expected)
