@@ -6,7 +6,9 @@ scaled weights). Experts are stored stacked (`gate_up_proj [E, 2I, H]`, `down_pr
 the layout transformers 5 keeps in memory), and tokens are dispatched by sorting the (token,
 slot) pairs by expert, computing each expert's end offset on device and running both products
 as one `torch._grouped_mm` each over the contiguous slices (no host sync: a `.tolist()` of the
-offsets would stall the GPU once per layer); small batches (decode, CUDA-graph capture) gather
+offsets would stall the GPU once per layer; torch's CUDA kernel is sync-free for bf16 on sm90 /
+sm100, its fallback for other dtypes / GPUs reads the offsets itself); small batches (decode,
+CUDA-graph capture) gather
 each pair's expert weights instead, also with no host sync. `_grouped_mm` wants 16-byte
 aligned rows (hidden and expert sizes a multiple of 16 / element size); other sizes take the
 gathered path at every batch size. In the engine's batch-invariant mode
