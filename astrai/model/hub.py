@@ -22,7 +22,11 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from astrai.files import naming_full_disk, publish
+<<<<<<< HEAD
 from astrai.model import hf_deepseek, hf_moe, hf_olmo2, hf_phi3
+=======
+from astrai.model import hf_deepseek, hf_fp8, hf_moe
+>>>>>>> h53-fp8
 from astrai.model.config import ConfigError, ModelConfig
 from astrai.model.directory import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME
 from astrai.model.hf_common import hf_base_fields
@@ -320,11 +324,16 @@ def _list(names: list[str], limit: int = 20) -> str:
 
 
 def read_hf_state(
-    path: str | os.PathLike, config: ModelConfig, device: str | torch.device = "cpu"
+    path: str | os.PathLike,
+    config: ModelConfig,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
 ) -> dict[str, torch.Tensor]:
     """A directory's tensors under HF names in our layout: stale rotary buffers dropped,
-    per-expert tensors stacked, DeepSeek's MLA rows and shared experts translated."""
+    block-fp8 weights dequantised (to `dtype`), per-expert tensors stacked, DeepSeek's MLA
+    rows and shared experts translated."""
     stored = read_state_dict(path, device)
+    stored = hf_fp8.dequantize_state(stored, hf_fp8.block_size(path), source=str(path), dtype=dtype)
     stored = {k: v for k, v in stored.items() if not _IGNORED_KEYS.search(k)}
     stored = hf_moe.state_from_hf(stored)  # per-expert HF tensors -> stacked experts
     stored = hf_phi3.state_from_hf(stored, config)  # Phi-3's fused qkv / gate_up split
@@ -376,7 +385,7 @@ def load_pretrained(
     expected = {to_hf_key(k): v for k, v in model.state_dict().items()}
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
-    stored = read_hf_state(path, config, device)
+    stored = read_hf_state(path, config, device, dtype)
     if config.tie_word_embeddings:
         stored.pop("lm_head.weight", None)
     check_state(path, expected, stored)

@@ -4,11 +4,17 @@ One module covers Mixtral, Qwen2-MoE / Qwen3-MoE and DeepSeek V2 / V3 routing (s
 sigmoid scores, greedy / group-limited / aux-free top-k with a correction bias, renormalised and
 scaled weights). Experts are stored stacked (`gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`,
 the layout transformers 5 keeps in memory), and tokens are dispatched by sorting the (token,
-slot) pairs by expert and running one matmul per expert over its contiguous slice; small batches
-(decode, CUDA-graph capture) gather each pair's expert weights instead, with no host sync.
-In the engine's batch-invariant mode (`astrai.extension.invariance`) the router's and each
-expert's products run in fixed row blocks and every batch takes the sorted path, so a
-token's output does not depend on the other tokens of the step.
+slot) pairs by expert, computing each expert's end offset on device and running both products
+as one `torch._grouped_mm` each over the contiguous slices (no host sync: a `.tolist()` of the
+offsets would stall the GPU once per layer; torch's CUDA kernel is sync-free for bf16 on sm90 /
+sm100, its fallback for other dtypes / GPUs reads the offsets itself); small batches (decode,
+CUDA-graph capture) gather
+each pair's expert weights instead, also with no host sync. `_grouped_mm` wants 16-byte
+aligned rows (hidden and expert sizes a multiple of 16 / element size); other sizes take the
+gathered path at every batch size. In the engine's batch-invariant mode
+(`astrai.extension.invariance`) the router's and each expert's products run in fixed row
+blocks, one expert at a time (its loop reads the offsets on the host), and every batch takes
+that path, so a token's output does not depend on the other tokens of the step.
 
 In training each layer records its router statistics (Switch-Transformer load-balancing loss,
 router z-loss, tokens per expert) of the latest forward; `router_stats(model)` collects them.
@@ -138,8 +144,28 @@ class Experts(nn.Module):
         self.gate_up_proj.data.normal_(0.0, std, generator=generator)
         self.down_proj.data.normal_(0.0, std, generator=generator)
 
+    def _aligned(self, x: torch.Tensor) -> bool:
+        """Whether `_grouped_mm` accepts these row strides (multiples of 16 bytes)."""
+        sizes = (self.gate_up_proj.shape[2], self.down_proj.shape[2])
+        return all(n * x.element_size() % 16 == 0 for n in sizes)
+
+    def _grouped(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Outputs per (token, slot) pair in expert order, and that order (flat pair index):
+        two grouped matmuls over the expert-sorted pairs, offsets found on device."""
+        flat = ids.reshape(-1)
+        order = flat.argsort(stable=True)
+        xs = x[order // ids.shape[1]]
+        experts = torch.arange(self.num_experts, device=flat.device, dtype=flat.dtype)
+        ends = torch.searchsorted(flat[order], experts, right=True).to(torch.int32)
+        h = torch._grouped_mm(xs, self.gate_up_proj.to(x.dtype).transpose(1, 2), offs=ends)
+        gate, up = h.chunk(2, dim=-1)
+        act = F.silu(gate) * up
+        out = torch._grouped_mm(act, self.down_proj.to(x.dtype).transpose(1, 2), offs=ends)
+        return out, order
+
     def _sorted(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Outputs per (token, slot) pair in expert order, and that order (flat pair index)."""
+        """Batch-invariant mode: one expert at a time in fixed row blocks (a host read of the
+        offsets per layer, which that mode accepts)."""
         flat = ids.reshape(-1)
         order = flat.argsort(stable=True)
         xs = x[order // ids.shape[1]]
@@ -166,11 +192,12 @@ class Experts(nn.Module):
         """`sum_j weights[t, j] * expert_{ids[t, j]}(x[t])` for `[T, H]` tokens."""
         t, k = ids.shape
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        small = capturing or t * k <= GATHER_MAX_PAIRS
-        if small and not batch_invariant_enabled():  # its pair sum is in slot order
+        invariant = batch_invariant_enabled()
+        small = capturing or t * k <= GATHER_MAX_PAIRS or not self._aligned(x)
+        if small and not invariant:  # its pair sum is in slot order
             out = self._gathered(x, ids) * weights.reshape(-1, 1).to(x.dtype)
             return out.view(t, k, -1).sum(1)
-        out, order = self._sorted(x, ids)
+        out, order = self._sorted(x, ids) if invariant else self._grouped(x, ids)
         out = out * weights.reshape(-1)[order, None].to(x.dtype)
         return torch.zeros_like(x).index_add_(0, order // k, out)
 
@@ -232,7 +259,9 @@ class MoE(nn.Module):
 
     def _statistics(self, logits: torch.Tensor, ids: torch.Tensor) -> RouterStats:
         probs = logits.softmax(-1)
-        counts = torch.bincount(ids.reshape(-1), minlength=self.num_experts)
+        flat = ids.reshape(-1)  # scatter_add, not bincount: CUDA's bincount reads max() on host
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=flat.device)
+        counts = counts.scatter_add_(0, flat, torch.ones_like(flat))
         frac = counts.float() / ids.numel()
         aux = self.num_experts * (frac * probs.mean(0)).sum()
         z = torch.logsumexp(logits, dim=-1).square().mean()

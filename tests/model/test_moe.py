@@ -32,10 +32,10 @@ def reference_moe(block: MoE, x: torch.Tensor) -> torch.Tensor:
     rows = []
     for t in range(x.shape[0]):
         acc = torch.zeros(x.shape[1])
-        for w, e in zip(weights[t].tolist(), ids[t].tolist()):
+        for j, e in enumerate(ids[t].tolist()):  # weights stay tensors: router gradients
             gu = block.experts.gate_up_proj[e] @ x[t]
             g, u = gu.chunk(2)
-            acc += w * (block.experts.down_proj[e] @ (F.silu(g) * u))
+            acc = acc + weights[t, j] * (block.experts.down_proj[e] @ (F.silu(g) * u))
         rows.append(acc)
     out = torch.stack(rows)
     if block.shared_expert is not None:
@@ -267,3 +267,38 @@ def test_init_covers_the_new_parameters():
         assert 0.08 < p.std().item() < 0.12
     assert torch.equal(block.gate.e_score_correction_bias, torch.zeros(4))
     assert "layers.1.mlp.gate.e_score_correction_bias" in model.state_dict()
+
+
+def _no_host_reads(monkeypatch) -> None:
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("host sync in the MoE layer")
+
+    for name in ("item", "tolist", "cpu", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+
+
+@pytest.mark.parametrize("tokens", [37, 3])  # 3 tokens x 2 slots: some experts get none
+def test_grouped_dispatch_has_no_host_sync_and_equals_the_loop_forward_and_backward(
+    monkeypatch, tokens
+):
+    monkeypatch.setattr(moe_module, "GATHER_MAX_PAIRS", 0)  # the grouped (sorted) path
+    cfg = ModelConfig(**{**BASE, "moe_intermediate_size": 8}, norm_topk_prob=True)
+    torch.manual_seed(0)
+    block = MoE(cfg, 0).train()
+    block.reset_parameters(0.5)
+    assert block.experts._aligned(torch.zeros(1))
+    x = torch.randn(tokens, cfg.hidden_size, requires_grad=True)
+    grad = torch.randn(tokens, cfg.hidden_size)
+    ref = reference_moe(block, x)
+    ref_grads = torch.autograd.grad((ref * grad).sum(), [x, *block.parameters()])
+    with monkeypatch.context() as m:
+        _no_host_reads(m)
+        out = block(x)
+        grads = torch.autograd.grad((out * grad).sum(), [x, *block.parameters()])
+        aux = block.stats.aux_loss  # statistics (bincount-free) are sync-free too
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    counts = torch.bincount(block.gate(x)[2].reshape(-1), minlength=cfg.num_experts)
+    assert block.stats.expert_counts.tolist() == counts.tolist()
+    assert aux.requires_grad
