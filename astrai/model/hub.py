@@ -22,11 +22,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from astrai.files import naming_full_disk, publish
-<<<<<<< HEAD
-from astrai.model import hf_deepseek, hf_moe, hf_olmo2, hf_phi3
-=======
-from astrai.model import hf_deepseek, hf_fp8, hf_moe
->>>>>>> h53-fp8
+from astrai.model import hf_deepseek, hf_fp8, hf_moe, hf_olmo2, hf_phi3
 from astrai.model.config import ConfigError, ModelConfig
 from astrai.model.directory import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME
 from astrai.model.hf_common import hf_base_fields
