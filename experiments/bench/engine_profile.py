@@ -112,7 +112,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    table = yaml.safe_load(open("conf/bench/engine_matrix.yaml"))["matrices"]["cpu"]
+    with open("conf/bench/engine_matrix.yaml") as f:
+        table = yaml.safe_load(f)["matrices"]["cpu"]
     rows = [r for r in table if not args.rows or r["id"] in args.rows]
     for row in rows:
         shares = profile_row(row, args.batch)
