@@ -64,7 +64,10 @@ class ReasoningItem(_Body):
 
 
 def _item_type(value: Any) -> str:
-    got = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    """The item's tag: a raw dict's `type` (none: an easy input message) or a parsed item's."""
+    if isinstance(value, MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem):
+        return value.type
+    got = value.get("type") if isinstance(value, dict) else None
     return "message" if got is None else str(got)
 
 
