@@ -20,7 +20,12 @@ from astrai.serve.errors import APIError, openai_error_body
 from astrai.serve.openai_builder import OpenAIResponseBuilder
 from astrai.serve.protocol import Choice, Prepared, RequestContext, ResponseBuilder, sse
 from astrai.serve.reasoning import ReasoningDelta, reasoning_tokens
-from astrai.serve.responses_request import ResponsesRequest, chat_request, input_messages
+from astrai.serve.responses_request import (
+    ResponsesRequest,
+    chat_request,
+    input_messages,
+    text_echo,
+)
 from astrai.serve.responses_store import ResponseStore, StoredResponse
 from astrai.serve.settings import ServeSettings
 from astrai.serve.tool_parsers import Event, TextDelta, ToolCall, argument_fragments
@@ -32,6 +37,8 @@ _RENAMED = {"messages": "input", "max_completion_tokens": "max_output_tokens"}
 
 def _renamed(err: APIError) -> APIError:
     param = _RENAMED.get(err.param or "")
+    if param is None and (err.param or "").startswith("response_format"):
+        param = "text.format"  # `text.format` travels as the chat API's `response_format`
     if param is None:
         return err
     message = err.message
@@ -142,6 +149,7 @@ class ResponsesBuilder(ResponseBuilder):
             "metadata": body.metadata or {},
             "store": body.store is not False,
             "user": body.user,
+            "text": text_echo(body),
         }
         return replace(
             prepared,
@@ -177,7 +185,6 @@ class ResponsesBuilder(ResponseBuilder):
             "error": None,
             "incomplete_details": incomplete,
             **ctx.prepared.options["echo"],
-            "text": {"format": {"type": "text"}},
             "truncation": "disabled",
             "usage": usage(ctx) if with_usage else None,
         }

@@ -96,6 +96,23 @@ class FunctionToolChoice(_Body):
     name: str
 
 
+class TextFormat(_Body):
+    """`text.format`: the chat API's `response_format`, flattened (`name`, `schema`, `strict`
+    sit beside `type`); the answer is constrained to it."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(_Body):
+    format: TextFormat | None = None
+
+
 class ResponsesRequest(_Body):
     model: str | None = "astrai"
     # Items are read by `input_items`: its errors name `input[i]` and one cause.
@@ -110,6 +127,7 @@ class ResponsesRequest(_Body):
     tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = "auto"
     parallel_tool_calls: bool | None = True
     stream: bool | None = False
+    text: TextConfig | None = None
     background: bool | None = False
     metadata: dict[str, str] | None = None
     user: str | None = None
@@ -199,9 +217,30 @@ def chat_request(body: ResponsesRequest, messages: list[dict[str, Any]]) -> Chat
             }
             for t in body.tools
         ]
+    text_format = body.text.format if body.text is not None else None
+    if text_format is not None and text_format.type != "text":
+        fields["response_format"] = response_format(text_format)
     choice = body.tool_choice
     if isinstance(choice, FunctionToolChoice):
         fields["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
     elif choice is not None:
         fields["tool_choice"] = choice
     return ChatCompletionRequest.model_validate(fields)
+
+
+def response_format(text_format: TextFormat) -> dict[str, Any]:
+    """`text.format` as the chat API's `response_format` (its checks and its 400s)."""
+    if text_format.type != "json_schema":
+        return {"type": text_format.type}
+    schema = text_format.model_dump(
+        include={"name", "description", "schema_", "strict"}, by_alias=True, exclude_none=True
+    )
+    return {"type": "json_schema", "json_schema": schema}
+
+
+def text_echo(body: ResponsesRequest) -> dict[str, Any]:
+    """The Response's `text` field: the format the answer followed (plain text by default)."""
+    text_format = body.text.format if body.text is not None else None
+    if text_format is None:
+        return {"format": {"type": "text"}}
+    return {"format": text_format.model_dump(by_alias=True, exclude_none=True)}

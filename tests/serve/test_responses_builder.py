@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
 import openai
 import pytest
 
@@ -194,6 +195,46 @@ def test_errors_name_the_field(oai, script):
     assert _bad(oai, input="hi", background=True).body["param"] == "background"
     choice = {"type": "function", "name": "nope"}
     assert _bad(oai, input="hi", tools=[WEATHER], tool_choice=choice).body["param"] == "tool_choice"
+
+
+POINT = {
+    "type": "object",
+    "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}, "ok": {"type": "boolean"}},
+    "required": ["x", "ok"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_text_format_json_schema_constrains_the_answer(oai, seed):
+    """The random model's own samples, constrained by `text.format`, always match it."""
+    fmt = {"type": "json_schema", "name": "point", "schema": POINT, "strict": True}
+    r = oai.responses.create(
+        model="astrai",
+        input="A point, please",
+        text={"format": fmt},
+        temperature=1.0,
+        max_output_tokens=64,
+        extra_body={"seed": seed},
+    )
+    jsonschema.validate(json.loads(r.output_text), POINT)
+    assert r.text.format.type == "json_schema" and r.text.format.name == "point"
+
+
+def test_text_format_json_object_and_its_400(oai):
+    r = oai.responses.create(
+        model="astrai",
+        input="Any object",
+        text={"format": {"type": "json_object"}},
+        max_output_tokens=300,
+        temperature=0.0,
+    )
+    assert r.status == "completed" and r.text.format.type == "json_object", r.output_text
+    assert isinstance(json.loads(r.output_text), dict)
+    plain = oai.responses.create(model="astrai", input="hi", max_output_tokens=4)
+    assert plain.text.format.type == "text"
+    bad = {"type": "json_schema", "name": "p", "schema": {"type": "no-such-type"}}
+    assert _bad(oai, input="hi", text={"format": bad}).body["param"] == "text.format"
 
 
 @pytest.fixture(scope="module")
