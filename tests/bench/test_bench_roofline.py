@@ -24,7 +24,17 @@ from astrai.inference import InferenceEngine
 from astrai.model import preset, preset_model
 from astrai.model.layers import Attention, Linear, mark_cache_resident
 
-MM = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm}
+MM = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten._grouped_mm}
+
+
+def _grouped_mm_flops(a_shape, b_shape, *args, **kwargs) -> int:
+    """torch's counter has no formula for `aten._grouped_mm` (the MoE's sorted path): a 2-D
+    `[rows, k]` by a 3-D `[experts, k, n]` split at row offsets is `2 * rows * k * n`."""
+    rows, k = a_shape
+    return 2 * rows * k * b_shape[-1]
+
+
+COUNTED = {torch.ops.aten._grouped_mm: _grouped_mm_flops}
 
 CONFIGS = {  # case: (preset, overrides)
     "tiny": ("tiny", {}),  # dense GQA (4 heads, 2 kv heads), tied head
@@ -55,7 +65,7 @@ def test_matmul_flops_match_torchs_counter_on_a_dense_forward(case, shape):
     model = _model(case)
     b, s = shape
     ids = torch.randint(0, model.config.vocab_size, shape)
-    with FlopCounterMode(display=False) as counter:
+    with FlopCounterMode(display=False, custom_mapping=COUNTED) as counter:
         model(ids)  # logits of every token: all b * s rows go through the lm_head
     counts = counter.get_flop_counts()["Global"]
     ours = step_flops(model.config, [s] * b, [s] * b, b * s)
@@ -63,7 +73,7 @@ def test_matmul_flops_match_torchs_counter_on_a_dense_forward(case, shape):
         # training decompresses the latent (kv_b_proj is one mm, as the absorbed products
         # are per token); its attention is SDPA's math path in bmm, not the latent attention
         assert counts[torch.ops.aten.mm] == ours["matmul"]
-    else:  # SDPA's fused CPU kernel is not counted; MoE's gathered experts are bmm
+    else:  # SDPA's fused CPU kernel is not counted; MoE experts: bmm or _grouped_mm
         assert sum(counts.get(op, 0) for op in MM) == ours["matmul"]
     assert ours["total"] == ours["matmul"] + ours["attention"]
 
@@ -101,7 +111,7 @@ def test_attention_flops_match_a_plain_torch_attention(q_lens, kv_lens):
     for q_len, kv_len in zip(q_lens, kv_lens):
         q = torch.randn(q_len, heads, d)
         k, v = torch.randn(kv_len, kv_heads, d), torch.randn(kv_len, kv_heads, d)
-        with FlopCounterMode(display=False) as counter:
+        with FlopCounterMode(display=False, custom_mapping=COUNTED) as counter:
             out = _plain_attention(q, k, v, kv_len)
         counted += counter.get_total_flops()
         # it is attention: causal SDPA over the same keys (the new tokens last)
@@ -125,7 +135,7 @@ def test_attention_flops_by_hand():
     mla = preset("tiny-mla")  # 4 heads, kv_lora_rank 32, rope 8
     assert attention_macs_per_key(mla) == 4 * (32 + 8) + 4 * 32
     q, lat = torch.randn(3, 4, 40), torch.randn(9, 1, 40)
-    with FlopCounterMode(display=False) as counter:
+    with FlopCounterMode(display=False, custom_mapping=COUNTED) as counter:
         _plain_attention(q, lat, lat[..., :32], 9)
     layers = mla.num_hidden_layers
     assert step_flops(mla, [3], [9], 1)["attention"] == counter.get_total_flops() * layers
