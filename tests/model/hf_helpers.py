@@ -10,6 +10,17 @@ from safetensors import safe_open
 
 from astrai.model import AutoModel, save_pretrained
 
+# A tiny HF config's sizes for the families' own tests (OLMo 2, Phi-3)
+SIZES = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    initializer_range=0.15,  # spread-out logits: greedy has no near-ties
+)
+
 
 def assert_export_round_trip(hf: torch.nn.Module, tmp_path: Path, x: torch.Tensor) -> None:
     """`hf` saved by transformers, imported by us, exported in HF format: the export has the

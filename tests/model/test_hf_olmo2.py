@@ -5,21 +5,16 @@ engine's greedy tokens against transformers' `generate`, a LoRA training, and re
 import pytest
 import torch
 import transformers
-from hf_helpers import assert_engine_greedy_equals_hf, assert_export_round_trip, assert_lora_trains
+from hf_helpers import (
+    SIZES,
+    assert_engine_greedy_equals_hf,
+    assert_export_round_trip,
+    assert_lora_trains,
+)
 
 from astrai.model import ConfigError, ModelConfig, Transformer, save_pretrained
 from astrai.model.layers import ProjectionRMSNorm
 from astrai.model.transformer import PostNormBlock
-
-SIZES = dict(
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    initializer_range=0.15,  # spread-out logits: greedy has no near-ties
-)
 
 
 def build_hf(vocab: int = 320, **extra) -> transformers.Olmo2ForCausalLM:

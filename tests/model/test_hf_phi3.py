@@ -8,20 +8,16 @@ import json
 import pytest
 import torch
 import transformers
-from hf_helpers import assert_engine_greedy_equals_hf, assert_export_round_trip, assert_lora_trains
+from hf_helpers import (
+    SIZES,
+    assert_engine_greedy_equals_hf,
+    assert_export_round_trip,
+    assert_lora_trains,
+)
 
 from astrai.model import AutoModel, ConfigError, ModelConfig, Transformer, save_pretrained
 from astrai.model.layers import PartialRotary
 
-SIZES = dict(
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    initializer_range=0.15,  # spread-out logits: greedy has no near-ties
-)
 PARTIAL = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
 CASES = {"phi3": {}, "phi4-mini": dict(rope_parameters=PARTIAL, tie_word_embeddings=True)}
 
