@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,3 +34,25 @@ def wait_idle(engine, timeout: float = 30.0) -> None:
             return
         assert time.monotonic() < deadline, f"engine not idle after {timeout} s: {s}"
         time.sleep(0.005)
+
+
+@contextlib.contextmanager
+def served_engine_like(engine, **options: Any) -> Iterator[tuple[Any, str]]:
+    """A server over a second engine on `engine`'s model and tokenizer (4 rows, contiguous
+    cache, its context) with `options` on top: `(engine, url)`, shut down after."""
+    from astrai.inference import InferenceEngine
+    from astrai.serve import ServerThread, ServeSettings, create_app
+
+    eng = InferenceEngine(
+        engine.model,
+        engine.tokenizer,
+        max_batch_size=4,
+        max_seq_len=engine.max_seq_len,
+        cache_mode="contiguous",
+        **options,
+    )
+    try:
+        with ServerThread(create_app(eng, ServeSettings())) as srv:
+            yield eng, srv.url
+    finally:
+        eng.shutdown()

@@ -8,9 +8,10 @@ import anthropic
 import httpx
 import openai
 import pytest
+from serve_helpers import served_engine_like
 
 from astrai.inference import InferenceEngine, RequestRejected, SamplingParams
-from astrai.serve import ProtocolHandler, ServerThread, ServeSettings, create_app
+from astrai.serve import ProtocolHandler, ServeSettings
 
 CAP = 24
 WORD = "self "  # one token of the test tokenizer
@@ -19,17 +20,8 @@ WORD = "self "  # one token of the test tokenizer
 @pytest.fixture(scope="module")
 def capped(engine):
     """A server whose engine caps prompts at CAP tokens; the server itself is told nothing."""
-    eng = InferenceEngine(
-        engine.model,
-        engine.tokenizer,
-        max_batch_size=4,
-        max_seq_len=engine.max_seq_len,
-        cache_mode="contiguous",
-        max_prompt_tokens=CAP,
-    )
-    with ServerThread(create_app(eng, ServeSettings())) as srv:
-        yield eng, srv.url
-    eng.shutdown()
+    with served_engine_like(engine, max_prompt_tokens=CAP) as served:
+        yield served
 
 
 def engine_reason(eng: InferenceEngine, ids: list[int]) -> str:

@@ -8,9 +8,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-
-from astrai.inference import InferenceEngine
-from astrai.serve import ServerThread, ServeSettings, create_app
+from serve_helpers import served_engine_like
 
 CHAT = dict(messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0)
 
@@ -18,17 +16,8 @@ CHAT = dict(messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperat
 @pytest.fixture(scope="module")
 def prioritized(engine):
     """A server whose engine schedules by priority."""
-    eng = InferenceEngine(
-        engine.model,
-        engine.tokenizer,
-        max_batch_size=4,
-        max_seq_len=engine.max_seq_len,
-        cache_mode="contiguous",
-        scheduling_policy="priority",
-    )
-    with ServerThread(create_app(eng, ServeSettings())) as srv:
-        yield srv.url
-    eng.shutdown()
+    with served_engine_like(engine, scheduling_policy="priority") as (_, url):
+        yield url
 
 
 @pytest.mark.parametrize("value", [2, -1, "high", 1.5])
