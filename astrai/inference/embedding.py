@@ -14,6 +14,8 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from astrai.inference.params import check_choice
+
 if TYPE_CHECKING:
     import torch
 
@@ -46,12 +48,8 @@ class Embedder:
     requests never pause and resume the loop across each other)."""
 
     def __init__(self, engine: InferenceEngine, pooling_type: str) -> None:
-        if pooling_type not in POOLING_TYPES:
-            raise ValueError(
-                f"pooling_type must be one of {', '.join(POOLING_TYPES)}; got {pooling_type!r}"
-            )
         self.engine = engine
-        self.pooling_type = pooling_type
+        self.pooling_type = check_choice("pooling_type", pooling_type, POOLING_TYPES)
         self._lock = threading.Lock()
 
     def embed(self, prompts: Sequence[Sequence[int]]) -> list[torch.Tensor]:
