@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from astrai.inference.params import SamplingParams
-from astrai.inference.priority import first_waiting
+from astrai.inference.priority import SchedulingPolicy
 from astrai.inference.processors import describe
 from astrai.inference.task import Rejection, Task, TaskState
 
@@ -109,7 +109,7 @@ class Admission:
     max_batch_size: int
     max_seq_len: int
     batch_invariant: bool
-    scheduling_policy: str
+    scheduling: SchedulingPolicy
     total_prompt_tokens: int
     total_cached_tokens: int
     _waiting: deque[Task]
@@ -215,4 +215,4 @@ class Admission:
         do not hold up the others."""
         slots = self.adapter_slots
         ready = (t for t in self._waiting if t.adapter is None or slots.available(t.adapter))
-        return first_waiting(ready, self.scheduling_policy)
+        return self.scheduling.first_waiting(ready)

@@ -54,7 +54,7 @@ from astrai.inference.groups import HeldFollowers
 from astrai.inference.logprobs import TopLogprobs
 from astrai.inference.metrics import EngineMetrics
 from astrai.inference.params import SamplingParams, check_max_prompt_tokens
-from astrai.inference.priority import check_priority, check_scheduling_policy, preemption_victim
+from astrai.inference.priority import scheduling_policy as policy_named
 from astrai.inference.processors import describe
 from astrai.inference.speculative import SpecCounters, next_budget
 from astrai.inference.step_output import StepOutput
@@ -130,7 +130,7 @@ class InferenceScheduler(Admission):
         # Prefill chunks fixed by the prompt alone (`astrai.inference.batch_invariance`).
         self.batch_invariant = batch_invariant
         # Admission order and preemption victims (`astrai.inference.priority`).
-        self.scheduling_policy = check_scheduling_policy(scheduling_policy)
+        self.scheduling = policy_named(scheduling_policy)
         # Set by `fail_all` (the loop crashed): every new request is rejected with it.
         self.failure: str | None = None
         # Set whenever there is new work (a submission, a cancellation) for an idle loop.
@@ -174,7 +174,7 @@ class InferenceScheduler(Admission):
 
     def check_priority(self, priority: int) -> None:
         """A non-zero `priority` needs the "priority" policy: a ValueError naming it."""
-        check_priority(priority, self.scheduling_policy)
+        self.scheduling.check(priority)
 
     def submit(self, task: Task) -> Task:
         """Queue a checked task (`InferenceEngine.check_request`); rejected if the loop has
@@ -481,7 +481,7 @@ class InferenceScheduler(Admission):
                         f"({self.pool.capacity_tokens} tokens)",
                     )
                     break
-                victim = preemption_victim(self._running, self.scheduling_policy)
+                victim = self.scheduling.victim(self._running)
                 before = self._running.index(victim) < i - 1  # already backed: keep our place
                 self._preempt(victim)
                 if victim is t:
