@@ -128,36 +128,38 @@ def config_from_hf(data: dict[str, Any], *, source: str = CONFIG_NAME) -> ModelC
     return ModelConfig.from_dict({k: v for k, v in fields.items() if v is not None}, source=source)
 
 
-_WINDOW_TYPES = ("mistral", "qwen2", "qwen3")  # MoE families still attend fully
+# Where a checkpoint's `sliding_window` applies, as each transformers model reads it: on every
+# layer (Mistral, Mixtral; Qwen3-MoE once `use_sliding_window`), or on the layers its
+# `layer_types` names (Qwen2/Qwen3, Qwen2-MoE; derived from `max_window_layers` when absent).
+_EVERY_LAYER_WINDOW = ("mistral", "mixtral", "qwen3_moe")
 
 
 def _window_from_hf(data: dict[str, Any], model_type: str, source: str) -> dict[str, Any]:
-    """`sliding_window` / `layer_types` as transformers reads them: Mistral's window covers
-    every layer; Qwen's needs `use_sliding_window`, and then layers from `max_window_layers`
-    on are local unless `layer_types` lists them."""
+    """`sliding_window` / `layer_types` as transformers reads them: Mistral's and Mixtral's
+    window covers every layer; the Qwen families need `use_sliding_window`, and then Qwen3-MoE
+    windows every layer, while Qwen2/Qwen3 window the layers from `max_window_layers` on and
+    Qwen2-MoE the even layers below it, unless `layer_types` lists them."""
     window = data.get("sliding_window")
     if not window or not (model_type in ("mistral", "mixtral") or data.get("use_sliding_window")):
         return {}
-    if model_type not in _WINDOW_TYPES:
-        logger.warning(
-            "%s: sliding_window=%s is ignored for %s; long sequences attend fully",
-            source,
-            window,
-            model_type,
-        )
-        return {}
-    if model_type == "mistral":
+    if model_type in _EVERY_LAYER_WINDOW:
         return {"sliding_window": window}
     types = data.get("layer_types")
     if types is None:
-        start = data.get("max_window_layers", 28)
-        types = [
-            "sliding_attention" if i >= start else "full_attention"
-            for i in range(data["num_hidden_layers"])
-        ]
+        types = _qwen_layer_types(model_type, data["num_hidden_layers"], data)
     if "sliding_attention" not in types:
         return {}
     return {"sliding_window": window, "layer_types": list(types)}
+
+
+def _qwen_layer_types(model_type: str, layers: int, data: dict[str, Any]) -> list[str]:
+    """transformers' default `layer_types` of a Qwen config with `use_sliding_window`."""
+    start = data.get("max_window_layers", 28)
+    if model_type == "qwen2_moe":  # Qwen2MoeConfig: even layers below max_window_layers
+        local = [i % 2 == 0 and i < start for i in range(layers)]
+    else:
+        local = [i >= start for i in range(layers)]
+    return ["sliding_attention" if x else "full_attention" for x in local]
 
 
 _HF_REQUIRED = (
@@ -182,10 +184,8 @@ def hf_model_type(config: ModelConfig) -> str:
     phi3 = hf_phi3.hf_phi3_model_type(config)
     if phi3 is not None:
         return phi3
-    if config.num_experts and config.sliding_window is not None:
-        raise ConfigError("ModelConfig.sliding_window: HF export of MoE models drops it")
     if config.num_experts:
-        return hf_moe.hf_moe_model_type(config)
+        return _moe_window_checked(hf_moe.hf_moe_model_type(config), config)
     plain = not (config.qk_norm or config.attention_bias or config.o_proj_bias)
     if config.sliding_window is not None:
         return _windowed_model_type(config, plain)
@@ -200,6 +200,18 @@ def hf_model_type(config: ModelConfig) -> str:
     if config.attention_bias != config.o_proj_bias:
         raise ConfigError("o_proj_bias without attention_bias has no HF equivalent")
     return "llama"
+
+
+def _moe_window_checked(model_type: str, config: ModelConfig) -> str:
+    """`model_type` when its config can hold `config`'s window: Qwen2-MoE any `layer_types`,
+    Mixtral and Qwen3-MoE only one window on every layer."""
+    every = config.layer_types is None or set(config.layer_types) == {"sliding_attention"}
+    if config.sliding_window is None or every or model_type == "qwen2_moe":
+        return model_type
+    raise ConfigError(
+        f"ModelConfig.layer_types: {model_type} holds one window on every layer; this model "
+        "windows only some (Qwen2-MoE, with shared experts, holds per-layer windows)"
+    )
 
 
 def _windowed_model_type(config: ModelConfig, plain: bool) -> str:
@@ -232,8 +244,8 @@ def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dic
     if model_type in ("qwen2", "qwen3"):
         data["use_sliding_window"] = False
         data["sliding_window"] = None
-    data.update(_window_to_hf(config, model_type))
     data.update(hf_moe.config_to_hf_fields(config, model_type))
+    data.update(_window_to_hf(config, model_type))  # after the MoE fields, which clear it
     data.update(hf_olmo2.config_to_hf_fields(config, model_type))
     data.update(hf_phi3.config_to_hf_fields(config, model_type))
     return data
@@ -241,18 +253,23 @@ def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dic
 
 def _window_to_hf(config: ModelConfig, model_type: str) -> dict[str, Any]:
     """The window fields transformers reads back as `config` (see `_window_from_hf`)."""
-    if model_type == "mistral":
+    if model_type in ("mistral", "mixtral"):
         return {"sliding_window": config.sliding_window}
-    if config.sliding_window is None or model_type not in ("qwen2", "qwen3"):
+    if config.sliding_window is None or model_type not in ("qwen2", "qwen3", *_QWEN_MOE):
         return {}
+    if model_type == "qwen3_moe":
+        return {"use_sliding_window": True, "sliding_window": config.sliding_window}
     types = config.layer_types or ["sliding_attention"] * config.num_hidden_layers
     first = types.index("sliding_attention")
     return {
         "use_sliding_window": True,
         "sliding_window": config.sliding_window,
-        "max_window_layers": first,
+        "max_window_layers": first if model_type != "qwen2_moe" else config.num_hidden_layers,
         "layer_types": list(types),
     }
+
+
+_QWEN_MOE = ("qwen2_moe", "qwen3_moe")
 
 
 def read_config(path: str | os.PathLike) -> ModelConfig:

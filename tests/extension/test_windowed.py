@@ -31,6 +31,10 @@ FAMILIES = {
         transformers.Qwen2Config,
         dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
     ),
+    "mixtral": (  # a MoE family: its window covers every layer
+        transformers.MixtralConfig,
+        dict(sliding_window=WINDOW, head_dim=16, num_local_experts=4, num_experts_per_tok=2),
+    ),
 }
 BACKENDS = [
     "torch_native",

@@ -8,7 +8,14 @@ import torch
 import transformers
 from hf_helpers import assert_export_round_trip
 
-from astrai.model import AutoModel, ConfigError, Transformer, preset, save_pretrained
+from astrai.model import (
+    AutoModel,
+    ConfigError,
+    ModelConfig,
+    Transformer,
+    preset,
+    save_pretrained,
+)
 from astrai.model.hub import config_to_hf
 
 VOCAB = 256
@@ -56,6 +63,14 @@ CASES = {
         ),
     ),
 }
+# Sliding windows shorter than the 40-token test sequences, as each family's transformers model
+# reads them: Mixtral's and Qwen3-MoE's on every layer, Qwen2-MoE's on the even layers below
+# `max_window_layers`.
+WINDOWS = {
+    "mixtral": dict(sliding_window=8),
+    "qwen2_moe": dict(use_sliding_window=True, sliding_window=8, max_window_layers=3),
+    "qwen3_moe": dict(use_sliding_window=True, sliding_window=5),
+}
 
 
 def spread_router(model: torch.nn.Module) -> None:
@@ -66,9 +81,9 @@ def spread_router(model: torch.nn.Module) -> None:
                 p.normal_(0.0, 1.0)
 
 
-def build_hf(case: str):
+def build_hf(case: str, **overrides):
     config_cls, model_cls, extra = CASES[case]
-    config = config_cls(**{**BASE, **extra})
+    config = config_cls(**{**BASE, **extra, **overrides})
     torch.manual_seed(0)
     model = model_cls(config).eval()
     with torch.no_grad():
@@ -113,6 +128,42 @@ def test_hf_moe_directory_loads_with_equal_logits(case, tmp_path):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_moe_export_loads_in_transformers_with_equal_logits(case, tmp_path):
     assert_export_round_trip(build_hf(case), tmp_path, ids())
+
+
+@pytest.mark.parametrize("case", sorted(WINDOWS))
+def test_moe_sliding_window_loads_and_exports_with_equal_logits(case, tmp_path):
+    hf = build_hf(case, **WINDOWS[case])
+    hf.save_pretrained(tmp_path / "hf")
+    ours = AutoModel.from_pretrained(tmp_path / "hf")
+    cfg = ours.config
+    assert cfg.sliding_window == WINDOWS[case]["sliding_window"]
+    windowed = [cfg.layer_window(i) is not None for i in range(cfg.num_hidden_layers)]
+    assert windowed == ([True, False, True] if case == "qwen2_moe" else [True] * 3)
+    x = ids()  # 40 tokens: past every window
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), hf(x).logits, atol=1e-5, rtol=0)
+    assert_export_round_trip(hf, tmp_path / "rt", x)
+    save_pretrained(ours, tmp_path / "out", hf_format=True)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert back.config.model_type == case
+    with torch.no_grad():
+        torch.testing.assert_close(back(x).logits, ours(x), atol=1e-5, rtol=0)
+
+
+def test_moe_export_refuses_windows_its_family_cannot_hold():
+    """Without shared experts or q/k norm the model exports as Mixtral, whose one
+    `sliding_window` covers every layer: a window on some layers only is refused."""
+    fields = preset("tiny-moe").to_dict() | dict(
+        num_shared_experts=0, shared_expert_gate=False, norm_topk_prob=True, mlp_only_layers=[]
+    )
+    mixtral = ModelConfig.from_dict(fields | dict(sliding_window=4))
+    assert config_to_hf(mixtral)["model_type"] == "mixtral"
+    assert config_to_hf(mixtral)["sliding_window"] == 4
+    some = ModelConfig.from_dict(
+        fields | dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"])
+    )
+    with pytest.raises(ConfigError, match="layer_types: mixtral holds one window"):
+        config_to_hf(some)
 
 
 def test_fresh_tiny_moe_exports_as_qwen2_moe(tmp_path):
