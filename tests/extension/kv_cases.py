@@ -91,9 +91,16 @@ def make_case(
     return Case(cache, q, k, v, slots, [p for p, _ in reqs])
 
 
-def reference(case: Case, k_before: torch.Tensor, v_before: torch.Tensor, scale: float):
+def reference(
+    case: Case,
+    k_before: torch.Tensor,
+    v_before: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+):
     """Dense per-request causal attention in float64 from the cache contents before the call
-    (the cached prefix) plus this step's k/v, GQA by repeat_interleave."""
+    (the cached prefix) plus this step's k/v, GQA by repeat_interleave; with `window`, a
+    query at position p sees keys p - window < t <= p (transformers' sliding window)."""
     outs, start = [], 0
     n_heads, n_kv = case.q.shape[1], case.k.shape[1]
     for slots, prefix in zip(case.slots, case.prefix_lens):
@@ -106,6 +113,8 @@ def reference(case: Case, k_before: torch.Tensor, v_before: torch.Tensor, scale:
         scores = torch.einsum("nhd,lhd->hnl", q, keys) * scale
         pos_q = prefix + torch.arange(n)[:, None]
         visible = torch.arange(len(slots))[None, :] <= pos_q
+        if window is not None:
+            visible &= torch.arange(len(slots))[None, :] > pos_q - window
         scores = scores.masked_fill(~visible, float("-inf"))
         outs.append(torch.einsum("hnl,lhd->nhd", scores.softmax(-1), vals))
         start += n

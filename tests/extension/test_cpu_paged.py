@@ -23,10 +23,11 @@ needs_kernel = pytest.mark.skipif(
 )
 
 
-def run(case, scale, backend):
+def run(case, scale, backend, window=None):
     k_before, v_before = case.cache.k_buffer.clone(), case.cache.v_buffer.clone()
-    out = backend.forward(case.q, case.k, case.v, case.cache, LAYER, scale)
-    return out, reference(case, k_before, v_before, scale)
+    extra = () if window is None else (window,)
+    out = backend.forward(case.q, case.k, case.v, case.cache, LAYER, scale, *extra)
+    return out, reference(case, k_before, v_before, scale, window)
 
 
 @needs_kernel
@@ -48,6 +49,29 @@ def test_matches_reference(layout, group, head_dim, reqs):
     )
     out, ref = run(case, head_dim**-0.5, CpuPagedBackend())
     assert out.shape == case.q.shape and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("layout", ["paged", "contiguous", "head_major"])
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+@pytest.mark.parametrize("window", [1, 3, 8])
+@pytest.mark.parametrize(
+    "reqs", [MIXED, DECODE, SPECULATIVE, LONG], ids=["mixed", "decode", "spec", "long"]
+)
+def test_sliding_window_matches_reference(layout, head_dim, window, reqs):
+    """A windowed layer: each query sees only its window's keys (the long chunks go to SDPA
+    over the window's rows), GQA groups of 3."""
+    case = make_case(
+        reqs,
+        n_heads=6,
+        n_kv_heads=2,
+        head_dim=head_dim,
+        seed=window + head_dim,
+        contiguous=layout == "contiguous",
+        head_major=layout == "head_major",
+    )
+    out, ref = run(case, head_dim**-0.5, CpuPagedBackend(), window)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
@@ -148,3 +172,12 @@ def test_int8_cache_matches_reference_on_dequantized_values(layout, reqs):
     loc = case.cache.out_cache_loc
     stored = case.cache.k_buffer[LAYER, loc].float() * case.cache.k_scale[LAYER, loc][..., None]
     torch.testing.assert_close(stored, case.k, atol=1e-6, rtol=1e-6)
+
+
+@needs_kernel
+@pytest.mark.parametrize("reqs", [MIXED, DECODE, LONG], ids=["mixed", "decode", "long"])
+def test_int8_cache_with_a_sliding_window(reqs):
+    case, deq_k, deq_v = _int8_case(reqs, "paged", seed=5)
+    out = CpuPagedBackend().forward(case.q, case.k, case.v, case.cache, LAYER, 0.125, 4)
+    ref = reference(case, deq_k, deq_v, 0.125, window=4)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)

@@ -8,7 +8,9 @@ padded, and each key row is loaded once for all query heads of its GQA group. Lo
 rows (more than `EXTEND_MAX_Q` new tokens over a cached prefix, or a fresh prompt of more
 than `FRESH_MAX_Q`) still go to SDPA's blocked kernel, which turns them into matrix products. Served on the CPU in fp32 with an fp32 or
 int8 cache, when the kernel is built (`make setup`) and not turned off (`ASTR_CPU_KERNELS=0`);
-auto selection otherwise falls through to torch_native.
+auto selection otherwise falls through to torch_native. A sliding-window layer passes its
+`window`: the kernel reads only each query's window, and long extend rows take SDPA over the
+window's rows (`windowed.window_span`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 
 from astrai.extension.backend.base import AttentionBackend, shape_mismatch, write_kv
 from astrai.extension.backend.torch_native import sdpa_request
+from astrai.extension.backend.windowed import window_span
 from astrai.extension.cpu_kernels import paged_attention_op
 from astrai.extension.invariance import batch_invariant_enabled
 from astrai.extension.kv_cache import KVCache
@@ -98,7 +101,9 @@ class CpuPagedBackend(AttentionBackend):
         kv_cache: KVCache,
         layer_id: int,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
+        """As every backend's, plus `window`: a sliding-window layer's window (None: full)."""
         write_kv(k, v, kv_cache, layer_id)
         if q.shape[0] == 0:
             return torch.empty_like(q)
@@ -122,8 +127,13 @@ class CpuPagedBackend(AttentionBackend):
             plan.q_lens,
             plan.kv_lens,
             scale,
+            window or 0,
         )
         for span in plan.sdpa_spans:
             _, start, q_len, _ = span
-            out[start : start + q_len] = sdpa_request(q, k, v, kv_cache, layer_id, scale, span)
+            out[start : start + q_len] = (
+                sdpa_request(q, k, v, kv_cache, layer_id, scale, span)
+                if window is None
+                else window_span(q, kv_cache, layer_id, scale, window, span)
+            )
         return out

@@ -163,9 +163,10 @@ def attention(
 
     q: `[num_tokens, n_heads, head_dim]`; k, v: `[num_tokens, n_kv_heads, head_dim]` (RoPE
     applied); returns `[num_tokens, n_heads, head_dim]`. `scale` defaults to head_dim**-0.5.
-    `window`: a sliding-window layer's window; once a request's keys outgrow it, the call
-    goes to `windowed_attention` (SDPA over the window's rows), which the triton and flash
-    backends do not implement: selected explicitly, they refuse it.
+    `window`: a sliding-window layer's window; once a request's keys outgrow it, the compiled
+    CPU kernel takes it as an argument, and any other call goes to `windowed_attention` (SDPA
+    over the window's rows); the triton and flash backends have no windowed kernel: selected
+    explicitly, they refuse it.
     """
     if scale is None:
         scale = q.shape[-1] ** -0.5
@@ -178,5 +179,7 @@ def attention(
                 f"has no sliding-window attention (sliding_window={window}); select "
                 "torch_native or cpu, or leave the choice to auto selection"
             )
+        if isinstance(backend, CpuPagedBackend):
+            return backend.forward(q, k, v, kv_cache, layer_id, scale, window)
         return windowed_attention(q, k, v, kv_cache, layer_id, scale, window)
     return backend.forward(q, k, v, kv_cache, layer_id, scale)

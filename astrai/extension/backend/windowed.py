@@ -5,8 +5,9 @@ meaning). Each request reads only the cache rows of its window, ``[kv_len - q_le
 + 1, kv_len)``: pages before it are never read (they stay allocated; see
 docs/inference.md, "Sliding-window models"). One SDPA call per request, on any device and
 floating dtype, with an int8 cache dequantized. `selection.attention` sends a windowed
-layer here once some request's keys outgrow the window; until then the window changes
-nothing and the usual backend serves.
+layer here once some request's keys outgrow the window (unless the compiled CPU kernel,
+which takes the window itself, serves the call); until then the window changes nothing and
+the usual backend serves.
 """
 
 from __future__ import annotations
@@ -53,23 +54,38 @@ def windowed_attention(
     """Write this step's K/V, then attend each request over its window only."""
     write_kv(k, v, kv_cache, layer_id)
     out = torch.empty_like(q)
-    n_kv_heads = kv_cache.k_buffer.shape[-2]
-    for i, start, q_len, kv_len in kv_cache.request_spans():
-        first = max(0, kv_len - q_len - window + 1)
-        keys = window_rows(kv_cache, kv_cache.k_buffer[layer_id], i, first, kv_len)
-        values = window_rows(kv_cache, kv_cache.v_buffer[layer_id], i, first, kv_len)
-        if kv_cache.k_scale is not None and kv_cache.v_scale is not None:  # int8: dequantize
-            k_scale = window_rows(kv_cache, kv_cache.k_scale[layer_id], i, first, kv_len)
-            v_scale = window_rows(kv_cache, kv_cache.v_scale[layer_id], i, first, kv_len)
-            keys, values = keys.float() * k_scale[..., None], values.float() * v_scale[..., None]
-        mask = window_keys_mask(q_len, kv_len, first, window, q.device)
-        o = F.scaled_dot_product_attention(
-            q[start : start + q_len].transpose(0, 1)[None],
-            keys.to(q.dtype).transpose(0, 1)[None],
-            values.to(q.dtype).transpose(0, 1)[None],
-            attn_mask=mask,
-            scale=scale,
-            enable_gqa=q.shape[1] != n_kv_heads,
-        )
-        out[start : start + q_len] = o[0].transpose(0, 1)
+    for span in kv_cache.request_spans():
+        _, start, q_len, _ = span
+        out[start : start + q_len] = window_span(q, kv_cache, layer_id, scale, window, span)
     return out
+
+
+def window_span(
+    q: torch.Tensor,
+    kv_cache: KVCache,
+    layer_id: int,
+    scale: float,
+    window: int,
+    span: tuple[int, int, int, int],
+) -> torch.Tensor:
+    """`[q_len, heads, head_dim]` attention of one request span `(request, start, q_len,
+    kv_len)` over its window's cache rows (K/V already written)."""
+    i, start, q_len, kv_len = span
+    n_kv_heads = kv_cache.k_buffer.shape[-2]
+    first = max(0, kv_len - q_len - window + 1)
+    keys = window_rows(kv_cache, kv_cache.k_buffer[layer_id], i, first, kv_len)
+    values = window_rows(kv_cache, kv_cache.v_buffer[layer_id], i, first, kv_len)
+    if kv_cache.k_scale is not None and kv_cache.v_scale is not None:  # int8: dequantize
+        k_scale = window_rows(kv_cache, kv_cache.k_scale[layer_id], i, first, kv_len)
+        v_scale = window_rows(kv_cache, kv_cache.v_scale[layer_id], i, first, kv_len)
+        keys, values = keys.float() * k_scale[..., None], values.float() * v_scale[..., None]
+    mask = window_keys_mask(q_len, kv_len, first, window, q.device)
+    o = F.scaled_dot_product_attention(
+        q[start : start + q_len].transpose(0, 1)[None],
+        keys.to(q.dtype).transpose(0, 1)[None],
+        values.to(q.dtype).transpose(0, 1)[None],
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=q.shape[1] != n_kv_heads,
+    )
+    return o[0].transpose(0, 1)

@@ -6,7 +6,9 @@
 // GQA group (all query heads of a KV head and all query tokens of a request share each load),
 // and runs the (request, KV head) items of a step in parallel on torch's own OpenMP team.
 // Scores use a two-pass softmax in fp32 (exp of the score minus the row's max, divided by the
-// sum), as SDPA's math; an int8 cache carries one fp32 scale per (slot, KV head).
+// sum), as SDPA's math; an int8 cache carries one fp32 scale per (slot, KV head). A
+// sliding-window layer (`window` > 0) reads only each query's window: keys
+// `pos - window < t <= pos`, transformers' meaning; the rows before it are never loaded.
 //
 // Registered as torch.ops.astrai_cpu.paged_attention; astrai/extension/cpu_kernels.py builds
 // and loads it (`make setup`), and astrai/extension/backend/cpu_paged.py calls it.
@@ -83,22 +85,28 @@ struct Layout {
   const int32_t* table;  // else: req_to_token, `table_cols` entries per row
   int64_t table_cols;
   float scale;
+  int64_t window;  // > 0: a query at position p sees keys p - window < t <= p; 0: all t <= p
 };
+
+// The first key a query at position `pos` sees.
+inline int64_t first_key(const Layout& lay, int64_t pos) {
+  return lay.window > 0 ? std::max<int64_t>(0, pos - lay.window + 1) : 0;
+}
 
 inline int64_t slot_of(const Layout& lay, int64_t row, int64_t pos) {
   return lay.row_stride > 0 ? row * lay.row_stride + pos : lay.table[row * lay.table_cols + pos];
 }
 
-// out = sum over t < seen of p[t] * V[t] (an int8 row times its scale), `NC` 8-lane chunks
-// of the head held in registers for the whole sum.
+// out = sum over lo <= t < seen of p[t - lo] * V[t] (an int8 row times its scale), `NC`
+// 8-lane chunks of the head held in registers for the whole sum.
 template <typename KV, int NC>
-void weighted_sum(const Layout& lay, const float* p, int64_t seen, int64_t row, int64_t kv_head,
-                  const KV* v_buf, const float* v_scale, float* out) {
+void weighted_sum(const Layout& lay, const float* p, int64_t lo, int64_t seen, int64_t row,
+                  int64_t kv_head, const KV* v_buf, const float* v_scale, float* out) {
   v8f acc[NC] = {};
-  for (int64_t t = 0; t < seen; ++t) {
+  for (int64_t t = lo; t < seen; ++t) {
     const int64_t slot = slot_of(lay, row, t);
     const KV* vp = v_buf + slot * lay.slot_stride + kv_head * lay.head_stride;
-    float w = p[t];
+    float w = p[t - lo];
     if constexpr (std::is_same_v<KV, int8_t>) w *= v_scale[slot * lay.n_kv_heads + kv_head];
     for (int c = 0; c < NC; ++c) acc[c] += w * load8(vp + 8 * c);
   }
@@ -107,15 +115,15 @@ void weighted_sum(const Layout& lay, const float* p, int64_t seen, int64_t row, 
 
 // The same for any head_dim, through a scratch row.
 template <typename KV>
-void weighted_sum_any(const Layout& lay, const float* p, int64_t seen, int64_t row,
+void weighted_sum_any(const Layout& lay, const float* p, int64_t lo, int64_t seen, int64_t row,
                       int64_t kv_head, const KV* v_buf, const float* v_scale, float* scratch,
                       float* out) {
   const int64_t D = lay.head_dim;
   std::fill(scratch, scratch + D, 0.f);
-  for (int64_t t = 0; t < seen; ++t) {
+  for (int64_t t = lo; t < seen; ++t) {
     const int64_t slot = slot_of(lay, row, t);
     const KV* vp = v_buf + slot * lay.slot_stride + kv_head * lay.head_stride;
-    float w = p[t];
+    float w = p[t - lo];
     if constexpr (std::is_same_v<KV, int8_t>) w *= v_scale[slot * lay.n_kv_heads + kv_head];
 #pragma omp simd
     for (int64_t d = 0; d < D; ++d) scratch[d] += w * static_cast<float>(vp[d]);
@@ -131,50 +139,56 @@ void attend_item(const Layout& lay, const float* q, const KV* k_buf, const KV* v
                  std::vector<float>& scores, std::vector<float>& acc) {
   const int64_t D = lay.head_dim, G = lay.group, H = lay.n_heads;
   const int64_t n_rows = q_len * G;  // query rows of this item: token-major, head-minor
-  scores.assign(n_rows * kv_len, 0.f);
-  acc.resize(D);
   const int64_t first_pos = kv_len - q_len;  // query j sits at first_pos + j
-  // Pass 1: scores, each key row read once for every query row of the item.
-  for (int64_t t = 0; t < kv_len; ++t) {
+  const int64_t base = first_key(lay, first_pos);  // no query of the item sees a key before it
+  const int64_t cols = kv_len - base;              // score columns: keys base .. kv_len - 1
+  scores.assign(n_rows * cols, 0.f);
+  acc.resize(D);
+  // Pass 1: scores, each key row read once for every query row of the item that sees it.
+  for (int64_t t = base; t < kv_len; ++t) {
     const int64_t slot = slot_of(lay, row, t);
     const KV* kp = k_buf + slot * lay.slot_stride + kv_head * lay.head_stride;
     float ks = lay.scale;
     if constexpr (std::is_same_v<KV, int8_t>) ks *= k_scale[slot * lay.n_kv_heads + kv_head];
     const int64_t j0 = std::max<int64_t>(0, t - first_pos);  // queries that see key t
-    for (int64_t j = j0; j < q_len; ++j) {
+    // ... up to the last query whose window still holds it
+    const int64_t j1 = lay.window > 0 ? std::min<int64_t>(q_len, t - first_pos + lay.window) : q_len;
+    for (int64_t j = j0; j < j1; ++j) {
       const float* qrow = q + (q_start + j) * H * D + kv_head * G * D;
-      float* srow = scores.data() + (j * G) * kv_len + t;
+      float* srow = scores.data() + (j * G) * cols + (t - base);
       for (int64_t g = 0; g < G; ++g) {
-        srow[g * kv_len] = dot<KV>(qrow + g * D, kp, D) * ks;
+        srow[g * cols] = dot<KV>(qrow + g * D, kp, D) * ks;
       }
     }
   }
-  // Pass 2: softmax per query row over the keys it sees.
+  // Pass 2: softmax per query row over the keys it sees (columns lo - base .. seen - base).
   for (int64_t j = 0; j < q_len; ++j) {
-    const int64_t seen = first_pos + j + 1;
+    const int64_t lo = first_key(lay, first_pos + j) - base, seen = first_pos + j + 1 - base;
     for (int64_t g = 0; g < G; ++g) {
-      float* srow = scores.data() + (j * G + g) * kv_len;
+      float* srow = scores.data() + (j * G + g) * cols;
       float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t t = 0; t < seen; ++t) mx = std::max(mx, srow[t]);
+      for (int64_t t = lo; t < seen; ++t) mx = std::max(mx, srow[t]);
       // vectorised through glibc's libmvec (-fno-math-errno, omp simd): expf 8 lanes at a time
 #pragma omp simd
-      for (int64_t t = 0; t < seen; ++t) srow[t] = std::exp(srow[t] - mx);
+      for (int64_t t = lo; t < seen; ++t) srow[t] = std::exp(srow[t] - mx);
       float sum = 0.f;
-      for (int64_t t = 0; t < seen; ++t) sum += srow[t];
+      for (int64_t t = lo; t < seen; ++t) sum += srow[t];
       const float inv = 1.f / sum;
-      for (int64_t t = 0; t < seen; ++t) srow[t] *= inv;
+      for (int64_t t = lo; t < seen; ++t) srow[t] *= inv;
     }
   }
   // Pass 3: per query row, the weighted sum of the values it sees, accumulated in registers
   // (a head_dim of 64 or 128 fits; the value rows stay in cache across the group's rows).
   for (int64_t j = 0; j < q_len; ++j) {
-    const int64_t seen = first_pos + j + 1;
+    const int64_t lo = first_key(lay, first_pos + j), seen = first_pos + j + 1;
     for (int64_t g = 0; g < G; ++g) {
-      const float* prow = scores.data() + (j * G + g) * kv_len;
+      const float* prow = scores.data() + (j * G + g) * cols + (lo - base);
       float* orow = out + (q_start + j) * H * D + (kv_head * G + g) * D;
-      if (D == 64) weighted_sum<KV, 8>(lay, prow, seen, row, kv_head, v_buf, v_scale, orow);
-      else if (D == 128) weighted_sum<KV, 16>(lay, prow, seen, row, kv_head, v_buf, v_scale, orow);
-      else weighted_sum_any<KV>(lay, prow, seen, row, kv_head, v_buf, v_scale, acc.data(), orow);
+      if (D == 64) weighted_sum<KV, 8>(lay, prow, lo, seen, row, kv_head, v_buf, v_scale, orow);
+      else if (D == 128)
+        weighted_sum<KV, 16>(lay, prow, lo, seen, row, kv_head, v_buf, v_scale, orow);
+      else
+        weighted_sum_any<KV>(lay, prow, lo, seen, row, kv_head, v_buf, v_scale, acc.data(), orow);
     }
   }
 }
@@ -209,13 +223,14 @@ void run(const Layout& lay, const at::Tensor& q, const at::Tensor& k_buf, const 
 
 // q [T, H, D] fp32; k_buf/v_buf [S, Hkv, D] fp32 or int8 (one layer, token- or head-major); k_scale/v_scale [S, Hkv]
 // fp32 for an int8 cache (empty otherwise); req_to_token [R, M] int32 (unused when
-// row_stride > 0); rows/q_starts/q_lens/kv_lens [B] int64. Returns out [T, H, D] fp32; rows
-// of q no request covers are left zero.
+// row_stride > 0); rows/q_starts/q_lens/kv_lens [B] int64; window > 0 for a sliding-window
+// layer (0: full causal). Returns out [T, H, D] fp32; rows of q no request covers are left zero.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
                            const at::Tensor& k_scale, const at::Tensor& v_scale,
                            const at::Tensor& req_to_token, int64_t row_stride,
                            const at::Tensor& rows, const at::Tensor& q_starts,
-                           const at::Tensor& q_lens, const at::Tensor& kv_lens, double scale) {
+                           const at::Tensor& q_lens, const at::Tensor& kv_lens, double scale,
+                           int64_t window) {
   TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 3 &&
                   q.is_contiguous(),
               "paged_attention: q must be a contiguous fp32 CPU tensor [tokens, heads, head_dim]");
@@ -229,8 +244,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_buf, const a
                     t->size(0) == rows.size(0),
                 "paged_attention: rows, q_starts, q_lens and kv_lens must be int64 [batch]");
   }
-  Layout lay{q.size(1), k_buf.size(1), q.size(1) / k_buf.size(1), q.size(2),
-             k_buf.stride(0), k_buf.stride(1), row_stride, nullptr, 0, static_cast<float>(scale)};
+  TORCH_CHECK(window >= 0, "paged_attention: window must be >= 0 (0: no sliding window)");
+  Layout lay{q.size(1),       k_buf.size(1),   q.size(1) / k_buf.size(1),  q.size(2),
+             k_buf.stride(0), k_buf.stride(1), row_stride,                 nullptr,
+             0,               static_cast<float>(scale), window};
   TORCH_CHECK(lay.n_heads % lay.n_kv_heads == 0 && k_buf.size(2) == lay.head_dim,
               "paged_attention: query heads/head_dim do not fit the cache");
   if (row_stride <= 0) {
@@ -260,7 +277,7 @@ TORCH_LIBRARY(astrai_cpu, m) {
   m.def(
       "paged_attention(Tensor q, Tensor k_buf, Tensor v_buf, Tensor k_scale, Tensor v_scale, "
       "Tensor req_to_token, int row_stride, Tensor rows, Tensor q_starts, Tensor q_lens, "
-      "Tensor kv_lens, float scale) -> Tensor");
+      "Tensor kv_lens, float scale, int window) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(astrai_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }
