@@ -161,6 +161,40 @@ def test_extend_attention(ops, dtype, group, head_dim):
     check_guards(out_full)
 
 
+@pytest.mark.parametrize("window", [1, 5, 32])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_attention_sliding_window(ops, window, splits):
+    """A windowed layer: the query sees the last `window` keys only (lengths below, at and
+    past the window, across block boundaries), GQA groups of 2."""
+    seq_lens = [1, 7, 32, 33, 70]
+    q, k_buf, v_buf, table, rows, lens, _ = paged_case(
+        seq_lens, [1] * 5, 4, 2, 16, torch.float32, seed=window + splits
+    )
+    out = ops["decode"].decode_attention(
+        q, k_buf, v_buf, table, rows, lens, 0.25, num_splits=splits, window=window
+    )
+    cpu = [t.cpu() for t in (q, k_buf, v_buf, table, rows, lens)]
+    expected = ref.decode_attention_ref(*cpu, 0.25, window=window)
+    torch.testing.assert_close(out.cpu(), expected, atol=2e-5, rtol=2e-5)
+    assert not torch.allclose(expected, ref.decode_attention_ref(*cpu, 0.25))  # it matters
+
+
+@pytest.mark.parametrize("window", [1, 6, 40])
+def test_extend_attention_sliding_window(ops, window):
+    reqs = [(5, 5), (40, 9), (1, 1), (33, 1), (70, 40)]
+    seq_lens, q_lens = [s for s, _ in reqs], [n for _, n in reqs]
+    q, k_buf, v_buf, table, rows, lens, indptr = paged_case(
+        seq_lens, q_lens, 4, 2, 16, torch.float32, seed=window
+    )
+    out = ops["extend"].extend_attention(
+        q, k_buf, v_buf, table, rows, lens, indptr, max(q_lens), 0.25, window=window
+    )
+    cpu = [t.cpu() for t in (q, k_buf, v_buf, table, rows, lens, indptr)]
+    expected = ref.extend_attention_ref(*cpu, 0.25, window=window)
+    torch.testing.assert_close(out.cpu(), expected, atol=2e-5, rtol=2e-5)
+    assert not torch.allclose(expected, ref.extend_attention_ref(*cpu, 0.25))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("head_dim", [16, 48])
 def test_rotary(ops, dtype, head_dim):

@@ -1,7 +1,7 @@
 """Sliding-window models in the engine: greedy output equals transformers' own greedy
 `generate` for prompts longer than the window and generation past it (paged cache, radix
-prefix cache, page size smaller than the window), per CPU backend; and the windowed
-attention reads only the window's rows."""
+prefix cache, page size smaller than the window), per backend (triton through its
+interpreter); and the windowed attention reads only the window's rows."""
 
 import random
 
@@ -36,14 +36,15 @@ FAMILIES = {
         dict(sliding_window=WINDOW, head_dim=16, num_local_experts=4, num_experts_per_tok=2),
     ),
 }
-BACKENDS = [
-    "torch_native",
-    pytest.param(
-        "cpu",
-        marks=pytest.mark.skipif(
-            paged_attention_op() is None, reason="the CPU kernel is not built (make setup)"
-        ),
-    ),
+NO_KERNEL = pytest.mark.skipif(
+    paged_attention_op() is None, reason="the CPU kernel is not built (make setup)"
+)
+# (family, backend): every family on both CPU backends, and Qwen2 (full and windowed layers)
+# on triton, interpreted on the CPU (TRITON_INTERPRET=1, tests/conftest.py)
+CASES = [
+    *[pytest.param(f, "torch_native", id=f"{f}-torch_native") for f in sorted(FAMILIES)],
+    *[pytest.param(f, "cpu", marks=NO_KERNEL, id=f"{f}-cpu") for f in sorted(FAMILIES)],
+    pytest.param("qwen2", "triton", marks=pytest.mark.slow, id="qwen2-triton"),
 ]
 
 
@@ -68,8 +69,7 @@ def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize(("family", "backend"), CASES)
 def test_engine_greedy_equals_transformers_past_the_window(
     family, backend, stdlib_tokenizer, tmp_path, monkeypatch
 ):

@@ -28,6 +28,9 @@ class AttentionBackend(ABC):
     """
 
     name: str
+    # True: `forward` takes a sliding-window layer's `window` (its kernels read only each
+    # query's window); False: `selection.attention` sends windowed calls to `windowed.py`.
+    takes_window: bool = False
 
     @abstractmethod
     def supports(self, q: torch.Tensor, kv_cache: KVCache) -> str | None:

@@ -71,6 +71,7 @@ class CpuPagedBackend(AttentionBackend):
     """`torch.ops.astrai_cpu.paged_attention` for fp32 queries on the CPU."""
 
     name = "cpu"
+    takes_window = True
 
     def supports(self, q: torch.Tensor, kv_cache: KVCache) -> str | None:
         if q.device.type != "cpu":

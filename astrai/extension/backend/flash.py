@@ -33,6 +33,7 @@ class FlashAttnBackend(AttentionBackend):
     """flash-attn varlen kernels over gathered K/V; CUDA fp16/bf16 only."""
 
     name = "flash"
+    takes_window = True
 
     def supports(self, q: torch.Tensor, kv_cache: KVCache) -> str | None:
         module = _flash_attn()
@@ -54,7 +55,10 @@ class FlashAttnBackend(AttentionBackend):
         kv_cache: KVCache,
         layer_id: int,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
+        """As every backend's, plus `window`: flash-attn's own `window_size=(window - 1, 0)`
+        (keys p - window < t <= p, bottom-right aligned as its causal mask)."""
         module = _flash_attn()
         if isinstance(module, str):
             raise BackendUnavailable(f"attention backend 'flash': {module}")
@@ -71,4 +75,5 @@ class FlashAttnBackend(AttentionBackend):
             max_seqlen_k=kv_cache.max_len,
             softmax_scale=scale,
             causal=True,
+            window_size=(-1, -1) if window is None else (window - 1, 0),
         )

@@ -163,23 +163,16 @@ def attention(
 
     q: `[num_tokens, n_heads, head_dim]`; k, v: `[num_tokens, n_kv_heads, head_dim]` (RoPE
     applied); returns `[num_tokens, n_heads, head_dim]`. `scale` defaults to head_dim**-0.5.
-    `window`: a sliding-window layer's window; once a request's keys outgrow it, the compiled
-    CPU kernel takes it as an argument, and any other call goes to `windowed_attention` (SDPA
-    over the window's rows); the triton and flash backends have no windowed kernel: selected
-    explicitly, they refuse it.
+    `window`: a sliding-window layer's window; once a request's keys outgrow it, a backend
+    whose kernels take it (`takes_window`: the compiled CPU kernel, triton, flash) gets it as
+    an argument, and torch_native's calls go to `windowed_attention` (SDPA over the window's
+    rows).
     """
     if scale is None:
         scale = q.shape[-1] ** -0.5
     backend = resolve_backend(q, kv_cache)
     if window is not None and kv_cache.max_len > window:
-        explicit = _explicit()
-        if explicit is not None and explicit[0] in (ATTN_BACKEND.TRITON, ATTN_BACKEND.FLASH):
-            raise BackendUnavailable(
-                f"attention backend {explicit[0].value!r} was selected by {explicit[1]} but "
-                f"has no sliding-window attention (sliding_window={window}); select "
-                "torch_native or cpu, or leave the choice to auto selection"
-            )
-        if isinstance(backend, CpuPagedBackend):
+        if backend.takes_window:
             return backend.forward(q, k, v, kv_cache, layer_id, scale, window)
         return windowed_attention(q, k, v, kv_cache, layer_id, scale, window)
     return backend.forward(q, k, v, kv_cache, layer_id, scale)

@@ -21,6 +21,7 @@ class TritonBackend(AttentionBackend):
     """Triton kernels from `astrai.extension.ops` (the page table is `req_to_token`)."""
 
     name = "triton"
+    takes_window = True
 
     def __init__(self, num_splits: int = 4) -> None:
         self.num_splits = num_splits
@@ -47,7 +48,9 @@ class TritonBackend(AttentionBackend):
         kv_cache: KVCache,
         layer_id: int,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
+        """As every backend's, plus `window`: a sliding-window layer's window (None: full)."""
         k_buf, v_buf = kv_cache.k_buffer[layer_id], kv_cache.v_buffer[layer_id]
         ops.store_kv(k, v, k_buf, v_buf, kv_cache.out_cache_loc)
         if kv_cache.is_decode:
@@ -68,6 +71,7 @@ class TritonBackend(AttentionBackend):
                 out=kv_cache.attn_out[:n] if kv_cache.attn_out is not None else None,
                 partial_out=kv_cache.partial_out[:n] if ws_ok else None,
                 partial_lse=kv_cache.partial_lse[:n] if ws_ok else None,
+                window=window,
             )
         return ops.extend_attention(
             q,
@@ -79,4 +83,5 @@ class TritonBackend(AttentionBackend):
             kv_cache.qo_indptr,
             kv_cache.max_q_len,
             scale,
+            window=window,
         )

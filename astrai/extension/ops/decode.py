@@ -5,6 +5,7 @@ heads (padded to a tile of at least 16 rows for `tl.dot`) over its share of the 
 keys, read through the page table `req_to_token` (each token slot is a one-token page),
 and writes a partial output and its log-sum-exp. Stage 2 merges the splits per head.
 Splitting the key range keeps the GPU busy when the batch is small and sequences are long.
+A sliding-window layer (`window` > 0) splits and reads only the last `window` keys.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ def _decode_stage1(
     PartO,
     PartLse,
     scale,
+    window,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -53,8 +55,10 @@ def _decode_stage1(
     split = tl.program_id(2)
     seq_len = tl.load(SeqLens + b)
     row = tl.load(ReqIdx + b).to(tl.int64)
-    chunk = tl.cdiv(seq_len, NUM_SPLITS)
-    start = split * chunk
+    # the query (position seq_len - 1) sees keys from `lo` on: all, or its window's
+    lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    chunk = tl.cdiv(seq_len - lo, NUM_SPLITS)
+    start = lo + split * chunk
     end = tl.minimum(start + chunk, seq_len)
 
     offs_g = tl.arange(0, BLOCK_H)
@@ -156,8 +160,10 @@ def decode_attention(
     out: torch.Tensor | None = None,
     partial_out: torch.Tensor | None = None,
     partial_lse: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """One query token per request: `q [B, H, D]` over one layer's `k/v_buffer [size, Hkv, D]`.
+    """One query token per request: `q [B, H, D]` over one layer's `k/v_buffer [size, Hkv, D]`;
+    `window`: a sliding-window layer's window (the last `window` keys), None for all.
 
     `out`, `partial_out [B, H, splits, D]` (fp32) and `partial_lse [B, H, splits]` (fp32)
     may be preallocated (the decode workspace does, for fixed addresses); otherwise they
@@ -198,6 +204,7 @@ def decode_attention(
             partial_out,
             partial_lse,
             scale,
+            window or 0,
             q.stride(0),
             q.stride(1),
             k_buffer.stride(0),

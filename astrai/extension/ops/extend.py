@@ -3,6 +3,8 @@
 Request `b` owns query rows `qo_indptr[b]:qo_indptr[b+1]` (its newest `q_len` positions)
 and `seq_lens[b]` keys read through `req_to_token`: full attention over the cached prefix,
 causal among the new tokens. One program per (request, query head, block of query rows).
+A sliding-window layer (`window` > 0): a query at position p sees keys p - window < t <= p,
+and a block's loop starts at the first key its first row sees.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ def _extend_kernel(
     SeqLens,
     QoIndptr,
     scale,
+    window,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -67,7 +70,9 @@ def _extend_kernel(
     # Keys visible to the last row of this block; a block past q_len computes nothing.
     end = tl.minimum(seq_len, prefix + (mblk + 1) * BLOCK_M)
     end = tl.where(mblk * BLOCK_M < q_len, end, 0)
-    for n0 in range(0, end, BLOCK_N):
+    # ... and the first key the block's first row sees (its window's start)
+    first = tl.where(window > 0, tl.maximum(prefix + mblk * BLOCK_M - window + 1, 0), 0)
+    for n0 in range(first, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         slots = tl.load(ReqToToken + row * stride_rt + offs_n, mask=mask_n, other=0).to(tl.int64)
@@ -79,7 +84,9 @@ def _extend_kernel(
             kvh,
             offs_d,
             mask_n[:, None] & mask_d[None, :],
-            mask_n[None, :] & (offs_n[None, :] <= prefix + offs_m[:, None]),  # causal
+            mask_n[None, :]
+            & (offs_n[None, :] <= prefix + offs_m[:, None])  # causal
+            & ((window == 0) | (offs_n[None, :] > prefix + offs_m[:, None] - window)),
             m_i,
             l_i,
             acc,
@@ -113,8 +120,10 @@ def extend_attention(
     scale: float,
     *,
     out: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Packed `q [T, H, D]` over one layer's `k/v_buffer [size, Hkv, D]` (already written)."""
+    """Packed `q [T, H, D]` over one layer's `k/v_buffer [size, Hkv, D]` (already written);
+    `window`: a sliding-window layer's window, None for full causal attention."""
     check(q, k_buffer, v_buffer, req_to_token)
     num_tokens, n_heads, head_dim = q.shape
     n_kv_heads = k_buffer.shape[1]
@@ -140,6 +149,7 @@ def extend_attention(
             seq_lens,
             qo_indptr,
             scale,
+            window or 0,
             q.stride(0),
             q.stride(1),
             k_buffer.stride(0),

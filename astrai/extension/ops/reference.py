@@ -24,7 +24,7 @@ def _attend(q, keys, values, visible, scale):
 
 
 def extend_attention_ref(
-    q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, qo_indptr, scale
+    q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, qo_indptr, scale, window=None
 ) -> torch.Tensor:
     out = torch.empty_like(q)
     for b in range(seq_lens.shape[0]):
@@ -33,16 +33,20 @@ def extend_attention_ref(
         slots = req_to_token[int(req_pool_indices[b]), :length].long()
         pos = (length - n) + torch.arange(n)[:, None]
         visible = torch.arange(length)[None, :] <= pos
+        if window is not None:  # sliding window: keys pos - window < t <= pos
+            visible &= torch.arange(length)[None, :] > pos - window
         out[start:stop] = _attend(
             q[start:stop], k_buffer[slots], v_buffer[slots], visible, scale
         ).to(q.dtype)
     return out
 
 
-def decode_attention_ref(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, scale):
+def decode_attention_ref(
+    q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, scale, window=None
+):
     qo_indptr = torch.arange(q.shape[0] + 1)
     return extend_attention_ref(
-        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, qo_indptr, scale
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, qo_indptr, scale, window
     )
 
 
