@@ -16,7 +16,7 @@ from astrai.model.moe_config import as_list, moe_layer, moe_param_delta, moe_pro
 from astrai.model.variant_config import variant_problems
 from astrai.model.window_config import layer_window, window_problems
 
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 # Fields each RoPE scaling type needs, beyond `rope_type`.
 _ROPE_REQUIRED = {
@@ -25,6 +25,7 @@ _ROPE_REQUIRED = {
     "dynamic": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
     "yarn": (),
+    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
 }
 
 
@@ -111,7 +112,7 @@ class ModelConfig:
         if self.head_dim is None and self.num_attention_heads:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.rope_scaling is not None:
-            self.rope_scaling = dict(self.rope_scaling)
+            self.rope_scaling = {k: as_list(v) for k, v in self.rope_scaling.items()}
             kind = self.rope_scaling.pop("type", None)
             self.rope_scaling.setdefault("rope_type", kind or "default")
         self.validate()
@@ -171,12 +172,30 @@ class ModelConfig:
             factor = self.rope_scaling.get("factor")
             if factor is not None and (not isinstance(factor, int | float) or factor <= 0):
                 raise ConfigError(f"ModelConfig.rope_scaling.factor: must be > 0, got {factor!r}")
+            if kind == "longrope":
+                self._check_longrope()
         for problem in moe_problems(self):  # MoE fields: astrai/model/moe_config.py
             raise ConfigError(problem)
         for problem in variant_problems(self):  # block variants: astrai/model/variant_config.py
             raise ConfigError(problem)
         for problem in window_problems(self):  # astrai/model/window_config.py
             raise ConfigError(problem)
+
+    def _check_longrope(self) -> None:
+        half = self.rotary_dim() // 2
+        for key in ("short_factor", "long_factor"):
+            values = self.rope_scaling[key]
+            if not isinstance(values, list) or len(values) != half:
+                raise ConfigError(
+                    f"ModelConfig.rope_scaling.{key}: expected {half} numbers (one per rotary "
+                    f"frequency), got {values!r}"
+                )
+        original = self.rope_scaling["original_max_position_embeddings"]
+        if not isinstance(original, int) or original <= 0:
+            raise ConfigError(
+                "ModelConfig.rope_scaling.original_max_position_embeddings: must be a positive "
+                f"int, got {original!r}"
+            )
 
     def rotary_dim(self) -> int:
         """Dims of each head that RoPE rotates (all but under `partial_rotary_factor`)."""

@@ -3,8 +3,9 @@ this architecture): fused `qkv_proj` / `gate_up_proj` and `partial_rotary_factor
 
 The fused projections are split on import into our `q_proj`/`k_proj`/`v_proj` and
 `gate_proj`/`up_proj` (the same rows, so an engine packs them back for inference) and fused
-again on export. Refused with a clear error: `rope_scaling` of type "longrope" (Phi-3-*-128k,
-Phi-4-mini's long context). A `sliding_window` shorter than `max_position_embeddings`
+again on export. LongRoPE (`rope_type: "longrope"`: Phi-3-*-128k, Phi-3.5, Phi-4-mini) keeps
+its factors in `rope_scaling` with `original_max_position_embeddings` (astrai/model/longrope.py
+computes it). A `sliding_window` shorter than `max_position_embeddings`
 (Phi-3-mini-4k: 2047) is one window on every layer, as transformers applies it; one at least
 that long is no window. `hub.py` calls these.
 """
@@ -29,13 +30,21 @@ def config_fields(data: dict[str, Any], model_type: str | None, source: str) -> 
     if model_type not in PHI3_ARCHITECTURES:
         return {}
     rope = dict(data.get("rope_parameters") or {})
-    scaling = data.get("rope_scaling") or rope
+    scaling = dict(data.get("rope_scaling") or rope)
     kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind != "default":
-        raise ConfigError(
-            f"{source}: rope_scaling of type {kind!r} (Phi-3 long context) is not supported; "
-            "only the default RoPE of the 4k/16k Phi-3 and Phi-4 models"
-        )
+    if kind in ("su", "yarn"):  # Phi-3's early names for LongRoPE, as transformers reads them
+        kind = "longrope"
+    if kind not in ("default", "longrope"):
+        raise ConfigError(f"{source}: rope_scaling of type {kind!r} is not supported for Phi-3")
+    longrope = {}
+    if kind == "longrope":
+        keep = ("short_factor", "long_factor", "factor", "attention_factor")
+        longrope = {k: scaling[k] for k in keep if scaling.get(k) is not None}
+        original = scaling.get("original_max_position_embeddings")
+        original = original or data.get("original_max_position_embeddings")
+        if original is None:
+            raise ConfigError(f"{source}: longrope needs original_max_position_embeddings")
+        longrope = dict(rope_type="longrope", original_max_position_embeddings=original, **longrope)
     window = data.get("sliding_window")
     limit = data.get("max_position_embeddings", 4096)
     windowed = {"sliding_window": window} if window is not None and window < limit else {}
@@ -43,6 +52,7 @@ def config_fields(data: dict[str, Any], model_type: str | None, source: str) -> 
         raise ConfigError(f"{source}: hidden_act={data['hidden_act']!r} is not supported")
     partial = rope.get("partial_rotary_factor", data.get("partial_rotary_factor", 1.0))
     fields = dict(partial_rotary_factor=float(partial), attention_bias=False, o_proj_bias=False)
+    fields["rope_scaling"] = longrope or None
     return fields | windowed  # one window on every layer, as transformers' Phi-3 applies it
 
 
@@ -51,11 +61,12 @@ def hf_phi3_model_type(config: ModelConfig) -> str | None:
     exactly; None when another family should represent it; a ConfigError when none can."""
     plain = not (config.qk_norm or config.attention_bias or config.o_proj_bias)
     plain = plain and config.layer_types is None  # Phi-3's window covers every layer
-    if config.partial_rotary_factor != 1:
+    longrope = (config.rope_scaling or {}).get("rope_type") == "longrope"
+    if config.partial_rotary_factor != 1 or longrope:
         if not plain or config.num_experts:
             raise ConfigError(
-                "partial_rotary_factor exports only as Phi-3, which has no qk_norm, biases, "
-                "experts or per-layer windows (layer_types)"
+                "partial_rotary_factor and longrope export only as Phi-3, which has no qk_norm, "
+                "biases, experts or per-layer windows (layer_types)"
             )
         return "phi3"
     if config.hf_model_type == "phi3" and plain and not config.num_experts:
@@ -67,8 +78,9 @@ def config_to_hf_fields(config: ModelConfig, model_type: str) -> dict[str, Any]:
     """Phi-3's own `config.json` fields; {} for any other model_type."""
     if model_type not in PHI3_ARCHITECTURES:
         return {}
-    rope = {
-        "rope_type": "default",
+    scaling = dict(config.rope_scaling or {"rope_type": "default"})
+    original = scaling.get("original_max_position_embeddings", config.max_position_embeddings)
+    rope = scaling | {
         "rope_theta": config.rope_theta,
         "partial_rotary_factor": config.partial_rotary_factor,
     }
@@ -76,7 +88,7 @@ def config_to_hf_fields(config: ModelConfig, model_type: str) -> dict[str, Any]:
         "partial_rotary_factor": config.partial_rotary_factor,
         "rope_parameters": rope,
         "rope_scaling": None,
-        "original_max_position_embeddings": config.max_position_embeddings,
+        "original_max_position_embeddings": original,
         "sliding_window": config.sliding_window,
         "resid_pdrop": 0.0,
         "embd_pdrop": 0.0,

@@ -20,6 +20,7 @@ from astrai.extension.lora import LoRALayer
 from astrai.extension.quantized import int8_linear, quantize_int8
 from astrai.model.config import ModelConfig
 from astrai.model.documents import DocumentSpans, training_attention
+from astrai.model.longrope import longrope_inv_freq
 
 #: on while an engine runs the model (`engine_forward`): only then do the projections use the
 #: engine's packs and its cache-residency choice, so building an engine on a model leaves that
@@ -269,7 +270,8 @@ def rope_inv_freq(config: ModelConfig, seq_len: int | None = None) -> tuple[torc
     """Inverse frequencies and cos/sin scale for the configured RoPE variant.
 
     Formulas follow the published methods (and Hugging Face's implementation of them), so
-    that HF checkpoints produce identical logits. `seq_len` only matters for dynamic NTK.
+    that HF checkpoints produce identical logits. `seq_len` only matters for dynamic NTK and
+    LongRoPE.
     """
     dim = config.rotary_dim()
     base = config.rope_theta
@@ -301,6 +303,9 @@ def rope_inv_freq(config: ModelConfig, seq_len: int | None = None) -> tuple[torc
         return torch.where(medium, smoothed, scaled), 1.0
     if kind == "yarn":
         return _yarn_inv_freq(config, scaling, exponents)
+    if kind == "longrope":  # the set a call's longest position picks, as transformers
+        original = scaling["original_max_position_embeddings"]
+        return longrope_inv_freq(config, long=seq_len is not None and seq_len > original)
     raise ValueError(f"rope_scaling.rope_type: unsupported {kind!r}")
 
 
@@ -375,12 +380,17 @@ class RotaryEmbedding(nn.Module):
         return self.cos_cached, self.sin_cached
 
     def forward(
-        self, position_ids: torch.Tensor, max_position: int | None = None
+        self,
+        position_ids: torch.Tensor,
+        max_position: int | None = None,
+        *,
+        per_token: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape `position_ids.shape + (head_dim // 2,)`, fp32.
 
         `max_position` (an upper bound of the ids, known on the host) spares the device
-        sync of computing it; the inference hot path always passes it.
+        sync of computing it; the inference hot path always passes it. `per_token` (the
+        engine's calls) matters to LongRoPE only (`astrai.model.longrope`).
         """
         if position_ids.device.type == "meta":
             shape = (*position_ids.shape, self.config.rotary_dim() // 2)

@@ -14,6 +14,8 @@ from astrai.model.config import ModelConfig
 from astrai.model.documents import DocumentSpans
 from astrai.model.head import HeadSettings, TokenScores, head_scores
 from astrai.model.layers import Linear, RMSNorm, RotaryEmbedding
+from astrai.model.longrope import is_longrope
+from astrai.model.longrope_embedding import LongRopeEmbedding
 from astrai.model.mla import make_attention
 from astrai.model.moe import MoE, RouterStats, make_mlp, router_losses, router_stats
 from astrai.vocab import VocabShard
@@ -147,7 +149,7 @@ class Transformer(nn.Module):
             BLOCKS[config.norm_position](config, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(config)
+        self.rotary = LongRopeEmbedding(config) if is_longrope(config) else RotaryEmbedding(config)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         # where this process's head rows lie in the vocabulary (tensor parallelism sets a
         # vocabulary-parallel one); every reduction of the chunked head goes through it
@@ -291,7 +293,7 @@ class Transformer(nn.Module):
         `lm_head` of a row gives its logits; the engine's prompt log-probs apply it to slices
         of these rows, so the full-vocabulary logits of a whole prefill never exist at once.
         """
-        cos, sin = self.rotary(positions, max_position)
+        cos, sin = self.rotary(positions, max_position, per_token=True)
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
             x = layer.forward_cached(x, cos, sin, kv_cache)
