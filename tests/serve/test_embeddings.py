@@ -151,3 +151,37 @@ def test_separate_export_without_model_and_bad_names(export_oai):
     with pytest.raises(openai.BadRequestError) as info:
         client.embeddings.create(model="embedder", input=[[280]])
     assert info.value.body["param"] == "input" and "0..279" in info.value.body["message"]
+
+
+def test_with_adapters_names_are_checked_as_on_the_generation_routes(
+    model_dir, tokenizer, tmp_path
+):
+    """Where the engine serves LoRA adapters an unknown name is vLLM's 404; an adapter's name
+    is a 400 (embeddings come from the base model only); the base's name embeds."""
+    from lora_helpers import make_adapter
+
+    from astrai.inference import InferenceEngine
+
+    engine = InferenceEngine(
+        AutoModel.from_pretrained(model_dir).eval(),
+        tokenizer,
+        max_batch_size=2,
+        max_seq_len=256,
+        lora={"max_loras": 2, "max_lora_rank": 8},
+    )
+    try:
+        engine.load_adapter("a", make_adapter(model_dir, tmp_path / "a", r=4, seed=1))
+        app = create_app(engine, ServeSettings(model_name="base"))
+        with (
+            ServerThread(app) as srv,
+            openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0) as client,
+        ):
+            assert client.embeddings.create(model="base", input="import os").model == "base"
+            with pytest.raises(openai.NotFoundError) as missing:
+                client.embeddings.create(model="nope", input="import os")
+            with pytest.raises(openai.BadRequestError) as adapter:
+                client.embeddings.create(model="a", input="import os")
+    finally:
+        engine.shutdown()
+    assert missing.value.body["param"] == adapter.value.body["param"] == "model"
+    assert "LoRA adapter" in adapter.value.body["message"]
