@@ -6,7 +6,7 @@ Options are in ``conf/serve.yaml`` (Hydra), the engine's in the ``engine`` group
 Every check that needs no model runs first, before torch, the model code, uvicorn or the
 app are imported (they are deferred into the functions, and `astrai.serve` imports its
 names lazily): the model directory (`astrai.model.directory`: a reward model's is named as
-such), the server settings, the address (a non-loopback `host` needs `api_key` or
+such), an embedding export's (`astrai.serve.embedding_model`), the server settings, the address (a non-loopback `host` needs `api_key` or
 `allow_unauthenticated=true`), the adapter names, the port, then the engine's `lora` and
 `speculative` options (these import torch, but no model). A wrong one fails in seconds with
 one line naming the key.
@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from astrai.model.directory import check_model_dir
+from astrai.serve.embedding_model import build_embedding, check_embedding_dir
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -124,21 +125,28 @@ def check_engine_options(cfg: dict[str, Any]) -> SpeculativeConfig | None:
     return check_engine_blocks(engine_options(cfg))
 
 
-def reward_name_of(cfg: dict[str, Any], model_name: str) -> str | None:
-    """The id `/v1/models` lists the reward model under: `reward_model_name`, else its
-    directory's name, else (the same as the served model's, e.g. two `export` folders)
-    ``<that name>-reward``. An explicit name equal to `model_name` is a SystemExit."""
-    if not cfg.get("reward_model"):
+def side_model_name(cfg: dict[str, Any], kind: str, taken: tuple[str, ...]) -> str | None:
+    """The id `/v1/models` lists the `<kind>_model` (reward, embedding) under:
+    `<kind>_model_name`, else its directory's name, else (a name in `taken`, e.g. two
+    `export` folders) ``<that name>-<kind>``. An explicit name in `taken` (the served
+    model's first, then other side models') is a SystemExit naming the key."""
+    if not cfg.get(f"{kind}_model"):
         return None
-    given = cfg.get("reward_model_name")
+    given = cfg.get(f"{kind}_model_name")
     if given:
-        if str(given) == model_name:
-            raise SystemExit(
-                f"reward_model_name={given}: the served model's own name (model_name); pick another"
-            )
+        if str(given) in taken:
+            whose = "the served model's own name (model_name)"
+            if str(given) != taken[0]:
+                whose = "the name of another served model"
+            raise SystemExit(f"{kind}_model_name={given}: {whose}; pick another")
         return str(given)
-    name = Path(str(cfg["reward_model"])).expanduser().resolve().name
-    return f"{name}-reward" if name == model_name else name
+    name = Path(str(cfg[f"{kind}_model"])).expanduser().resolve().name
+    return f"{name}-{kind}" if name in taken else name
+
+
+def reward_name_of(cfg: dict[str, Any], model_name: str) -> str | None:
+    """The reward model's id (`side_model_name`); None without `reward_model`."""
+    return side_model_name(cfg, "reward", (model_name,))
 
 
 def load_lora_modules(engine: InferenceEngine, modules: dict[str, str]) -> None:
@@ -283,12 +291,16 @@ def serve(cfg: dict[str, Any]) -> None:
     check_model_dir(str(cfg["model_path"]))  # the cheap checks first: fail fast with the fix
     if cfg.get("reward_model"):
         check_model_dir(str(cfg["reward_model"]), key="reward_model", generative=False)
+    if cfg.get("embedding_model"):
+        check_embedding_dir(str(cfg["embedding_model"]))
     settings = settings_of(cfg)
     check_address(cfg)
     reward_name = reward_name_of(cfg, settings.model_name)
+    taken = (settings.model_name, reward_name or settings.model_name)
+    embedding_name = side_model_name(cfg, "embedding", taken)
     modules = lora_modules_of(cfg)
     for name in modules:
-        if name in (settings.model_name, reward_name):
+        if name in (settings.model_name, reward_name, embedding_name):
             raise SystemExit(f"lora_modules.{name}: the name of a served model; pick another")
     check_port(str(cfg["host"]), int(cfg["port"]))
     spec = check_engine_options(cfg)
@@ -300,13 +312,14 @@ def serve(cfg: dict[str, Any]) -> None:
     logging.getLogger().setLevel(str(cfg.get("log_level", "info")).upper())
     set_threads(cfg.get("threads"))
     reward = build_reward(cfg, reward_name)
+    embedding = build_embedding(cfg, embedding_name, settings.pooling_type, *device_and_dtype(cfg))
     engine = build_engine(cfg)
     try:
         load_lora_modules(engine, modules)
     except SystemExit:
         engine.shutdown()
         raise
-    app = create_app(engine, settings, reward=reward)
+    app = create_app(engine, settings, reward=reward, embedding=embedding)
     config = uvicorn.Config(
         app,
         host=cfg["host"],
@@ -316,10 +329,11 @@ def serve(cfg: dict[str, Any]) -> None:
         timeout_graceful_shutdown=cfg.get("timeout_graceful_shutdown"),
     )
     logger.info(
-        "serving %s (%s)%s on http://%s:%s%s; %s",
+        "serving %s (%s)%s%s on http://%s:%s%s; %s",
         settings.model_name,
         cfg["model_path"],
         f" with LoRA adapters {', '.join(modules)}" if modules else "",
+        f", embeddings also from {embedding_name} ({cfg['embedding_model']})" if embedding else "",
         cfg["host"],
         cfg["port"],
         " (API key required)" if settings.api_key else "",
@@ -345,6 +359,8 @@ def launch_replicas(cfg: dict[str, Any]) -> int:
     from astrai.serve.replicas import launch
 
     check_model_dir(str(cfg["model_path"]))
+    if cfg.get("embedding_model"):
+        check_embedding_dir(str(cfg["embedding_model"]))
     settings_of(cfg)
     check_address(cfg)
     lora_modules_of(cfg)

@@ -79,14 +79,21 @@ def model_not_found(name: str) -> APIError:
 
 
 class ServedModels:
-    """The names this server answers to: the base model, a reward model, the adapters."""
+    """The names this server answers to: the base model, a reward model, an embedding
+    model, the adapters."""
 
     def __init__(
-        self, engine: InferenceEngine, base: str, created: float, reward: str | None = None
+        self,
+        engine: InferenceEngine,
+        base: str,
+        created: float,
+        reward: str | None = None,
+        embedding: str | None = None,
     ) -> None:
         self.engine = engine
         self.base = base
         self.reward = reward
+        self.embedding = embedding
         self.created = int(created)
 
     @property
@@ -125,12 +132,13 @@ class ServedModels:
         }
 
     def cards(self) -> list[dict[str, Any]]:
-        """vLLM's model list: the base (`parent` null), the reward model, then each adapter
-        with `parent` the base. `root` is each one's own name, never a directory: the
+        """vLLM's model list: the base (`parent` null), the reward and embedding models,
+        then each adapter with `parent` the base. `root` is each one's own name, never a directory: the
         server's file system is not the clients' business."""
         out = [self._card(self.base, self.base, None)]
-        if self.reward is not None:
-            out.append(self._card(self.reward, self.reward, None))
+        for other in (self.reward, self.embedding):
+            if other is not None:
+                out.append(self._card(other, other, None))
         out += [self._card(name, name, self.base) for name in self.adapters()]
         return out
 
@@ -168,7 +176,7 @@ class RuntimeLoRA:
             name = check_lora_name(body.lora_name)
         except ValueError as err:
             raise APIError(400, str(err), param="lora_name") from None
-        if name in (self.models.base, self.models.reward):
+        if name in (self.models.base, self.models.reward, self.models.embedding):
             raise APIError(
                 400,
                 f"lora_name: {name!r} is the name of a served model; pick another",

@@ -73,6 +73,7 @@ def create_app(
     settings: ServeSettings | None = None,
     reward: RewardScorer | None = None,
     fingerprint: Callable[[], str | None] | None = None,
+    embedding: Embedder | None = None,
 ) -> FastAPI:
     """An app serving `engine`; the caller owns the engine (and shuts it down).
 
@@ -83,10 +84,15 @@ def create_app(
     request, at submission; its string is the `system_fingerprint` of OpenAI responses and
     chunks (None, or no callable: the field is left out). The LoRA load / unload routes
     are mounted only with `settings.allow_runtime_lora` (`astrai.serve.adapters`).
+    `embedding`: a separate embedding export (`Embedder.from_pretrained`) that
+    `/v1/embeddings` answers with under its own name; the served model embeds too, under
+    its name (`astrai.serve.embeddings`).
     """
     settings = settings or ServeSettings()
     warm_up_structured_outputs(engine)
-    state = ServerState(engine, settings, reward=reward, fingerprint=fingerprint)
+    state = ServerState(
+        engine, settings, reward=reward, fingerprint=fingerprint, embedding=embedding
+    )
     app = FastAPI(title="astrai", version="1", docs_url=None, redoc_url=None)
     app.state.astrai = state
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
@@ -197,7 +203,8 @@ def create_app(
         install_runtime_lora(app, state.models, settings.allowed_lora_roots, [check_key])
 
     install_rl_routes(app, state, check_key)  # /generate, weight updates (opt-in)
-    install_embedding_routes(app, state, Embedder(engine, settings.pooling_type), auth)
+    served = Embedder.of_engine(engine, settings.pooling_type, settings.model_name)
+    install_embedding_routes(app, state, served, auth, embedding)
 
     @app.get("/health")
     async def health() -> SafeJSONResponse:

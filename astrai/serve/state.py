@@ -17,6 +17,7 @@ from astrai.serve.tool_parsers import resolve as resolve_tool_parser
 
 if TYPE_CHECKING:
     from astrai.inference import InferenceEngine
+    from astrai.inference.embedding import Embedder
     from astrai.serve.score import RewardScorer
 
 
@@ -29,12 +30,15 @@ class ServerState:
         settings: ServeSettings,
         reward: RewardScorer | None = None,
         fingerprint: Callable[[], str | None] | None = None,
+        embedding: Embedder | None = None,
     ) -> None:
         self.engine = engine
         # Each request's `system_fingerprint`, read when it is submitted (None: none sent);
         # astrai.train.serve_policy names the live policy's version with it.
         self.fingerprint: Callable[[], str | None] = fingerprint or (lambda: None)
         self.reward = reward  # POST /v1/score's reward model (astrai.serve.score), if loaded
+        # /v1/embeddings' separate embedding export (astrai.serve.embeddings), if loaded
+        self.embedding = embedding
         self.settings = settings
         # The format tool calls are parsed in (`tool_parser=auto`: the chat template's).
         self.tool_parser = resolve_tool_parser(
@@ -46,9 +50,14 @@ class ServerState:
         self.requests_failed = 0
         self.tokens_out = 0
         self.started = time.time()
-        # The names requests may give as `model`: the base, the reward model, the adapters.
+        # The names requests may give as `model`: the base, the reward and embedding
+        # models, the adapters.
         self.models = ServedModels(
-            engine, settings.model_name, self.started, reward.name if reward else None
+            engine,
+            settings.model_name,
+            self.started,
+            reward.name if reward else None,
+            embedding.name if embedding else None,
         )
         # Prompt rendering and tokenizing run here, so a large prompt never blocks the
         # event loop (other streams, /health); `tokenizers` releases the GIL while encoding.

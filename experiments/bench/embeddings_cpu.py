@@ -1,5 +1,5 @@
-"""Embeddings throughput: astrai's `Embedder` (the server's `/v1/embeddings` path: one dense
-forward per prompt, the engine loop paused) against transformers-style pooling (the same
+"""Embeddings throughput: astrai's `Embedder` (the server's `/v1/embeddings` path: padding-free
+packed forwards of up to 8,192 tokens, the engine loop paused) against transformers-style pooling (the same
 weights exported in HF format, `LlamaModel` over a padded batch, masked mean pooling).
 
     .venv/bin/python experiments/bench/embeddings_cpu.py [--out DIR]
@@ -45,7 +45,7 @@ def main() -> None:
     )
     model = Transformer(cfg).eval()
     engine = InferenceEngine(model, tok, max_batch_size=4, max_seq_len=512, start=False)
-    embedder = Embedder(engine, "mean")
+    embedder = Embedder.of_engine(engine, "mean", "bench")
     lengths = torch.randint(32, 257, (64,)).tolist()
     prompts = [torch.randint(0, 4096, (n,)).tolist() for n in lengths]
     with tempfile.TemporaryDirectory() as export:
