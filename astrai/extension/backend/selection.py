@@ -23,6 +23,7 @@ import torch
 from astrai.extension.backend.base import AttentionBackend, BackendUnavailable
 from astrai.extension.backend.cpu_paged import CpuPagedBackend
 from astrai.extension.backend.flash import FlashAttnBackend
+from astrai.extension.backend.sinks import sink_attention
 from astrai.extension.backend.torch_native import TorchNativeBackend
 from astrai.extension.backend.triton import TritonBackend
 from astrai.extension.backend.windowed import windowed_attention
@@ -158,6 +159,7 @@ def attention(
     *,
     scale: float | None = None,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend causally per request.
 
@@ -165,18 +167,24 @@ def attention(
     applied); returns `[num_tokens, n_heads, head_dim]`. `scale` defaults to head_dim**-0.5.
     `window`: a sliding-window layer's window; once a request's keys outgrow it, the call
     goes to `windowed_attention` (SDPA over the window's rows), which the triton and flash
-    backends do not implement: selected explicitly, they refuse it.
+    backends do not implement: selected explicitly, they refuse it. `sinks` (`[n_heads]`,
+    GPT-OSS): every call goes to `sink_attention` (plain torch per request), likewise refused
+    by an explicit triton or flash selection.
     """
     if scale is None:
         scale = q.shape[-1] ** -0.5
     backend = resolve_backend(q, kv_cache)
-    if window is not None and kv_cache.max_len > window:
+    windowed = window is not None and kv_cache.max_len > window
+    if windowed or sinks is not None:
         explicit = _explicit()
         if explicit is not None and explicit[0] in (ATTN_BACKEND.TRITON, ATTN_BACKEND.FLASH):
+            what = "attention sinks" if sinks is not None else "sliding-window attention"
             raise BackendUnavailable(
                 f"attention backend {explicit[0].value!r} was selected by {explicit[1]} but "
-                f"has no sliding-window attention (sliding_window={window}); select "
-                "torch_native or cpu, or leave the choice to auto selection"
+                f"has no {what} (sliding_window={window}); select torch_native or cpu, or "
+                "leave the choice to auto selection"
             )
+        if sinks is not None:
+            return sink_attention(q, k, v, kv_cache, layer_id, scale, window, sinks)
         return windowed_attention(q, k, v, kv_cache, layer_id, scale, window)
     return backend.forward(q, k, v, kv_cache, layer_id, scale)
