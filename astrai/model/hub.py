@@ -23,7 +23,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from astrai.files import naming_full_disk, publish
-from astrai.model import hf_deepseek, hf_fp8, hf_gpt_oss, hf_moe, hf_olmo2, hf_phi3
+from astrai.model import hf_deepseek, hf_fp8, hf_gpt_oss, hf_moe, hf_mxfp4, hf_olmo2, hf_phi3
 from astrai.model.config import ConfigError, ModelConfig
 from astrai.model.directory import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME
 from astrai.model.hf_common import hf_base_fields
@@ -332,10 +332,12 @@ def read_hf_state(
     dtype: torch.dtype | None = None,
 ) -> dict[str, torch.Tensor]:
     """A directory's tensors under HF names in our layout: stale rotary buffers dropped,
-    block-fp8 weights dequantised (to `dtype`), per-expert tensors stacked, DeepSeek's MLA
+    block-fp8 and MXFP4 weights dequantised (to `dtype`), per-expert tensors stacked, DeepSeek's MLA
     rows and shared experts translated."""
     stored = read_state_dict(path, device)
     stored = hf_fp8.dequantize_state(stored, hf_fp8.block_size(path), source=str(path), dtype=dtype)
+    method = hf_mxfp4.quant_method(path)  # GPT-OSS's MXFP4 experts
+    stored = hf_mxfp4.dequantize_state(stored, method, source=str(path), dtype=dtype)
     stored = {k: v for k, v in stored.items() if not _IGNORED_KEYS.search(k)}
     stored = hf_moe.state_from_hf(stored)  # per-expert HF tensors -> stacked experts
     stored = hf_phi3.state_from_hf(stored, config)  # Phi-3's fused qkv / gate_up split

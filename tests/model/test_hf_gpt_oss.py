@@ -12,51 +12,15 @@ import random
 
 import pytest
 import torch
-import transformers
+from hf_helpers import GPT_OSS_WINDOW as WINDOW
 from hf_helpers import assert_export_round_trip, assert_lora_trains
+from hf_helpers import build_gpt_oss as build_hf
 from safetensors import safe_open
 
 from astrai.extension.cpu_kernels import paged_attention_op
 from astrai.model import AutoModel, ConfigError, ModelConfig, save_pretrained
 from astrai.model.hub import config_to_hf
 from astrai.model.layers import rope_inv_freq
-
-WINDOW = 8
-YARN = {
-    "rope_type": "yarn",
-    "rope_theta": 150000.0,
-    "factor": 4.0,
-    "beta_fast": 32.0,
-    "beta_slow": 1.0,
-    "truncate": False,
-    "original_max_position_embeddings": 32,
-}
-SIZES = dict(
-    hidden_size=64,
-    intermediate_size=32,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    num_local_experts=4,
-    num_experts_per_tok=2,
-    sliding_window=WINDOW,
-    max_position_embeddings=128,
-    swiglu_limit=0.8,
-    initializer_range=0.2,  # spread-out logits: greedy has no near-ties
-    rope_parameters=YARN,
-)
-
-
-def build_hf(vocab: int = 256) -> transformers.GptOssForCausalLM:
-    config = transformers.GptOssConfig(vocab_size=vocab, **SIZES)
-    torch.manual_seed(0)
-    model = transformers.GptOssForCausalLM(config).eval()
-    with torch.no_grad():  # transformers initialises the expert biases to zero
-        for name, p in model.named_parameters():
-            if name.endswith("_bias") or name.endswith("sinks") or name.endswith("router.bias"):
-                p.normal_(0.0, 0.5)
-    return model
 
 
 def ids(vocab: int = 256, seq: int = 40) -> torch.Tensor:
