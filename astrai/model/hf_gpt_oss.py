@@ -42,7 +42,7 @@ def config_fields(data: dict[str, Any], model_type: str | None, source: str) -> 
     num_experts = data.get("num_local_experts", data.get("num_experts"))
     if not isinstance(num_experts, int) or num_experts <= 0:
         raise ConfigError(f"{source}: num_local_experts must be a positive int")
-    layers = data["num_hidden_layers"]
+    layers = data.get("num_hidden_layers") or 0
     types = data.get("layer_types") or [
         "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)
     ]

@@ -12,6 +12,7 @@ import random
 
 import pytest
 import torch
+import transformers
 from hf_helpers import GPT_OSS_WINDOW as WINDOW
 from hf_helpers import assert_export_round_trip, assert_lora_trains
 from hf_helpers import build_gpt_oss as build_hf
@@ -159,3 +160,57 @@ def test_unknown_quantisation_is_refused_naming_it(tmp_path):
     file.write_text(json.dumps(data))
     with pytest.raises(ConfigError, match="quant_method='bitsandbytes'"):
         AutoModel.from_pretrained(tmp_path)
+
+
+# gpt-oss-20b's published config.json (MXFP4 experts; shapes only, nothing is allocated)
+GPT_OSS_20B = {
+    "architectures": ["GptOssForCausalLM"],
+    "model_type": "gpt_oss",
+    "attention_bias": True,
+    "eos_token_id": 200002,
+    "experts_per_token": 4,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "hidden_size": 2880,
+    "initial_context_length": 4096,
+    "intermediate_size": 2880,
+    "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "max_position_embeddings": 131072,
+    "num_attention_heads": 64,
+    "num_experts_per_tok": 4,
+    "num_hidden_layers": 24,
+    "num_key_value_heads": 8,
+    "num_local_experts": 32,
+    "pad_token_id": 199999,
+    "quantization_config": {"quant_method": "mxfp4"},
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "factor": 32.0,
+        "original_max_position_embeddings": 4096,
+        "rope_type": "yarn",
+        "truncate": False,
+    },
+    "rope_theta": 150000,
+    "router_aux_loss_coef": 0.9,
+    "sliding_window": 128,
+    "swiglu_limit": 7.0,
+    "tie_word_embeddings": False,
+    "vocab_size": 201088,
+}
+
+
+def test_gpt_oss_20b_config_translates_with_transformers_parameter_count():
+    from astrai.model.hub import config_from_hf
+
+    cfg = config_from_hf(GPT_OSS_20B)
+    assert (cfg.sliding_window, cfg.num_experts, cfg.swiglu_limit) == (128, 32, 7.0)
+    assert cfg.rope_theta == 150000 and cfg.rope_scaling["truncate"] is False
+    skip = {"architectures", "model_type", "quantization_config", "experts_per_token"}
+    hf_cfg = transformers.GptOssConfig(
+        **{k: v for k, v in GPT_OSS_20B.items() if k not in skip | {"initial_context_length"}}
+    )
+    with torch.device("meta"):
+        hf = transformers.GptOssForCausalLM(hf_cfg)
+    assert cfg.num_parameters() == sum(p.numel() for p in hf.parameters())  # 20.9B
