@@ -16,6 +16,10 @@ gathered path at every batch size. In the engine's batch-invariant mode
 blocks, one expert at a time (its loop reads the offsets on the host), and every batch takes
 that path, so a token's output does not depend on the other tokens of the step.
 
+GPT-OSS's experts (`expert_bias`, `swiglu_limit`) add a bias to both products and use a
+clamped SwiGLU (`astrai.model.moe_activation`) on every one of these paths; its router has a
+bias (`router_bias`).
+
 In training each layer records its router statistics (Switch-Transformer load-balancing loss,
 router z-loss, tokens per expert) of the latest forward; `router_stats(model)` collects them.
 """
