@@ -387,17 +387,3 @@ def test_gpt_oss_experts_backward_equals_transformers():
     torch.testing.assert_close(
         block.experts.down_proj_bias.grad, hf.experts.down_proj_bias.grad, atol=1e-5, rtol=0
     )
-
-
-def test_gpt_oss_fields_are_checked_and_counted():
-    with pytest.raises(ConfigError, match=r"ModelConfig\.swiglu_limit"):
-        ModelConfig(**{**BASE, "num_experts": 0}, swiglu_limit=7.0)
-    with pytest.raises(ConfigError, match=r"ModelConfig\.swiglu_limit: must be positive"):
-        ModelConfig(**BASE, swiglu_limit=-1.0)
-    cfg = ModelConfig(
-        **BASE, router_bias=True, expert_bias=True, swiglu_limit=7.0, attention_sinks=True
-    )
-    model = Transformer(cfg)
-    assert cfg.num_parameters() == sum(p.numel() for p in model.parameters())
-    sinks = model.layers[0].self_attn.sinks
-    assert sinks.shape == (2,) and bool((sinks != 0).all())  # initialised, as HF's are
