@@ -116,6 +116,9 @@ class ModelRunner:
         if cfg.sliding_window is not None:  # the window's branch depends on the step's length
             logger.warning("decode graphs disabled: sliding-window attention decodes eagerly")
             return
+        if cfg.attention_sinks:  # plain torch per request (astrai.extension.backend.sinks)
+            logger.warning("decode graphs disabled: attention sinks decode eagerly")
+            return
         if (cfg.rope_scaling or {}).get("rope_type") == "dynamic":
             logger.warning("decode graphs disabled: dynamic RoPE depends on the step's length")
             return

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from astrai.model.gpt_oss_config import gpt_oss_param_delta, gpt_oss_problems
 from astrai.model.mla_config import mla_attention_params, mla_head_dim, mla_problems
 from astrai.model.moe_config import as_list, moe_layer, moe_param_delta, moe_problems
 from astrai.model.variant_config import variant_problems
@@ -100,6 +101,17 @@ class ModelConfig:
     # ---- sliding-window attention (astrai/model/window_config.py; HF's names and meaning)
     sliding_window: int | None = None
     layer_types: list[str] | None = None
+    # ---- GPT-OSS (astrai/model/gpt_oss_config.py; HF's names and meaning)
+    # a learned per-head logit that joins each attention softmax's denominator (`sinks`)
+    attention_sinks: bool = False
+    # a bias on the router's logits (`mlp.router.bias`)
+    router_bias: bool = False
+    # biases on the routed experts' gate/up and down projections
+    expert_bias: bool = False
+    # the experts' clamped SwiGLU: gate <= limit, |up| <= limit, (up + 1) * gate *
+    # sigmoid(swiglu_alpha * gate); None is the plain silu(gate) * up
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self) -> None:
         self.mlp_only_layers = as_list(self.mlp_only_layers)  # a tuple or Hydra's ListConfig
@@ -179,6 +191,8 @@ class ModelConfig:
         for problem in variant_problems(self):  # block variants: astrai/model/variant_config.py
             raise ConfigError(problem)
         for problem in window_problems(self):  # astrai/model/window_config.py
+            raise ConfigError(problem)
+        for problem in gpt_oss_problems(self):  # astrai/model/gpt_oss_config.py
             raise ConfigError(problem)
 
     def _check_longrope(self) -> None:
@@ -281,7 +295,8 @@ class ModelConfig:
         embed = self.vocab_size * h
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         moe = moe_param_delta(self)  # sparse layers: router + experts instead of the dense MLP
-        return embed + self.num_hidden_layers * block + h + head + moe
+        extra = gpt_oss_param_delta(self)  # sinks, router and expert biases
+        return embed + self.num_hidden_layers * block + h + head + moe + extra
 
 
 def _type_ok(value: Any, hint: Any) -> bool:

@@ -29,6 +29,8 @@ from itertools import pairwise
 import torch
 import torch.nn.functional as F
 
+from astrai.extension.backend.sinks import sink_softmax_attention
+
 
 class DocumentSpans:
     """Where each packed document of a ``[B, S]`` batch lies: ``spans[b]`` is the list of
@@ -91,10 +93,12 @@ class DocumentSpans:
         scale: float,
         enable_gqa: bool = False,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal attention within each span; ``q, k, v`` are ``[B, heads, S, head_dim]``;
-        `window`: each query also sees only its last `window` keys (sliding window)."""
-        if _varlen_fits(q, v):
+        `window`: each query also sees only its last `window` keys (sliding window);
+        `sinks`: attention sinks (`training_attention`), which flash varlen does not take."""
+        if sinks is None and _varlen_fits(q, v):
             return self._attend_varlen(q, k, v, scale=scale, enable_gqa=enable_gqa, window=window)
         rows = []
         for b, spans in enumerate(self.spans):
@@ -107,6 +111,7 @@ class DocumentSpans:
                     scale=scale,
                     enable_gqa=enable_gqa,
                     window=window,
+                    sinks=sinks,
                 )
                 for start, end in spans
             ]
@@ -180,16 +185,24 @@ def training_attention(
     scale: float,
     enable_gqa: bool = False,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of the dense training forward, ``q, k, v`` as ``[B, heads, S, head_dim]``:
     causal (``layout`` None), under a boolean ``[B, 1, S, S]`` mask (padding), or within the
     spans of packed documents (:class:`DocumentSpans`); `window` (a sliding-window layer)
-    further limits each query to its last `window` keys, HF's meaning."""
+    further limits each query to its last `window` keys, HF's meaning. `sinks` (``[heads]``,
+    GPT-OSS) join each softmax's denominator (`astrai.extension.backend.sinks`)."""
     if isinstance(layout, DocumentSpans):
-        return layout.attend(q, k, v, scale=scale, enable_gqa=enable_gqa, window=window)
+        return layout.attend(
+            q, k, v, scale=scale, enable_gqa=enable_gqa, window=window, sinks=sinks
+        )
     local = window_mask(q.shape[2], window, q.device)
     if local is not None:
         layout = local if layout is None else layout & local
+    if sinks is not None:
+        if layout is None:
+            layout = torch.ones(q.shape[2], q.shape[2], dtype=torch.bool, device=q.device).tril()
+        return sink_softmax_attention(q, k, v, layout, scale, sinks)
     return F.scaled_dot_product_attention(
         q,
         k,

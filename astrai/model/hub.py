@@ -4,7 +4,8 @@ Weights are always stored under Hugging Face's names (`model.layers.0.self_attn.
 experts one tensor per expert, as HF writes them, stacked in memory by `hf_moe`), so our
 directories differ from HF's only in `config.json`. `from_pretrained` reads ours and HF
 Llama, Qwen2, Qwen3, Mistral, Mixtral, Qwen2-MoE, Qwen3-MoE (`hf_moe`), DeepSeek-V2/V3
-(`hf_deepseek`), OLMo 2 (`hf_olmo2`) and Phi-3 / Phi-4 (`hf_phi3`) directories;
+(`hf_deepseek`), OLMo 2 (`hf_olmo2`), Phi-3 / Phi-4 (`hf_phi3`) and GPT-OSS (`hf_gpt_oss`)
+directories;
 `save_pretrained(hf_format=True)` writes one that `transformers.AutoModelForCausalLM` loads. Nothing here uses pickle.
 """
 
@@ -22,7 +23,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from astrai.files import naming_full_disk, publish
-from astrai.model import hf_deepseek, hf_fp8, hf_moe, hf_olmo2, hf_phi3
+from astrai.model import hf_deepseek, hf_fp8, hf_gpt_oss, hf_moe, hf_mxfp4, hf_olmo2, hf_phi3
 from astrai.model.config import ConfigError, ModelConfig
 from astrai.model.directory import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME
 from astrai.model.hf_common import hf_base_fields
@@ -45,6 +46,7 @@ HF_ARCHITECTURES.update(hf_moe.MOE_ARCHITECTURES)  # Mixtral, Qwen2-MoE, Qwen3-M
 HF_ARCHITECTURES.update(hf_deepseek.DEEPSEEK_ARCHITECTURES)  # DeepSeek-V2 / V3 (MLA)
 HF_ARCHITECTURES.update(hf_olmo2.OLMO2_ARCHITECTURES)  # OLMo 2 (post-norm)
 HF_ARCHITECTURES.update(hf_phi3.PHI3_ARCHITECTURES)  # Phi-3 / Phi-4 (fused projections)
+HF_ARCHITECTURES.update(hf_gpt_oss.GPT_OSS_ARCHITECTURES)  # GPT-OSS (sinks, biased experts)
 # Old HF checkpoints sometimes carry these non-parameter buffers.
 _IGNORED_KEYS = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
@@ -121,6 +123,7 @@ def config_from_hf(data: dict[str, Any], *, source: str = CONFIG_NAME) -> ModelC
     fields.update(hf_moe.config_fields(data, model_type, source))
     fields.update(hf_olmo2.config_fields(data, model_type, source))
     fields.update(hf_phi3.config_fields(data, model_type, source))
+    fields.update(hf_gpt_oss.config_fields(data, model_type, source))
     fields.update(_window_from_hf(data, model_type, source))
     missing = [k for k, v in fields.items() if v is None and k in _HF_REQUIRED]
     if missing:
@@ -179,6 +182,8 @@ def hf_model_type(config: ModelConfig) -> str:
     """
     if config.attention_type == "mla":
         return hf_deepseek.hf_deepseek_model_type(config)
+    if hf_gpt_oss.is_gpt_oss(config):
+        return hf_gpt_oss.hf_gpt_oss_model_type(config)
     if hf_olmo2.is_olmo2(config):
         return hf_olmo2.hf_olmo2_model_type(config)
     phi3 = hf_phi3.hf_phi3_model_type(config)
@@ -248,6 +253,7 @@ def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dic
     data.update(_window_to_hf(config, model_type))  # after the MoE fields, which clear it
     data.update(hf_olmo2.config_to_hf_fields(config, model_type))
     data.update(hf_phi3.config_to_hf_fields(config, model_type))
+    data.update(hf_gpt_oss.config_to_hf_fields(config, model_type))
     return data
 
 
@@ -343,13 +349,16 @@ def read_hf_state(
     dtype: torch.dtype | None = None,
 ) -> dict[str, torch.Tensor]:
     """A directory's tensors under HF names in our layout: stale rotary buffers dropped,
-    block-fp8 weights dequantised (to `dtype`), per-expert tensors stacked, DeepSeek's MLA
+    block-fp8 and MXFP4 weights dequantised (to `dtype`), per-expert tensors stacked, DeepSeek's MLA
     rows and shared experts translated."""
     stored = read_state_dict(path, device)
     stored = hf_fp8.dequantize_state(stored, hf_fp8.block_size(path), source=str(path), dtype=dtype)
+    method = hf_mxfp4.quant_method(path)  # GPT-OSS's MXFP4 experts
+    stored = hf_mxfp4.dequantize_state(stored, method, source=str(path), dtype=dtype)
     stored = {k: v for k, v in stored.items() if not _IGNORED_KEYS.search(k)}
     stored = hf_moe.state_from_hf(stored)  # per-expert HF tensors -> stacked experts
     stored = hf_phi3.state_from_hf(stored, config)  # Phi-3's fused qkv / gate_up split
+    stored = hf_gpt_oss.state_from_hf(stored, config)  # GPT-OSS's interleaved experts
     return hf_deepseek.state_from_hf(stored, config)  # MLA rotary rows, shared experts
 
 
@@ -518,6 +527,7 @@ def save_pretrained(
         state[to_hf_key(name)] = t.to("cpu").contiguous()
     stored_dtype = next(iter(state.values())).dtype
     state = hf_deepseek.state_to_hf(state, config, unstack=hf_format)  # MLA: DeepSeek layout
+    state = hf_gpt_oss.state_to_hf(state, config)  # GPT-OSS: HF's expert layout, both formats
     if hf_format:  # stacked experts -> the per-expert tensors of HF checkpoints
         state = hf_moe.state_to_hf(state, hf_model_type(config))
         state = hf_phi3.state_to_hf(state, hf_model_type(config))  # fused qkv / gate_up

@@ -485,6 +485,8 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.rotate_qk = rotary_for(config)
+        # GPT-OSS: a learned logit per head in each softmax's denominator (training and engine)
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if config.attention_sinks else None
 
     def project(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -530,6 +532,7 @@ class Attention(nn.Module):
             scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads,
             window=self.window,
+            sinks=self.sinks,
         )
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
@@ -538,7 +541,9 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Packed `[T, H]` inference path: K/V go to the cache, attention reads it back."""
         q, k, v = self.project(x, cos, sin)
-        out = attention(q, k, v, kv_cache, self.layer_id, scale=self.scale, window=self.window)
+        out = attention(
+            q, k, v, kv_cache, self.layer_id, scale=self.scale, window=self.window, sinks=self.sinks
+        )
         return self.o_proj(out.reshape(x.shape[0], -1))
 
 

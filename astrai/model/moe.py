@@ -16,12 +16,17 @@ gathered path at every batch size. In the engine's batch-invariant mode
 blocks, one expert at a time (its loop reads the offsets on the host), and every batch takes
 that path, so a token's output does not depend on the other tokens of the step.
 
+GPT-OSS's experts (`expert_bias`, `swiglu_limit`) add a bias to both products and use a
+clamped SwiGLU (`astrai.model.moe_activation`) on every one of these paths; its router has a
+bias (`router_bias`).
+
 In training each layer records its router statistics (Switch-Transformer load-balancing loss,
 router z-loss, tokens per expert) of the latest forward; `router_stats(model)` collects them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +36,7 @@ from torch import nn
 from astrai.extension import batch_invariant_enabled, invariant_rows
 from astrai.model.config import ModelConfig
 from astrai.model.layers import MLP, Linear
+from astrai.model.moe_activation import expert_activation, swiglu
 from astrai.model.moe_config import expert_size, shared_size
 
 __all__ = [
@@ -74,7 +80,7 @@ class Router(nn.Module):
 
     `weight` is `[E, H]` (HF's `mlp.gate.weight`); `e_score_correction_bias` (DeepSeek V3)
     shifts only the choice, not the weights, and is a buffer: aux-free balancing updates it
-    outside the optimizer.
+    outside the optimizer. `bias` (GPT-OSS's `router.bias`) is part of the logits.
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -91,9 +97,12 @@ class Router(nn.Module):
             self.register_buffer("e_score_correction_bias", torch.zeros(config.num_experts))
         else:
             self.e_score_correction_bias = None
+        self.bias = nn.Parameter(torch.empty(config.num_experts)) if config.router_bias else None
 
     def reset_parameters(self, std: float, generator: torch.Generator | None = None) -> None:
         self.weight.data.normal_(0.0, std, generator=generator)
+        if self.bias is not None:
+            self.bias.data.normal_(0.0, std, generator=generator)
         if self.e_score_correction_bias is not None:
             self.e_score_correction_bias.zero_()
 
@@ -112,7 +121,8 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`[T, H]` -> fp32 logits `[T, E]`, weights `[T, k]` (fp32) and expert ids `[T, k]`."""
         weight = self.weight.float()
-        logits = invariant_rows(x.float(), lambda z: F.linear(z, weight))
+        bias = None if self.bias is None else self.bias.float()
+        logits = invariant_rows(x.float(), lambda z: F.linear(z, weight, bias))
         scores = logits.softmax(-1) if self.scoring == "softmax" else logits.sigmoid()
         if self.method == "greedy":
             weights, ids = scores.topk(self.top_k, dim=-1)
@@ -132,17 +142,43 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """`num_experts` SwiGLU MLPs stacked into two tensors (HF transformers 5's layout)."""
+    """`num_experts` SwiGLU MLPs stacked into two tensors (HF transformers 5's layout).
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+    GPT-OSS's variant: `bias` adds `gate_up_proj_bias [E, 2I]` / `down_proj_bias [E, H]` to
+    the two products, and `activation` is its clamped SwiGLU (`astrai.model.moe_activation`).
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden: int,
+        intermediate: int,
+        *,
+        bias: bool = False,
+        activation: Callable[[torch.Tensor], torch.Tensor] = swiglu,
+    ) -> None:
         super().__init__()
         self.num_experts = num_experts
+        self.activation = activation
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        if bias:
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate))
+            self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden))
+        else:
+            self.gate_up_proj_bias = self.down_proj_bias = None
 
     def reset_parameters(self, std: float, generator: torch.Generator | None = None) -> None:
         self.gate_up_proj.data.normal_(0.0, std, generator=generator)
         self.down_proj.data.normal_(0.0, std, generator=generator)
+        if self.gate_up_proj_bias is not None and self.down_proj_bias is not None:
+            self.gate_up_proj_bias.data.zero_()  # as transformers' GPT-OSS initialises them
+            self.down_proj_bias.data.zero_()
+
+    @staticmethod
+    def _biased(h: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:
+        """`h` plus each row's expert bias (`ids`: the expert of each row); `h` without one."""
+        return h if bias is None else h + bias[ids].to(h.dtype)
 
     def _aligned(self, x: torch.Tensor) -> bool:
         """Whether `_grouped_mm` accepts these row strides (multiples of 16 bytes)."""
@@ -156,12 +192,12 @@ class Experts(nn.Module):
         order = flat.argsort(stable=True)
         xs = x[order // ids.shape[1]]
         experts = torch.arange(self.num_experts, device=flat.device, dtype=flat.dtype)
-        ends = torch.searchsorted(flat[order], experts, right=True).to(torch.int32)
+        ids_sorted = flat[order]
+        ends = torch.searchsorted(ids_sorted, experts, right=True).to(torch.int32)
         h = torch._grouped_mm(xs, self.gate_up_proj.to(x.dtype).transpose(1, 2), offs=ends)
-        gate, up = h.chunk(2, dim=-1)
-        act = F.silu(gate) * up
+        act = self.activation(self._biased(h, self.gate_up_proj_bias, ids_sorted))
         out = torch._grouped_mm(act, self.down_proj.to(x.dtype).transpose(1, 2), offs=ends)
-        return out, order
+        return self._biased(out, self.down_proj_bias, ids_sorted), order
 
     def _sorted(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Batch-invariant mode: one expert at a time in fixed row blocks (a host read of the
@@ -174,10 +210,11 @@ class Experts(nn.Module):
         for e, end in enumerate(ends):  # a loop over experts, each on a contiguous slice
             if end > start:
                 gate_up, down = self.gate_up_proj[e], self.down_proj[e]
-                h = invariant_rows(xs[start:end], lambda z, w=gate_up: F.linear(z, w))
-                gate, up = h.chunk(2, dim=-1)
-                act = F.silu(gate) * up
-                outs.append(invariant_rows(act, lambda z, w=down: F.linear(z, w)))
+                b_up = None if self.gate_up_proj_bias is None else self.gate_up_proj_bias[e]
+                b_down = None if self.down_proj_bias is None else self.down_proj_bias[e]
+                h = invariant_rows(xs[start:end], lambda z, w=gate_up, b=b_up: F.linear(z, w, b))
+                act = self.activation(h)
+                outs.append(invariant_rows(act, lambda z, w=down, b=b_down: F.linear(z, w, b)))
             start = end
         return torch.cat(outs), order
 
@@ -185,8 +222,11 @@ class Experts(nn.Module):
         """Outputs `[T*k, H]` in pair order via per-pair weight gathers (static shapes)."""
         flat = ids.reshape(-1)
         xs = x.repeat_interleave(ids.shape[1], dim=0)[:, :, None]
-        gate, up = torch.bmm(self.gate_up_proj[flat], xs).squeeze(-1).chunk(2, dim=-1)
-        return torch.bmm(self.down_proj[flat], (F.silu(gate) * up)[:, :, None]).squeeze(-1)
+        h = self._biased(
+            torch.bmm(self.gate_up_proj[flat], xs).squeeze(-1), self.gate_up_proj_bias, flat
+        )
+        out = torch.bmm(self.down_proj[flat], self.activation(h)[:, :, None]).squeeze(-1)
+        return self._biased(out, self.down_proj_bias, flat)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """`sum_j weights[t, j] * expert_{ids[t, j]}(x[t])` for `[T, H]` tokens."""
@@ -221,7 +261,13 @@ class MoE(nn.Module):
         self.num_experts = config.num_experts
         self.top_k = config.num_experts_per_tok
         self.gate = Router(config)
-        self.experts = Experts(config.num_experts, config.hidden_size, expert_size(config))
+        self.experts = Experts(
+            config.num_experts,
+            config.hidden_size,
+            expert_size(config),
+            bias=config.expert_bias,
+            activation=expert_activation(config),
+        )
         self.shared_expert = (
             SharedExpert(config.hidden_size, shared_size(config))
             if config.num_shared_experts
@@ -279,9 +325,7 @@ def inactive_expert_parameters(model: nn.Module) -> int:
     total = 0
     for m in model.modules():
         if isinstance(m, MoE):
-            per_expert = (
-                m.experts.gate_up_proj.numel() + m.experts.down_proj.numel()
-            ) // m.num_experts
+            per_expert = sum(p.numel() for p in m.experts.parameters()) // m.num_experts
             total += (m.num_experts - m.top_k) * per_expert
     return total
 

@@ -13,7 +13,7 @@ from astrai.extension import KVCache
 from astrai.model.config import ModelConfig
 from astrai.model.documents import DocumentSpans
 from astrai.model.head import HeadSettings, TokenScores, head_scores
-from astrai.model.layers import Linear, RMSNorm, RotaryEmbedding
+from astrai.model.layers import Attention, Linear, RMSNorm, RotaryEmbedding
 from astrai.model.longrope import is_longrope
 from astrai.model.longrope_embedding import LongRopeEmbedding
 from astrai.model.mla import make_attention
@@ -182,6 +182,8 @@ class Transformer(nn.Module):
                 module.reset_parameters()
             elif isinstance(module, MoE):
                 module.reset_parameters(std, generator)
+            elif isinstance(module, Attention) and module.sinks is not None:
+                module.sinks.normal_(0.0, std, generator=generator)  # as transformers' GPT-OSS
 
     def router_stats(self) -> list[RouterStats]:
         """Per MoE layer: load-balancing loss, z-loss and tokens per expert of the latest

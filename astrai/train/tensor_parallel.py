@@ -86,6 +86,11 @@ def tensor_parallel_problems(config: ModelConfig, size: int, world_size: int = 0
             f"{KEY}={size}: a mixture-of-experts model (model.num_experts="
             f"{config.num_experts}) has no tensor-parallel plan"
         )
+    if config.attention_sinks:
+        found.append(
+            f"{KEY}={size}: attention sinks (model.attention_sinks=true, GPT-OSS) have no "
+            "tensor-parallel plan"
+        )
     if config.norm_position != "pre" or config.qk_norm_scope != "head":
         found.append(
             f"{KEY}={size}: OLMo 2's blocks (model.norm_position={config.norm_position!r}, "

@@ -96,3 +96,43 @@ def assert_lora_trains(hf: torch.nn.Module, tmp_path: Path) -> None:
         adapted = model(x)
         merge_lora(model)
         torch.testing.assert_close(model(x), adapted, atol=1e-4, rtol=0)
+
+
+GPT_OSS_WINDOW = 8
+GPT_OSS_YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 150000.0,
+    "factor": 4.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 32,
+}
+GPT_OSS_SIZES = dict(
+    hidden_size=64,
+    intermediate_size=32,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    sliding_window=GPT_OSS_WINDOW,
+    max_position_embeddings=128,
+    swiglu_limit=0.8,
+    initializer_range=0.2,  # spread-out logits: greedy has no near-ties
+    rope_parameters=GPT_OSS_YARN,
+)
+
+
+def build_gpt_oss(vocab: int = 256) -> transformers.GptOssForCausalLM:
+    """A tiny random GPT-OSS: alternating sliding / full layers (window 8), non-zero sinks and
+    biases, a SwiGLU limit the activations cross, YaRN with `truncate: false`."""
+    config = transformers.GptOssConfig(vocab_size=vocab, **GPT_OSS_SIZES)
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(config).eval()
+    with torch.no_grad():  # transformers initialises the expert biases to zero
+        for name, p in model.named_parameters():
+            if name.endswith("_bias") or name.endswith("sinks") or name.endswith("router.bias"):
+                p.normal_(0.0, 0.5)
+    return model

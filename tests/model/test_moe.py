@@ -302,3 +302,88 @@ def test_grouped_dispatch_has_no_host_sync_and_equals_the_loop_forward_and_backw
     counts = torch.bincount(block.gate(x)[2].reshape(-1), minlength=cfg.num_experts)
     assert block.stats.expert_counts.tolist() == counts.tolist()
     assert aux.requires_grad
+
+
+GPT_OSS_LIMIT = 0.6  # small: the products of normal(0, 0.5) weights cross it both ways
+
+
+def gpt_oss_pair(hidden: int = 16, expert: int = 8):
+    """transformers' GPT-OSS MLP (random weights and biases) and our MoE holding the same."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    from astrai.model.hf_gpt_oss import gate_up_from_hf
+
+    hf_cfg = transformers.GptOssConfig(
+        vocab_size=32,
+        hidden_size=hidden,
+        intermediate_size=expert,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        swiglu_limit=GPT_OSS_LIMIT,
+    )
+    torch.manual_seed(0)
+    hf = GptOssMLP(hf_cfg)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0.0, 0.5)
+    cfg = ModelConfig(
+        **{**BASE, "hidden_size": hidden, "moe_intermediate_size": expert},
+        norm_topk_prob=True,
+        router_bias=True,
+        expert_bias=True,
+        swiglu_limit=GPT_OSS_LIMIT,
+    )
+    block = MoE(cfg, 0)
+    e = hf.experts
+    gate_up, gate_up_bias = gate_up_from_hf(e.gate_up_proj.data, e.gate_up_proj_bias.data)
+    block.load_state_dict(
+        {
+            "gate.weight": hf.router.weight.data,
+            "gate.bias": hf.router.bias.data,
+            "experts.gate_up_proj": gate_up,
+            "experts.gate_up_proj_bias": gate_up_bias,
+            "experts.down_proj": e.down_proj.data.transpose(1, 2),
+            "experts.down_proj_bias": e.down_proj_bias.data,
+        }
+    )
+    return hf, block
+
+
+@pytest.mark.parametrize("path", ["gathered", "grouped", "sorted"])
+def test_gpt_oss_experts_equal_transformers_on_every_dispatch_path(monkeypatch, path):
+    """Router bias, expert biases, interleaved gate/up and the clamped SwiGLU (clamp hit)."""
+    from astrai.extension import batch_invariant
+
+    hf, block = gpt_oss_pair()
+    monkeypatch.setattr(moe_module, "GATHER_MAX_PAIRS", 10_000 if path == "gathered" else 0)
+    assert block.experts._aligned(torch.zeros(1))
+    x = torch.randn(37, 16)
+    with torch.no_grad():
+        expected = hf(x[None])[0][0]
+        if path == "sorted":
+            with batch_invariant():
+                got = block(x)
+        else:
+            got = block(x)
+        e = block.experts
+        gate, up = (torch.einsum("eih,th->tei", e.gate_up_proj, x) + e.gate_up_proj_bias).chunk(
+            2, -1
+        )
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    assert (gate > GPT_OSS_LIMIT).any() and (up < -GPT_OSS_LIMIT).any()  # the clamps bite
+
+
+def test_gpt_oss_experts_backward_equals_transformers():
+    hf, block = gpt_oss_pair()
+    x = torch.randn(9, 16)
+    grad = torch.randn(9, 16)
+    (hf(x[None])[0][0] * grad).sum().backward()
+    (block(x) * grad).sum().backward()
+    torch.testing.assert_close(block.gate.bias.grad, hf.router.bias.grad, atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        block.experts.down_proj_bias.grad, hf.experts.down_proj_bias.grad, atol=1e-5, rtol=0
+    )

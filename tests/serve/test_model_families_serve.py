@@ -1,6 +1,8 @@
 """The server answering through the OpenAI SDK with a mixture-of-experts model, a
-multi-head latent attention (MLA) model, an OLMo 2 (post-norm) and a Phi-4-mini-like
-(partial rotary) model: the same greedy text as full recomputation."""
+multi-head latent attention (MLA) model, an OLMo 2 (post-norm), a Phi-4-mini-like
+(partial rotary) and a GPT-OSS-like model (attention sinks, biased experts with the clamped
+SwiGLU, a sliding window shorter than the prompt on one of two layers): the same greedy text
+as full recomputation."""
 
 from __future__ import annotations
 
@@ -42,6 +44,21 @@ FAMILIES = {
     # Phi-4-mini: RoPE on the first 3/4 of each head (Phi-3's fused projections are split on
     # import, so the served model is this one)
     "phi3": dict(partial_rotary_factor=0.75, hf_model_type="phi3"),
+    "gpt_oss": dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        norm_topk_prob=True,
+        attention_bias=True,
+        o_proj_bias=True,
+        attention_sinks=True,
+        router_bias=True,
+        expert_bias=True,
+        swiglu_limit=1.0,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+        hf_model_type="gpt_oss",
+    ),
 }
 
 
@@ -52,6 +69,9 @@ def _is_family(model, family: str) -> bool:
         return [type(b).__name__ for b in model.layers] == ["PostNormBlock"] * 2
     if family == "phi3":
         return model.config.rotary_dim() == 12
+    if family == "gpt_oss":
+        attn = model.layers[0].self_attn
+        return attn.sinks is not None and attn.window == 4 and model.config.swiglu_limit == 1.0
     return model.config.attention_type == "mla"
 
 

@@ -219,6 +219,8 @@ def test_models_without_a_plan_are_refused() -> None:
     olmo2 = preset("tiny", norm_position="post", qk_norm=True, qk_norm_scope="projection")
     (post,) = tensor_parallel_problems(olmo2, 2)
     assert "model.norm_position='post'" in post and KEY in post
+    (sinks,) = tensor_parallel_problems(preset("tiny", attention_sinks=True), 2)
+    assert "model.attention_sinks=true" in sinks and KEY in sinks
 
 
 def test_preflight_refuses_before_anything_loads() -> None:

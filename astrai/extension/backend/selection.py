@@ -23,6 +23,7 @@ import torch
 from astrai.extension.backend.base import AttentionBackend, BackendUnavailable
 from astrai.extension.backend.cpu_paged import CpuPagedBackend
 from astrai.extension.backend.flash import FlashAttnBackend
+from astrai.extension.backend.sinks import sink_attention
 from astrai.extension.backend.torch_native import TorchNativeBackend
 from astrai.extension.backend.triton import TritonBackend
 from astrai.extension.backend.windowed import windowed_attention
@@ -158,6 +159,7 @@ def attention(
     *,
     scale: float | None = None,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend causally per request.
 
@@ -166,11 +168,21 @@ def attention(
     `window`: a sliding-window layer's window; once a request's keys outgrow it, a backend
     whose kernels take it (`takes_window`: the compiled CPU kernel, triton, flash) gets it as
     an argument, and torch_native's calls go to `windowed_attention` (SDPA over the window's
-    rows).
+    rows). `sinks` (`[n_heads]`, GPT-OSS): every call goes to `sink_attention` (plain torch
+    per request, with the window if any); an explicit triton or flash selection refuses it.
     """
     if scale is None:
         scale = q.shape[-1] ** -0.5
     backend = resolve_backend(q, kv_cache)
+    if sinks is not None:
+        explicit = _explicit()
+        if explicit is not None and explicit[0] in (ATTN_BACKEND.TRITON, ATTN_BACKEND.FLASH):
+            raise BackendUnavailable(
+                f"attention backend {explicit[0].value!r} was selected by {explicit[1]} but "
+                "has no attention sinks; select torch_native or cpu, or leave the choice to "
+                "auto selection"
+            )
+        return sink_attention(q, k, v, kv_cache, layer_id, scale, window, sinks)
     if window is not None and kv_cache.max_len > window:
         if backend.takes_window:
             return backend.forward(q, k, v, kv_cache, layer_id, scale, window)

@@ -31,6 +31,20 @@ def window_rows(
     return buf.index_select(0, slots.to(torch.int64))
 
 
+def request_kv(
+    kv_cache: KVCache, layer_id: int, request: int, first: int, kv_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of `request`'s cache rows ``[first, kv_len)`` in layer `layer_id`
+    (`[rows, kv_heads, head_dim]`; an int8 cache dequantized to fp32)."""
+    keys = window_rows(kv_cache, kv_cache.k_buffer[layer_id], request, first, kv_len)
+    values = window_rows(kv_cache, kv_cache.v_buffer[layer_id], request, first, kv_len)
+    if kv_cache.k_scale is not None and kv_cache.v_scale is not None:  # int8: dequantize
+        k_scale = window_rows(kv_cache, kv_cache.k_scale[layer_id], request, first, kv_len)
+        v_scale = window_rows(kv_cache, kv_cache.v_scale[layer_id], request, first, kv_len)
+        keys, values = keys.float() * k_scale[..., None], values.float() * v_scale[..., None]
+    return keys, values
+
+
 def window_keys_mask(
     q_len: int, kv_len: int, first: int, window: int, device: torch.device
 ) -> torch.Tensor:
@@ -73,12 +87,7 @@ def window_span(
     i, start, q_len, kv_len = span
     n_kv_heads = kv_cache.k_buffer.shape[-2]
     first = max(0, kv_len - q_len - window + 1)
-    keys = window_rows(kv_cache, kv_cache.k_buffer[layer_id], i, first, kv_len)
-    values = window_rows(kv_cache, kv_cache.v_buffer[layer_id], i, first, kv_len)
-    if kv_cache.k_scale is not None and kv_cache.v_scale is not None:  # int8: dequantize
-        k_scale = window_rows(kv_cache, kv_cache.k_scale[layer_id], i, first, kv_len)
-        v_scale = window_rows(kv_cache, kv_cache.v_scale[layer_id], i, first, kv_len)
-        keys, values = keys.float() * k_scale[..., None], values.float() * v_scale[..., None]
+    keys, values = request_kv(kv_cache, layer_id, i, first, kv_len)
     mask = window_keys_mask(q_len, kv_len, first, window, q.device)
     o = F.scaled_dot_product_attention(
         q[start : start + q_len].transpose(0, 1)[None],
