@@ -97,10 +97,12 @@ def reference(
     v_before: torch.Tensor,
     scale: float,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ):
     """Dense per-request causal attention in float64 from the cache contents before the call
     (the cached prefix) plus this step's k/v, GQA by repeat_interleave; with `window`, a
-    query at position p sees keys p - window < t <= p (transformers' sliding window)."""
+    query at position p sees keys p - window < t <= p (transformers' sliding window); with
+    `sinks` ([heads]), each head's softmax has one more column no value stands behind."""
     outs, start = [], 0
     n_heads, n_kv = case.q.shape[1], case.k.shape[1]
     for slots, prefix in zip(case.slots, case.prefix_lens):
@@ -116,6 +118,11 @@ def reference(
         if window is not None:
             visible &= torch.arange(len(slots))[None, :] > pos_q - window
         scores = scores.masked_fill(~visible, float("-inf"))
-        outs.append(torch.einsum("hnl,lhd->nhd", scores.softmax(-1), vals))
+        if sinks is not None:
+            column = sinks.double()[:, None, None].expand(-1, n, 1)
+            probs = torch.cat([scores, column], dim=-1).softmax(-1)[..., :-1]
+        else:
+            probs = scores.softmax(-1)
+        outs.append(torch.einsum("hnl,lhd->nhd", probs, vals))
         start += n
     return torch.cat(outs)

@@ -76,6 +76,26 @@ def test_sliding_window_matches_reference(layout, head_dim, window, reqs):
 
 
 @needs_kernel
+@pytest.mark.parametrize("layout", ["paged", "contiguous"])
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize(
+    "reqs", [MIXED, DECODE, SPECULATIVE, LONG], ids=["mixed", "decode", "spec", "long"]
+)
+def test_attention_sinks_match_reference(layout, window, reqs):
+    """GPT-OSS's sinks (one logit per query head in each softmax's denominator), with and
+    without a window; the long chunks take `sinks.sink_span`."""
+    case = make_case(
+        reqs, n_heads=6, n_kv_heads=2, head_dim=64, seed=17, contiguous=layout == "contiguous"
+    )
+    sinks = torch.randn(6, generator=torch.Generator().manual_seed(3)) * 2
+    k_before, v_before = case.cache.k_buffer.clone(), case.cache.v_buffer.clone()
+    out = CpuPagedBackend().forward(case.q, case.k, case.v, case.cache, LAYER, 0.125, window, sinks)
+    ref = reference(case, k_before, v_before, 0.125, window, sinks)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(ref, reference(case, k_before, v_before, 0.125, window))
+
+
+@needs_kernel
 @pytest.mark.parametrize("reqs", [MIXED, DECODE], ids=["mixed", "decode"])
 def test_agrees_with_torch_native(reqs):
     """Both backends on the same cache: the outputs and the written cache agree."""

@@ -2,7 +2,8 @@
 (softmax over the visible keys' scores plus the head's sink logit, the sink's share dropped):
 the training forward's causal, windowed, padded and packed-document paths, and the engine's
 per-request path over a paged cache (a request whose prefix is already cached, with and
-without a window); an explicit triton / flash selection refuses sinks, naming them."""
+without a window) on torch_native, the CPU kernel and Triton; an explicit flash selection
+refuses sinks, naming them."""
 
 from __future__ import annotations
 
@@ -14,10 +15,14 @@ from astrai.extension.backend import selection
 from astrai.extension.backend.base import BackendUnavailable
 from astrai.extension.backend.selection import attention
 from astrai.extension.backend.sinks import sink_attention
+from astrai.extension.cpu_kernels import paged_attention_op
 from astrai.model.documents import DocumentSpans, training_attention
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
 SCALE = DIM**-0.5
+NO_KERNEL = pytest.mark.skipif(
+    paged_attention_op() is None, reason="the CPU kernel is not built (make setup)"
+)
 
 
 def reference(q, k, v, sinks, visible):
@@ -127,9 +132,19 @@ def paged_cache(kv_lens, q_lens, keys, values, slots):
     )
 
 
+ENGINE_BACKENDS = [
+    "torch_native",
+    pytest.param("cpu", marks=NO_KERNEL),
+    "triton",  # interpreted on the CPU (TRITON_INTERPRET=1, tests/conftest.py)
+]
+
+
+@pytest.mark.parametrize("backend", ENGINE_BACKENDS)
 @pytest.mark.parametrize("window", [None, 5])
-def test_engine_sink_attention_over_a_paged_cache(window):
-    """Request 0 extends a cached prefix (prefill of 4 after 9 cached), request 1 decodes."""
+def test_engine_sink_attention_over_a_paged_cache(window, backend):
+    """Request 0 extends a cached prefix (prefill of 4 after 9 cached), request 1 decodes;
+    each backend (torch_native through `sink_attention`, the CPU kernel and Triton taking
+    the sinks themselves)."""
     g = torch.Generator().manual_seed(1)
     kv_lens, q_lens = [13, 8], [4, 1]
     perm = torch.randperm(64, generator=g)
@@ -141,7 +156,7 @@ def test_engine_sink_attention_over_a_paged_cache(window):
     cache = paged_cache(kv_lens, q_lens, keys, values, slots)
     new_k = torch.cat([keys[r][kv - ql :] for r, (kv, ql) in enumerate(zip(kv_lens, q_lens))])
     new_v = torch.cat([values[r][kv - ql :] for r, (kv, ql) in enumerate(zip(kv_lens, q_lens))])
-    with attn_backend("torch_native"):
+    with attn_backend(backend):
         got = attention(q, new_k, new_v, cache, 0, scale=SCALE, window=window, sinks=sinks)
     start = 0
     for r, (kv_len, q_len) in enumerate(zip(kv_lens, q_lens)):
@@ -152,15 +167,15 @@ def test_engine_sink_attention_over_a_paged_cache(window):
             return 0 <= first + i - j < span
 
         expected = reference(q[start : start + q_len], keys[r], values[r], sinks, visible)
-        torch.testing.assert_close(got[start : start + q_len], expected)
+        torch.testing.assert_close(got[start : start + q_len], expected, atol=2e-5, rtol=2e-5)
         start += q_len
     again = sink_attention(q, new_k, new_v, cache, 0, SCALE, window, sinks)
-    torch.testing.assert_close(again, got)
+    torch.testing.assert_close(again, got, atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("backend", ["triton", "flash"])
-def test_explicit_kernel_backends_refuse_sinks(backend, monkeypatch):
-    """Even where the kernel could serve the call (faked here: this may be a CPU machine)."""
+def test_explicit_flash_refuses_sinks(monkeypatch):
+    """Even where flash-attn could serve the call (faked here: this may be a CPU machine)."""
+    backend = "flash"
     monkeypatch.setattr(selection.get_backend(backend), "supports", lambda q, cache: None)
     q, k, v, sinks = tensors(1, 3)
     cache = paged_cache([3], [3], [rows(k, 0)], [rows(v, 0)], [torch.arange(3)])

@@ -195,6 +195,32 @@ def test_extend_attention_sliding_window(ops, window):
     assert not torch.allclose(expected, ref.extend_attention_ref(*cpu, 0.25))
 
 
+@pytest.mark.parametrize("window", [None, 5])
+def test_attention_sinks(ops, window):
+    """GPT-OSS's sinks (one logit per query head in each softmax's denominator): decode over
+    three splits and extend, with and without a window."""
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(2)).to(DEVICE) * 2
+    reqs = [(5, 5), (40, 9), (1, 1), (33, 1), (70, 40)]
+    seq_lens, q_lens = [s for s, _ in reqs], [n for _, n in reqs]
+    q, k_buf, v_buf, table, rows, lens, indptr = paged_case(
+        seq_lens, q_lens, 4, 2, 16, torch.float32, seed=9
+    )
+    out = ops["extend"].extend_attention(
+        q, k_buf, v_buf, table, rows, lens, indptr, max(q_lens), 0.25, window=window, sinks=sinks
+    )
+    cpu = [t.cpu() for t in (q, k_buf, v_buf, table, rows, lens, indptr)]
+    expected = ref.extend_attention_ref(*cpu, 0.25, window=window, sinks=sinks.cpu())
+    torch.testing.assert_close(out.cpu(), expected, atol=2e-5, rtol=2e-5)
+    assert not torch.allclose(expected, ref.extend_attention_ref(*cpu, 0.25, window=window))
+    q1 = q[: len(seq_lens)].contiguous()
+    out = ops["decode"].decode_attention(
+        q1, k_buf, v_buf, table, rows, lens, 0.25, num_splits=3, window=window, sinks=sinks
+    )
+    cpu = [t.cpu() for t in (q1, k_buf, v_buf, table, rows, lens)]
+    expected = ref.decode_attention_ref(*cpu, 0.25, window=window, sinks=sinks.cpu())
+    torch.testing.assert_close(out.cpu(), expected, atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("head_dim", [16, 48])
 def test_rotary(ops, dtype, head_dim):

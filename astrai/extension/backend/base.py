@@ -31,6 +31,9 @@ class AttentionBackend(ABC):
     # True: `forward` takes a sliding-window layer's `window` (its kernels read only each
     # query's window); False: `selection.attention` sends windowed calls to `windowed.py`.
     takes_window: bool = False
+    # True: `forward` also takes attention `sinks` (`[n_heads]`, GPT-OSS) and applies them with
+    # or without a window; False: `selection.attention` sends sink layers to `sinks.py`.
+    takes_sinks: bool = False
 
     @abstractmethod
     def supports(self, q: torch.Tensor, kv_cache: KVCache) -> str | None:

@@ -10,7 +10,8 @@ than `FRESH_MAX_Q`) still go to SDPA's blocked kernel, which turns them into mat
 int8 cache, when the kernel is built (`make setup`) and not turned off (`ASTR_CPU_KERNELS=0`);
 auto selection otherwise falls through to torch_native. A sliding-window layer passes its
 `window`: the kernel reads only each query's window, and long extend rows take SDPA over the
-window's rows (`windowed.window_span`).
+window's rows (`windowed.window_span`). Attention sinks (GPT-OSS) join the kernel's softmax
+denominators; long extend rows with sinks go to `sinks.sink_span`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from astrai.extension.backend.base import AttentionBackend, shape_mismatch, write_kv
+from astrai.extension.backend.sinks import sink_span
 from astrai.extension.backend.torch_native import sdpa_request
 from astrai.extension.backend.windowed import window_span
 from astrai.extension.cpu_kernels import paged_attention_op
@@ -72,6 +74,7 @@ class CpuPagedBackend(AttentionBackend):
 
     name = "cpu"
     takes_window = True
+    takes_sinks = True
 
     def supports(self, q: torch.Tensor, kv_cache: KVCache) -> str | None:
         if q.device.type != "cpu":
@@ -103,8 +106,10 @@ class CpuPagedBackend(AttentionBackend):
         layer_id: int,
         scale: float,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """As every backend's, plus `window`: a sliding-window layer's window (None: full)."""
+        """As every backend's, plus `window` (a sliding-window layer's; None: full) and
+        `sinks` (`[n_heads]` sink logits, or None)."""
         write_kv(k, v, kv_cache, layer_id)
         if q.shape[0] == 0:
             return torch.empty_like(q)
@@ -129,12 +134,15 @@ class CpuPagedBackend(AttentionBackend):
             plan.kv_lens,
             scale,
             window or 0,
+            _EMPTY if sinks is None else sinks.detach().float().contiguous(),
         )
         for span in plan.sdpa_spans:
             _, start, q_len, _ = span
-            out[start : start + q_len] = (
-                sdpa_request(q, k, v, kv_cache, layer_id, scale, span)
-                if window is None
-                else window_span(q, kv_cache, layer_id, scale, window, span)
-            )
+            if sinks is not None:
+                rows = sink_span(q, kv_cache, layer_id, scale, window, sinks, span)
+            elif window is not None:
+                rows = window_span(q, kv_cache, layer_id, scale, window, span)
+            else:
+                rows = sdpa_request(q, k, v, kv_cache, layer_id, scale, span)
+            out[start : start + q_len] = rows
         return out

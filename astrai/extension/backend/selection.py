@@ -168,19 +168,23 @@ def attention(
     `window`: a sliding-window layer's window; once a request's keys outgrow it, a backend
     whose kernels take it (`takes_window`: the compiled CPU kernel, triton, flash) gets it as
     an argument, and torch_native's calls go to `windowed_attention` (SDPA over the window's
-    rows). `sinks` (`[n_heads]`, GPT-OSS): every call goes to `sink_attention` (plain torch
-    per request, with the window if any); an explicit triton or flash selection refuses it.
+    rows). `sinks` (`[n_heads]`, GPT-OSS): a backend whose kernels take them (`takes_sinks`:
+    the compiled CPU kernel, triton) gets them (and the window) as arguments; otherwise the
+    call goes to `sink_attention` (plain torch per request, with the window if any), and an
+    explicit flash selection refuses it.
     """
     if scale is None:
         scale = q.shape[-1] ** -0.5
     backend = resolve_backend(q, kv_cache)
     if sinks is not None:
+        if backend.takes_sinks:
+            return backend.forward(q, k, v, kv_cache, layer_id, scale, window, sinks)
         explicit = _explicit()
-        if explicit is not None and explicit[0] in (ATTN_BACKEND.TRITON, ATTN_BACKEND.FLASH):
+        if explicit is not None and explicit[0] == ATTN_BACKEND.FLASH:
             raise BackendUnavailable(
                 f"attention backend {explicit[0].value!r} was selected by {explicit[1]} but "
-                "has no attention sinks; select torch_native or cpu, or leave the choice to "
-                "auto selection"
+                "has no attention sinks; select torch_native, cpu or triton, or leave the "
+                "choice to auto selection"
             )
         return sink_attention(q, k, v, kv_cache, layer_id, scale, window, sinks)
     if window is not None and kv_cache.max_len > window:

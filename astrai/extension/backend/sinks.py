@@ -3,9 +3,10 @@
 The sink is one more column of the scores that no value stands behind, so it only takes
 probability mass away from the keys: ``out = sum_j p_j v_j`` with ``p = softmax([scores,
 sink])[:-1]`` (transformers' ``eager_attention_forward`` of GPT-OSS). No fused kernel here
-takes such a column, so both the training forward (`astrai.model.documents`) and the engine
-(`selection.attention`, per request as `windowed.py` does, with or without a window) compute
-it in plain torch; the softmax runs in fp32.
+takes such a column, so the training forward (`astrai.model.documents`) computes it in plain
+torch, as does the engine (per request as `windowed.py` does, with or without a window)
+wherever its backend's kernels take no sinks (`AttentionBackend.takes_sinks`: the compiled
+CPU kernel and the Triton kernels do); the softmax runs in fp32.
 """
 
 from __future__ import annotations
@@ -53,18 +54,33 @@ def sink_attention(
     `window` of them for a sliding-window layer) with the sinks in the denominator."""
     write_kv(k, v, kv_cache, layer_id)
     out = torch.empty_like(q)
-    for i, start, q_len, kv_len in kv_cache.request_spans():
-        first = 0 if window is None else max(0, kv_len - q_len - window + 1)
-        keys, values = request_kv(kv_cache, layer_id, i, first, kv_len)
-        span = kv_len if window is None else window
-        mask = window_keys_mask(q_len, kv_len, first, span, q.device)
-        o = sink_softmax_attention(
-            q[start : start + q_len].transpose(0, 1)[None],
-            keys.to(q.dtype).transpose(0, 1)[None],
-            values.to(q.dtype).transpose(0, 1)[None],
-            mask,
-            scale,
-            sinks,
-        )
-        out[start : start + q_len] = o[0].transpose(0, 1)
+    for span in kv_cache.request_spans():
+        _, start, q_len, _ = span
+        out[start : start + q_len] = sink_span(q, kv_cache, layer_id, scale, window, sinks, span)
     return out
+
+
+def sink_span(
+    q: torch.Tensor,
+    kv_cache: KVCache,
+    layer_id: int,
+    scale: float,
+    window: int | None,
+    sinks: torch.Tensor,
+    span: tuple[int, int, int, int],
+) -> torch.Tensor:
+    """`[q_len, heads, head_dim]` attention with sinks of one request span `(request, start,
+    q_len, kv_len)` over its cached keys (K/V already written)."""
+    i, start, q_len, kv_len = span
+    first = 0 if window is None else max(0, kv_len - q_len - window + 1)
+    keys, values = request_kv(kv_cache, layer_id, i, first, kv_len)
+    mask = window_keys_mask(q_len, kv_len, first, kv_len if window is None else window, q.device)
+    o = sink_softmax_attention(
+        q[start : start + q_len].transpose(0, 1)[None],
+        keys.to(q.dtype).transpose(0, 1)[None],
+        values.to(q.dtype).transpose(0, 1)[None],
+        mask,
+        scale,
+        sinks,
+    )
+    return o[0].transpose(0, 1)

@@ -22,6 +22,7 @@ class TritonBackend(AttentionBackend):
 
     name = "triton"
     takes_window = True
+    takes_sinks = True
 
     def __init__(self, num_splits: int = 4) -> None:
         self.num_splits = num_splits
@@ -49,8 +50,10 @@ class TritonBackend(AttentionBackend):
         layer_id: int,
         scale: float,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """As every backend's, plus `window`: a sliding-window layer's window (None: full)."""
+        """As every backend's, plus `window` (a sliding-window layer's; None: full) and
+        `sinks` (`[n_heads]` sink logits, or None)."""
         k_buf, v_buf = kv_cache.k_buffer[layer_id], kv_cache.v_buffer[layer_id]
         ops.store_kv(k, v, k_buf, v_buf, kv_cache.out_cache_loc)
         if kv_cache.is_decode:
@@ -72,6 +75,7 @@ class TritonBackend(AttentionBackend):
                 partial_out=kv_cache.partial_out[:n] if ws_ok else None,
                 partial_lse=kv_cache.partial_lse[:n] if ws_ok else None,
                 window=window,
+                sinks=sinks,
             )
         return ops.extend_attention(
             q,
@@ -84,4 +88,5 @@ class TritonBackend(AttentionBackend):
             kv_cache.max_q_len,
             scale,
             window=window,
+            sinks=sinks,
         )

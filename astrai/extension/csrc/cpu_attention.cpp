@@ -9,6 +9,8 @@
 // sum), as SDPA's math; an int8 cache carries one fp32 scale per (slot, KV head). A
 // sliding-window layer (`window` > 0) reads only each query's window: keys
 // `pos - window < t <= pos`, transformers' meaning; the rows before it are never loaded.
+// Attention sinks (GPT-OSS: one learned logit per query head) join each softmax's
+// denominator as a column no value stands behind.
 //
 // Registered as torch.ops.astrai_cpu.paged_attention; astrai/extension/cpu_kernels.py builds
 // and loads it (`make setup`), and astrai/extension/backend/cpu_paged.py calls it.
@@ -86,6 +88,7 @@ struct Layout {
   int64_t table_cols;
   float scale;
   int64_t window;  // > 0: a query at position p sees keys p - window < t <= p; 0: all t <= p
+  const float* sinks;  // [n_heads] sink logits, or nullptr
 };
 
 // The first key a query at position `pos` sees.
@@ -168,10 +171,12 @@ void attend_item(const Layout& lay, const float* q, const KV* k_buf, const KV* v
       float* srow = scores.data() + (j * G + g) * cols;
       float mx = -std::numeric_limits<float>::infinity();
       for (int64_t t = lo; t < seen; ++t) mx = std::max(mx, srow[t]);
+      const float sink = lay.sinks ? lay.sinks[kv_head * G + g] : 0.f;
+      if (lay.sinks) mx = std::max(mx, sink);
       // vectorised through glibc's libmvec (-fno-math-errno, omp simd): expf 8 lanes at a time
 #pragma omp simd
       for (int64_t t = lo; t < seen; ++t) srow[t] = std::exp(srow[t] - mx);
-      float sum = 0.f;
+      float sum = lay.sinks ? std::exp(sink - mx) : 0.f;
       for (int64_t t = lo; t < seen; ++t) sum += srow[t];
       const float inv = 1.f / sum;
       for (int64_t t = lo; t < seen; ++t) srow[t] *= inv;
@@ -224,13 +229,14 @@ void run(const Layout& lay, const at::Tensor& q, const at::Tensor& k_buf, const 
 // q [T, H, D] fp32; k_buf/v_buf [S, Hkv, D] fp32 or int8 (one layer, token- or head-major); k_scale/v_scale [S, Hkv]
 // fp32 for an int8 cache (empty otherwise); req_to_token [R, M] int32 (unused when
 // row_stride > 0); rows/q_starts/q_lens/kv_lens [B] int64; window > 0 for a sliding-window
-// layer (0: full causal). Returns out [T, H, D] fp32; rows of q no request covers are left zero.
+// layer (0: full causal); sinks [H] fp32 sink logits (empty: none). Returns out [T, H, D] fp32;
+// rows of q no request covers are left zero.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
                            const at::Tensor& k_scale, const at::Tensor& v_scale,
                            const at::Tensor& req_to_token, int64_t row_stride,
                            const at::Tensor& rows, const at::Tensor& q_starts,
                            const at::Tensor& q_lens, const at::Tensor& kv_lens, double scale,
-                           int64_t window) {
+                           int64_t window, const at::Tensor& sinks) {
   TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 3 &&
                   q.is_contiguous(),
               "paged_attention: q must be a contiguous fp32 CPU tensor [tokens, heads, head_dim]");
@@ -247,7 +253,14 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_buf, const a
   TORCH_CHECK(window >= 0, "paged_attention: window must be >= 0 (0: no sliding window)");
   Layout lay{q.size(1),       k_buf.size(1),   q.size(1) / k_buf.size(1),  q.size(2),
              k_buf.stride(0), k_buf.stride(1), row_stride,                 nullptr,
-             0,               static_cast<float>(scale), window};
+             0,               static_cast<float>(scale), window,
+             nullptr};
+  if (sinks.defined() && sinks.numel() > 0) {
+    TORCH_CHECK(sinks.scalar_type() == at::kFloat && sinks.is_contiguous() &&
+                    sinks.numel() == lay.n_heads,
+                "paged_attention: sinks must be a contiguous fp32 [heads] tensor (or empty)");
+    lay.sinks = sinks.data_ptr<float>();
+  }
   TORCH_CHECK(lay.n_heads % lay.n_kv_heads == 0 && k_buf.size(2) == lay.head_dim,
               "paged_attention: query heads/head_dim do not fit the cache");
   if (row_stride <= 0) {
@@ -277,7 +290,7 @@ TORCH_LIBRARY(astrai_cpu, m) {
   m.def(
       "paged_attention(Tensor q, Tensor k_buf, Tensor v_buf, Tensor k_scale, Tensor v_scale, "
       "Tensor req_to_token, int row_stride, Tensor rows, Tensor q_starts, Tensor q_lens, "
-      "Tensor kv_lens, float scale, int window) -> Tensor");
+      "Tensor kv_lens, float scale, int window, Tensor sinks) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(astrai_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }

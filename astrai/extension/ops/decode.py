@@ -6,6 +6,7 @@ keys, read through the page table `req_to_token` (each token slot is a one-token
 and writes a partial output and its log-sum-exp. Stage 2 merges the splits per head.
 Splitting the key range keeps the GPU busy when the batch is small and sequences are long.
 A sliding-window layer (`window` > 0) splits and reads only the last `window` keys.
+Attention sinks (GPT-OSS, one logit per query head) join the denominator in stage 2.
 """
 
 from __future__ import annotations
@@ -113,6 +114,7 @@ def _decode_stage2(
     PartO,
     PartLse,
     Out,
+    Sinks,
     stride_pob,
     stride_poh,
     stride_pos,
@@ -124,6 +126,7 @@ def _decode_stage2(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -135,13 +138,19 @@ def _decode_stage2(
         PartLse + b * stride_plb + h * stride_plh + offs_s, mask=mask_s, other=float("-inf")
     )
     m = tl.max(lse, 0)
+    if HAS_SINKS:  # the head's sink logit: one more term of the denominator, no value
+        sink = tl.load(Sinks + h).to(tl.float32)
+        m = tl.maximum(m, sink)
     w = tl.exp(lse - m)
     o = tl.load(
         PartO + b * stride_pob + h * stride_poh + offs_s[:, None] * stride_pos + offs_d[None, :],
         mask=mask_s[:, None] & mask_d[None, :],
         other=0.0,
     )
-    out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    denom = tl.sum(w, 0)
+    if HAS_SINKS:
+        denom += tl.exp(sink - m)
+    out = tl.sum(o * w[:, None], 0) / denom
     tl.store(
         Out + b * stride_ot + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=mask_d
     )
@@ -161,9 +170,11 @@ def decode_attention(
     partial_out: torch.Tensor | None = None,
     partial_lse: torch.Tensor | None = None,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per request: `q [B, H, D]` over one layer's `k/v_buffer [size, Hkv, D]`;
-    `window`: a sliding-window layer's window (the last `window` keys), None for all.
+    `window`: a sliding-window layer's window (the last `window` keys), None for all;
+    `sinks`: `[H]` sink logits (GPT-OSS), None for none.
 
     `out`, `partial_out [B, H, splits, D]` (fp32) and `partial_lse [B, H, splits]` (fp32)
     may be preallocated (the decode workspace does, for fixed addresses); otherwise they
@@ -230,6 +241,7 @@ def decode_attention(
             partial_out,
             partial_lse,
             out,
+            partial_lse if sinks is None else sinks,  # unread without sinks
             partial_out.stride(0),
             partial_out.stride(1),
             partial_out.stride(2),
@@ -241,5 +253,6 @@ def decode_attention(
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
             BLOCK_S=next_pow2(num_splits),
+            HAS_SINKS=sinks is not None,
         )
     return out

@@ -4,7 +4,8 @@ Request `b` owns query rows `qo_indptr[b]:qo_indptr[b+1]` (its newest `q_len` po
 and `seq_lens[b]` keys read through `req_to_token`: full attention over the cached prefix,
 causal among the new tokens. One program per (request, query head, block of query rows).
 A sliding-window layer (`window` > 0): a query at position p sees keys p - window < t <= p,
-and a block's loop starts at the first key its first row sees.
+and a block's loop starts at the first key its first row sees. Attention sinks (GPT-OSS,
+one logit per query head) join each row's denominator after the loop.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ def _extend_kernel(
     ReqIdx,
     SeqLens,
     QoIndptr,
+    Sinks,
     scale,
     window,
     stride_qt,
@@ -44,6 +46,7 @@ def _extend_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -97,6 +100,12 @@ def _extend_kernel(
             stride_vh,
             PRECISION,
         )
+    if HAS_SINKS:  # the head's sink logit: one more term of each row's denominator
+        sink = tl.load(Sinks + h).to(tl.float32)
+        m_new = tl.maximum(m_i, sink)
+        alpha = tl.exp(m_i - m_new)
+        acc = acc * alpha[:, None]
+        l_i = l_i * alpha + tl.exp(sink - m_new)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out_ptr = (
         Out + (q_start + offs_m)[:, None].to(tl.int64) * stride_ot + h * stride_oh + offs_d[None, :]
@@ -121,9 +130,11 @@ def extend_attention(
     *,
     out: torch.Tensor | None = None,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Packed `q [T, H, D]` over one layer's `k/v_buffer [size, Hkv, D]` (already written);
-    `window`: a sliding-window layer's window, None for full causal attention."""
+    `window`: a sliding-window layer's window, None for full causal attention; `sinks`: `[H]`
+    sink logits (GPT-OSS), None for none."""
     check(q, k_buffer, v_buffer, req_to_token)
     num_tokens, n_heads, head_dim = q.shape
     n_kv_heads = k_buffer.shape[1]
@@ -148,6 +159,7 @@ def extend_attention(
             req_pool_indices,
             seq_lens,
             qo_indptr,
+            seq_lens if sinks is None else sinks,  # unread without sinks
             scale,
             window or 0,
             q.stride(0),
@@ -165,5 +177,6 @@ def extend_attention(
             BLOCK_M=block_m,
             BLOCK_N=32,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            HAS_SINKS=sinks is not None,
         )
     return out

@@ -13,18 +13,32 @@ def store_kv_ref(k, v, k_buffer, v_buffer, out_cache_loc) -> None:
     v_buffer[out_cache_loc] = v.to(v_buffer.dtype)
 
 
-def _attend(q, keys, values, visible, scale):
-    """q [n, H, D], keys/values [L, Hkv, D], visible [n, L] -> [n, H, D] in float64."""
+def _attend(q, keys, values, visible, scale, sinks=None):
+    """q [n, H, D], keys/values [L, Hkv, D], visible [n, L] -> [n, H, D] in float64; `sinks`
+    [H]: one more softmax column per head that no value stands behind."""
     group = q.shape[1] // keys.shape[1]
     keys = keys.double().repeat_interleave(group, dim=1)
     values = values.double().repeat_interleave(group, dim=1)
     scores = torch.einsum("nhd,lhd->hnl", q.double(), keys) * scale
     scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        column = sinks.double()[:, None, None].expand(-1, scores.shape[1], 1)
+        probs = torch.cat([scores, column], dim=-1).softmax(-1)[..., :-1]
+        return torch.einsum("hnl,lhd->nhd", probs, values)
     return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), values)
 
 
 def extend_attention_ref(
-    q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, qo_indptr, scale, window=None
+    q,
+    k_buffer,
+    v_buffer,
+    req_to_token,
+    req_pool_indices,
+    seq_lens,
+    qo_indptr,
+    scale,
+    window=None,
+    sinks=None,
 ) -> torch.Tensor:
     out = torch.empty_like(q)
     for b in range(seq_lens.shape[0]):
@@ -36,17 +50,26 @@ def extend_attention_ref(
         if window is not None:  # sliding window: keys pos - window < t <= pos
             visible &= torch.arange(length)[None, :] > pos - window
         out[start:stop] = _attend(
-            q[start:stop], k_buffer[slots], v_buffer[slots], visible, scale
+            q[start:stop], k_buffer[slots], v_buffer[slots], visible, scale, sinks
         ).to(q.dtype)
     return out
 
 
 def decode_attention_ref(
-    q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, scale, window=None
+    q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, scale, window=None, sinks=None
 ):
     qo_indptr = torch.arange(q.shape[0] + 1)
     return extend_attention_ref(
-        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, qo_indptr, scale, window
+        q,
+        k_buffer,
+        v_buffer,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        qo_indptr,
+        scale,
+        window,
+        sinks,
     )
 
 
