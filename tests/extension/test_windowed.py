@@ -31,6 +31,18 @@ FAMILIES = {
         transformers.Qwen2Config,
         dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
     ),
+    # per-layer-type RoPE (the sliding layers' own base) and sandwich blocks
+    "gemma3": (
+        transformers.Gemma3TextConfig,
+        dict(
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention"],
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            rope_theta=20000.0,
+            rope_local_base_freq=500.0,
+        ),
+    ),
 }
 BACKENDS = [
     "torch_native",

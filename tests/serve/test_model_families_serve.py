@@ -1,6 +1,7 @@
 """The server answering through the OpenAI SDK with a mixture-of-experts model, a
-multi-head latent attention (MLA) model, an OLMo 2 (post-norm) and a Phi-4-mini-like
-(partial rotary) model: the same greedy text as full recomputation."""
+multi-head latent attention (MLA) model, an OLMo 2 (post-norm), a Phi-4-mini-like
+(partial rotary) and a Gemma 3 (sandwich blocks, per-layer-type RoPE) model: the same greedy
+text as full recomputation."""
 
 from __future__ import annotations
 
@@ -42,6 +43,19 @@ FAMILIES = {
     # Phi-4-mini: RoPE on the first 3/4 of each head (Phi-3's fused projections are split on
     # import, so the served model is this one)
     "phi3": dict(partial_rotary_factor=0.75, hf_model_type="phi3"),
+    # Gemma 3: sandwich blocks of (1 + w) norms, scaled embeddings, GeGLU, a window of 4 on
+    # layer 0 with its own RoPE base (the prompt and answer run past it)
+    "gemma3": dict(
+        norm_position="sandwich",
+        norm_type="gemma",
+        qk_norm=True,
+        scale_embeddings=True,
+        hidden_act="gelu_pytorch_tanh",
+        query_pre_attn_scalar=24.0,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_local_base_freq=500.0,
+    ),
 }
 
 
@@ -52,6 +66,8 @@ def _is_family(model, family: str) -> bool:
         return [type(b).__name__ for b in model.layers] == ["PostNormBlock"] * 2
     if family == "phi3":
         return model.config.rotary_dim() == 12
+    if family == "gemma3":
+        return [type(b).__name__ for b in model.layers] == ["SandwichBlock"] * 2
     return model.config.attention_type == "mla"
 
 

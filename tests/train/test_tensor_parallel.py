@@ -219,6 +219,11 @@ def test_models_without_a_plan_are_refused() -> None:
     olmo2 = preset("tiny", norm_position="post", qk_norm=True, qk_norm_scope="projection")
     (post,) = tensor_parallel_problems(olmo2, 2)
     assert "model.norm_position='post'" in post and KEY in post
+    gemma3 = preset("tiny", norm_position="sandwich", norm_type="gemma", qk_norm=True)
+    (sandwich,) = tensor_parallel_problems(gemma3, 2)
+    assert "Gemma 3's blocks (model.norm_position='sandwich'" in sandwich and KEY in sandwich
+    (scaled,) = tensor_parallel_problems(preset("tiny", scale_embeddings=True), 2)
+    assert "model.scale_embeddings=true" in scaled
 
 
 def test_preflight_refuses_before_anything_loads() -> None:
