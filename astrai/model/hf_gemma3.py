@@ -4,14 +4,18 @@ GeGLU (`hidden_activation`), `query_pre_attn_scalar`, and RoPE per layer type
 (`rope_parameters["sliding_attention"]` -> `ModelConfig.rope_local_base_freq`).
 
 The tensor names are ours already (`pre_feedforward_layernorm`, `self_attn.q_norm` per head),
-so only the config translates. Refused with a clear error: model_type "gemma3" (the
-vision-language wrapper), logit soft-capping (Gemma 2's), bidirectional attention, and a
-sliding layers' RoPE with scaling. `hub.py` calls these.
+so only the config translates. A vision-language checkpoint (model_type "gemma3",
+`Gemma3ForConditionalGeneration`) loads as its text model: `text_config` is read, the
+`language_model.` prefix is dropped from the weights and the vision tower and projector are
+left out. Refused with a clear error: logit soft-capping (Gemma 2's), bidirectional attention,
+and a sliding layers' RoPE with scaling. `hub.py` calls these.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import torch
 
 from astrai.model.config import ConfigError, ModelConfig
 from astrai.model.gemma_config import HIDDEN_ACTS
@@ -36,20 +40,30 @@ _DEFAULTS = dict(
     query_pre_attn_scalar=256,
     sliding_window=4096,
 )
+# the vision-language checkpoint's text weights (transformers 5 writes the first spelling,
+# 4.5x the second) and its vision-only tensors
+_TEXT_PREFIXES = (
+    ("language_model.model.", "model."),
+    ("model.language_model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
+_VISION_PREFIXES = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
 
 
 def llama_view(data: dict[str, Any], source: str) -> dict[str, Any]:
     """A Gemma 3 text `config.json` as the Llama translation reads it: HF's defaults filled
     in, `rope_parameters` = the full-attention layers' RoPE, and the sliding layers' base under
-    its legacy name `rope_local_base_freq`; any other model_type passes unchanged (but
-    "gemma3", the vision-language wrapper, is refused)."""
+    its legacy name `rope_local_base_freq`; a vision-language "gemma3" config is read as its
+    `text_config`; any other model_type passes unchanged."""
     model_type = data.get("model_type")
     if model_type == "gemma3":
-        raise ConfigError(
-            f"{source}: model_type 'gemma3' is Gemma3ForConditionalGeneration (text and "
-            "vision); only Gemma 3's text model is supported (model_type 'gemma3_text', "
-            "Gemma3ForCausalLM, e.g. gemma-3-1b or gemma-3-270m)"
-        )
+        data = _text_config(data, source)
+        model_type = data["model_type"]
     if model_type not in GEMMA3_ARCHITECTURES:
         return data
     full, local = _rope_by_type(data, source)
@@ -60,6 +74,36 @@ def llama_view(data: dict[str, Any], source: str) -> dict[str, Any]:
         "rope_scaling": None,
         "rope_local_base_freq": local["rope_theta"],
     }
+
+
+def _text_config(data: dict[str, Any], source: str) -> dict[str, Any]:
+    """The text model's config of a `Gemma3ForConditionalGeneration` config (whose own
+    `tie_word_embeddings` ties its head)."""
+    text = data.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigError(
+            f"{source}: text_config: a model_type 'gemma3' (vision-language) config needs its "
+            f"text model's config here, got {text!r}"
+        )
+    tie = data.get("tie_word_embeddings", text.get("tie_word_embeddings", True))
+    return {**text, "model_type": "gemma3_text", "tie_word_embeddings": tie}
+
+
+def state_from_hf(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A vision-language Gemma 3 checkpoint's text weights under the text model's names
+    (`language_model.` dropped; vision tower and projector left out); others pass."""
+    if not any(k.startswith(("language_model.", "model.language_model.")) for k in state):
+        return state
+    out = {}
+    for key, tensor in state.items():
+        if key.startswith(_VISION_PREFIXES):
+            continue
+        for old, new in _TEXT_PREFIXES:
+            if key.startswith(old):
+                key = new + key.removeprefix(old)
+                break
+        out[key] = tensor
+    return out
 
 
 def _rope_by_type(data: dict[str, Any], source: str) -> tuple[dict, dict]:

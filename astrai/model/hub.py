@@ -340,6 +340,7 @@ def read_hf_state(
     stored = {k: v for k, v in stored.items() if not _IGNORED_KEYS.search(k)}
     stored = hf_moe.state_from_hf(stored)  # per-expert HF tensors -> stacked experts
     stored = hf_phi3.state_from_hf(stored, config)  # Phi-3's fused qkv / gate_up split
+    stored = hf_gemma3.state_from_hf(stored)  # a Gemma 3 vision-language model's text weights
     return hf_deepseek.state_from_hf(stored, config)  # MLA rotary rows, shared experts
 
 

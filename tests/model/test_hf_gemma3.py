@@ -1,7 +1,7 @@
 """Gemma 3 text (`astrai.model.hf_gemma3`): logits equal transformers' `Gemma3ForCausalLM`
 both ways on sequences longer than the sliding window (per-type RoPE, sandwich blocks,
 (1 + w) norms, scaled embeddings, GeGLU, query_pre_attn_scalar), the older config spelling,
-the engine's greedy tokens against `generate`, a LoRA training, and the refusals."""
+a vision-language checkpoint's text model, the engine's greedy tokens against `generate`, a LoRA training, and the refusals."""
 
 import json
 
@@ -101,6 +101,43 @@ def test_older_config_spelling_loads_as_transformers_reads_it(tmp_path):
         torch.testing.assert_close(ours(x), ref(x).logits, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_vision_language_checkpoint_loads_as_its_text_model(tied, tmp_path):
+    """A `Gemma3ForConditionalGeneration` directory (model_type "gemma3"): its text model,
+    with the vision tower left out, gives transformers' logits for text-only input."""
+    text = build_hf("gemma3").config.to_dict()
+    vision = dict(
+        model_type="siglip_vision_model",
+        hidden_size=32,
+        intermediate_size=37,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    config = transformers.Gemma3Config(
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=4,
+        image_token_index=300,
+        boi_token_index=301,
+        eoi_token_index=302,
+        tie_word_embeddings=tied,
+    )
+    torch.manual_seed(0)
+    hf = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.add_(torch.randn_like(p) * (0.3 if "norm" in name else 0.05))
+    hf.save_pretrained(tmp_path)
+    ours = AutoModel.from_pretrained(tmp_path)
+    assert ours.config.hf_model_type == "gemma3_text"
+    assert ours.config.tie_word_embeddings == tied
+    x = ids()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), hf(input_ids=x).logits, atol=1e-5, rtol=0)
+
+
 def test_engine_greedy_equals_transformers_generate(tmp_path, stdlib_tokenizer):
     hf = build_hf("gemma3-linear-full-rope", len(stdlib_tokenizer))
     assert_engine_greedy_equals_hf(hf, tmp_path, stdlib_tokenizer)
@@ -123,7 +160,7 @@ def _rewrite_config(path, **changes) -> None:
         (dict(final_logit_softcapping=30.0), "final_logit_softcapping=30.0 is not supported"),
         (dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
         (dict(hidden_activation="relu"), "hidden_activation='relu'"),
-        (dict(model_type="gemma3"), "only Gemma 3's text model is supported"),
+        (dict(model_type="gemma3"), "text_config: a model_type 'gemma3'"),
         (
             dict(
                 rope_parameters={
