@@ -44,6 +44,11 @@ def gemma_problems(config: Any) -> list[str]:
         problems.append(
             f"ModelConfig.norm_type: {config.norm_type!r} is not one of {list(NORM_TYPES)}"
         )
+    elif config.norm_type != "rms" and config.qk_norm and config.qk_norm_scope != "head":
+        problems.append(
+            f"ModelConfig.norm_type: {config.norm_type!r} q/k norms are per head "
+            f"(qk_norm_scope='head'), got qk_norm_scope={config.qk_norm_scope!r}"
+        )
     scalar = config.query_pre_attn_scalar
     if scalar is not None and scalar <= 0:
         problems.append(f"ModelConfig.query_pre_attn_scalar: must be positive, got {scalar}")

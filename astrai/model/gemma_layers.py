@@ -42,6 +42,9 @@ def norm_class(config: ModelConfig) -> type[RMSNorm]:
     return NORMS[config.norm_type]
 
 
+_FLOATS = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+
 class ScaledEmbedding(nn.Embedding):
     """Embedding rows times `scale` (Gemma: sqrt(hidden_size)); the scale is rounded to the
     weight's dtype first, as transformers does (bf16: sqrt(3072) = 55.5, not 55.43)."""
@@ -49,11 +52,11 @@ class ScaledEmbedding(nn.Embedding):
     def __init__(self, num_embeddings: int, embedding_dim: int, scale: float) -> None:
         super().__init__(num_embeddings, embedding_dim)
         self.scale = scale
+        # rounded on the host once per dtype: a forward makes no tensor (CUDA graphs, compile)
+        self.rounded = {t: torch.tensor(scale, dtype=t, device="cpu").item() for t in _FLOATS}
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        # a host-side rounding: no device tensor is made, so CUDA-graph capture is unaffected
-        scale = torch.tensor(self.scale, dtype=self.weight.dtype).item()
-        return super().forward(input_ids) * scale
+        return super().forward(input_ids) * self.rounded[self.weight.dtype]
 
 
 def make_embedding(config: ModelConfig) -> nn.Embedding:
@@ -79,12 +82,6 @@ class LayerTypeRotary(nn.Module):
         """Drop tables built on another device (see `RotaryEmbedding.materialize`)."""
         self.full.materialize(device)
         self.local.materialize(device)
-
-    def forward(
-        self, position_ids: torch.Tensor, max_position: int | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of the full-attention layers (as `RotaryEmbedding.forward`)."""
-        return self.full(position_ids, max_position)
 
     def layer_tables(
         self, position_ids: torch.Tensor, max_position: int | None = None

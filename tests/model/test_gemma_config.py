@@ -32,6 +32,10 @@ BASE = dict(
             "ModelConfig.rope_local_base_freq: must be positive",
         ),
         (dict(rope_local_base_freq=500.0), "ModelConfig.rope_local_base_freq: .* needs sliding"),
+        (
+            dict(norm_type="gemma", qk_norm=True, qk_norm_scope="projection"),
+            "ModelConfig.norm_type: 'gemma' q/k norms are per head",
+        ),
         (dict(norm_position="middle"), "ModelConfig.norm_position: 'middle' is not one of"),
         (dict(scale_embeddings=1), "ModelConfig.scale_embeddings: expected bool"),
     ],
