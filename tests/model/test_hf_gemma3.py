@@ -183,3 +183,53 @@ def test_gemma_variants_without_a_gemma3_equivalent_are_refused_on_export(tmp_pa
     cfg = ModelConfig(vocab_size=64, **SIZES, norm_type="gemma")  # Llama blocks, Gemma norms
     with pytest.raises(ConfigError, match="export only as Gemma 3"):
         save_pretrained(Transformer(cfg), tmp_path, hf_format=True)
+
+
+# gemma-3-1b-it's published config.json (transformers 4.50's spelling)
+GEMMA3_1B = {
+    "architectures": ["Gemma3ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "attn_logit_softcapping": None,
+    "bos_token_id": 2,
+    "cache_implementation": "hybrid",
+    "eos_token_id": [1, 106],
+    "final_logit_softcapping": None,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "hidden_size": 1152,
+    "initializer_range": 0.02,
+    "intermediate_size": 6912,
+    "max_position_embeddings": 32768,
+    "model_type": "gemma3_text",
+    "num_attention_heads": 4,
+    "num_hidden_layers": 26,
+    "num_key_value_heads": 1,
+    "pad_token_id": 0,
+    "query_pre_attn_scalar": 256,
+    "rms_norm_eps": 1e-06,
+    "rope_local_base_freq": 10000,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": 512,
+    "sliding_window_pattern": 6,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "vocab_size": 262144,
+}
+
+
+def test_published_gemma3_1b_config_translates_as_transformers_reads_it():
+    from astrai.model.hub import config_from_hf
+
+    ours = config_from_hf(dict(GEMMA3_1B))
+    ref = transformers.Gemma3TextConfig(**GEMMA3_1B)
+    assert ours.layer_types == ref.layer_types and ours.layer_types.count("full_attention") == 4
+    assert ours.sliding_window == ref.sliding_window == 512
+    assert ours.rope_theta == ref.rope_parameters["full_attention"]["rope_theta"]
+    assert ours.rope_local_base_freq == ref.rope_parameters["sliding_attention"]["rope_theta"]
+    assert ours.rope_scaling is None and ours.tie_word_embeddings
+    assert (ours.head_dim, ours.num_key_value_heads, ours.query_pre_attn_scalar) == (256, 1, 256)
+    with torch.device("meta"):  # transformers' own count (the tied head once)
+        hf = transformers.Gemma3ForCausalLM(ref)
+    assert ours.num_parameters() == sum(p.numel() for p in hf.parameters())
