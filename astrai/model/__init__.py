@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     )
     from astrai.model.hub import AutoModel, CheckpointError, load_pretrained, save_pretrained
     from astrai.model.lora import LoRAConfig, inject_lora, load_lora, merge_lora, save_lora
+    from astrai.model.sandwich import SandwichBlock
     from astrai.model.transformer import DecoderBlock, PostNormBlock, Transformer
 
 __getattr__ = lazy_exports(
@@ -32,6 +33,7 @@ __getattr__ = lazy_exports(
         ),
         "astrai.model.hub": ("AutoModel", "CheckpointError", "load_pretrained", "save_pretrained"),
         "astrai.model.lora": ("LoRAConfig", "inject_lora", "load_lora", "merge_lora", "save_lora"),
+        "astrai.model.sandwich": ("SandwichBlock",),
         "astrai.model.transformer": ("DecoderBlock", "PostNormBlock", "Transformer"),
     },
 )
@@ -45,6 +47,7 @@ __all__ = [
     "LoRAConfig",
     "ModelConfig",
     "PostNormBlock",
+    "SandwichBlock",
     "Transformer",
     "VocabMismatchError",
     "check_vocab",

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from astrai.model.gemma_config import gemma_problems
 from astrai.model.gpt_oss_config import gpt_oss_param_delta, gpt_oss_problems
 from astrai.model.mla_config import mla_attention_params, mla_head_dim, mla_problems
 from astrai.model.moe_config import as_list, moe_layer, moe_param_delta, moe_problems
@@ -92,7 +93,8 @@ class ModelConfig:
     qk_rope_head_dim: int | None = None
     v_head_dim: int | None = None
     # ---- block variants (astrai/model/variants.py): OLMo 2 and Phi-3 / Phi-4
-    # "pre": x + f(norm(x)) (Llama); "post": x + norm(f(x)) (OLMo 2, no input norm)
+    # "pre": x + f(norm(x)) (Llama); "post": x + norm(f(x)) (OLMo 2, no input norm);
+    # "sandwich": x + norm(f(norm(x))) (Gemma 3, astrai/model/sandwich.py)
     norm_position: str = "pre"
     # "head": q/k RMSNorm per head (Qwen3); "projection": over the whole projection (OLMo 2)
     qk_norm_scope: str = "head"
@@ -112,6 +114,17 @@ class ModelConfig:
     # sigmoid(swiglu_alpha * gate); None is the plain silu(gate) * up
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
+    # ---- Gemma 3 (astrai/model/gemma_config.py; HF's names where HF has one)
+    # the gated MLP's activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (Gemma's GeGLU)
+    hidden_act: str = "silu"
+    # "rms": x * w (Llama); "gemma": x * (1 + w) in fp32, weights initialised to zeros
+    norm_type: str = "rms"
+    # embeddings multiplied by sqrt(hidden_size), rounded to the embedding dtype (Gemma)
+    scale_embeddings: bool = False
+    # attention scale query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5)
+    query_pre_attn_scalar: float | None = None
+    # RoPE base of the sliding-window layers, without scaling (None: the same RoPE as all)
+    rope_local_base_freq: float | None = None
 
     def __post_init__(self) -> None:
         self.mlp_only_layers = as_list(self.mlp_only_layers)  # a tuple or Hydra's ListConfig
@@ -210,6 +223,8 @@ class ModelConfig:
                 "ModelConfig.rope_scaling.original_max_position_embeddings: must be a positive "
                 f"int, got {original!r}"
             )
+        for problem in gemma_problems(self):  # astrai/model/gemma_config.py
+            raise ConfigError(problem)
 
     def rotary_dim(self) -> int:
         """Dims of each head that RoPE rotates (all but under `partial_rotary_factor`)."""
@@ -291,7 +306,8 @@ class ModelConfig:
             attn += q + kv if self.qk_norm_scope == "projection" else 2 * d
         if self.attention_type == "mla":  # astrai/model/mla_config.py
             attn = mla_attention_params(self)
-        block = attn + 3 * h * self.intermediate_size + 2 * h
+        norms = 4 if self.norm_position == "sandwich" else 2  # Gemma's sandwich: four
+        block = attn + 3 * h * self.intermediate_size + norms * h
         embed = self.vocab_size * h
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         moe = moe_param_delta(self)  # sparse layers: router + experts instead of the dense MLP

@@ -4,8 +4,8 @@ Weights are always stored under Hugging Face's names (`model.layers.0.self_attn.
 experts one tensor per expert, as HF writes them, stacked in memory by `hf_moe`), so our
 directories differ from HF's only in `config.json`. `from_pretrained` reads ours and HF
 Llama, Qwen2, Qwen3, Mistral, Mixtral, Qwen2-MoE, Qwen3-MoE (`hf_moe`), DeepSeek-V2/V3
-(`hf_deepseek`), OLMo 2 (`hf_olmo2`), Phi-3 / Phi-4 (`hf_phi3`) and GPT-OSS (`hf_gpt_oss`)
-directories;
+(`hf_deepseek`), OLMo 2 (`hf_olmo2`), Phi-3 / Phi-4 (`hf_phi3`), GPT-OSS (`hf_gpt_oss`) and
+Gemma 3 text (`hf_gemma3`) directories;
 `save_pretrained(hf_format=True)` writes one that `transformers.AutoModelForCausalLM` loads. Nothing here uses pickle.
 """
 
@@ -23,7 +23,16 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from astrai.files import naming_full_disk, publish
-from astrai.model import hf_deepseek, hf_fp8, hf_gpt_oss, hf_moe, hf_mxfp4, hf_olmo2, hf_phi3
+from astrai.model import (
+    hf_deepseek,
+    hf_fp8,
+    hf_gemma3,
+    hf_gpt_oss,
+    hf_moe,
+    hf_mxfp4,
+    hf_olmo2,
+    hf_phi3,
+)
 from astrai.model.config import ConfigError, ModelConfig
 from astrai.model.directory import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME
 from astrai.model.hf_common import hf_base_fields
@@ -47,6 +56,7 @@ HF_ARCHITECTURES.update(hf_deepseek.DEEPSEEK_ARCHITECTURES)  # DeepSeek-V2 / V3 
 HF_ARCHITECTURES.update(hf_olmo2.OLMO2_ARCHITECTURES)  # OLMo 2 (post-norm)
 HF_ARCHITECTURES.update(hf_phi3.PHI3_ARCHITECTURES)  # Phi-3 / Phi-4 (fused projections)
 HF_ARCHITECTURES.update(hf_gpt_oss.GPT_OSS_ARCHITECTURES)  # GPT-OSS (sinks, biased experts)
+HF_ARCHITECTURES.update(hf_gemma3.GEMMA3_ARCHITECTURES)  # Gemma 3 text (sandwich blocks)
 # Old HF checkpoints sometimes carry these non-parameter buffers.
 _IGNORED_KEYS = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
@@ -67,6 +77,7 @@ def from_hf_key(name: str) -> str:
 # ---------------------------------------------------------------------- config translation
 def config_from_hf(data: dict[str, Any], *, source: str = CONFIG_NAME) -> ModelConfig:
     """Translate an HF Llama / Qwen2 / Qwen3 / Mistral `config.json` dict."""
+    data = hf_gemma3.llama_view(data, source)  # Gemma 3: per-type RoPE, HF's defaults
     model_type = data.get("model_type")
     if model_type not in HF_ARCHITECTURES:
         raise ConfigError(
@@ -124,6 +135,7 @@ def config_from_hf(data: dict[str, Any], *, source: str = CONFIG_NAME) -> ModelC
     fields.update(hf_olmo2.config_fields(data, model_type, source))
     fields.update(hf_phi3.config_fields(data, model_type, source))
     fields.update(hf_gpt_oss.config_fields(data, model_type, source))
+    fields.update(hf_gemma3.config_fields(data, model_type, source))
     fields.update(_window_from_hf(data, model_type, source))
     missing = [k for k, v in fields.items() if v is None and k in _HF_REQUIRED]
     if missing:
@@ -184,6 +196,8 @@ def hf_model_type(config: ModelConfig) -> str:
         return hf_deepseek.hf_deepseek_model_type(config)
     if hf_gpt_oss.is_gpt_oss(config):
         return hf_gpt_oss.hf_gpt_oss_model_type(config)
+    if hf_gemma3.is_gemma3(config):
+        return hf_gemma3.hf_gemma3_model_type(config)
     if hf_olmo2.is_olmo2(config):
         return hf_olmo2.hf_olmo2_model_type(config)
     phi3 = hf_phi3.hf_phi3_model_type(config)
@@ -254,6 +268,7 @@ def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dic
     data.update(hf_olmo2.config_to_hf_fields(config, model_type))
     data.update(hf_phi3.config_to_hf_fields(config, model_type))
     data.update(hf_gpt_oss.config_to_hf_fields(config, model_type))
+    data.update(hf_gemma3.config_to_hf_fields(config, model_type))
     return data
 
 
@@ -359,6 +374,7 @@ def read_hf_state(
     stored = hf_moe.state_from_hf(stored)  # per-expert HF tensors -> stacked experts
     stored = hf_phi3.state_from_hf(stored, config)  # Phi-3's fused qkv / gate_up split
     stored = hf_gpt_oss.state_from_hf(stored, config)  # GPT-OSS's interleaved experts
+    stored = hf_gemma3.state_from_hf(stored)  # a Gemma 3 vision-language model's text weights
     return hf_deepseek.state_from_hf(stored, config)  # MLA rotary rows, shared experts
 
 

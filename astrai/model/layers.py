@@ -9,6 +9,7 @@ import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,7 @@ from astrai.extension.lora import LoRALayer
 from astrai.extension.quantized import int8_linear, quantize_int8
 from astrai.model.config import ModelConfig
 from astrai.model.documents import DocumentSpans, training_attention
+from astrai.model.gemma_config import attention_scale
 from astrai.model.longrope import longrope_inv_freq
 
 #: on while an engine runs the model (`engine_forward`): only then do the projections use the
@@ -405,6 +407,18 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self._table(max_len, position_ids.device)
         return cos[position_ids], sin[position_ids]
 
+    def layer_tables(
+        self,
+        position_ids: torch.Tensor,
+        max_position: int | None = None,
+        *,
+        per_token: bool = False,
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(cos, sin) for each layer: the same table for all (a per-layer-type RoPE,
+        `astrai.model.gemma_layers.LayerTypeRotary`, answers the same call)."""
+        tables = self(position_ids, max_position, per_token=per_token)
+        return [tables] * self.config.num_hidden_layers
+
 
 # RoPE itself lives in the extension layer, which dispatches to a fused kernel when one
 # can serve the call; training and serving therefore rotate through the same function.
@@ -442,15 +456,16 @@ class ProjectionRMSNorm(RMSNorm):
         return super().forward(x.flatten(-2)).view(x.shape)
 
 
-def qk_norms(config: ModelConfig) -> tuple[RMSNorm, RMSNorm]:
-    """q and k norms of `config.qk_norm_scope`: per head (Qwen3) or per projection (OLMo 2)."""
+def qk_norms(config: ModelConfig, norm: type[RMSNorm] = RMSNorm) -> tuple[RMSNorm, RMSNorm]:
+    """q and k norms of `config.qk_norm_scope`: per head (Qwen3; `norm`, which Gemma's
+    (1 + w) norm replaces) or per projection (OLMo 2)."""
     d, eps = config.head_dim, config.rms_norm_eps
     if config.qk_norm_scope == "projection":
         return (
             ProjectionRMSNorm(config.num_attention_heads * d, eps),
             ProjectionRMSNorm(config.num_key_value_heads * d, eps),
         )
-    return RMSNorm(d, eps), RMSNorm(d, eps)
+    return norm(d, eps), norm(d, eps)
 
 
 # ---------------------------------------------------------------------- attention and MLP
@@ -463,13 +478,13 @@ class Attention(nn.Module):
 
     packed_qkv: PackedLinear | None = None
 
-    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, norm: type[RMSNorm] = RMSNorm) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = attention_scale(config)  # Gemma: query_pre_attn_scalar ** -0.5
         self.window = config.layer_window(layer_id)  # None: attends to the whole prefix
         h, q, kv = (
             config.hidden_size,
@@ -481,7 +496,7 @@ class Attention(nn.Module):
         self.v_proj = Linear(h, kv, bias=config.attention_bias)
         self.o_proj = Linear(q, h, bias=config.o_proj_bias)
         if config.qk_norm:
-            self.q_norm, self.k_norm = qk_norms(config)
+            self.q_norm, self.k_norm = qk_norms(config, norm)
         else:
             self.q_norm = self.k_norm = None
         self.rotate_qk = rotary_for(config)
@@ -547,8 +562,12 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(x.shape[0], -1))
 
 
+#: the gate activation of `MLP` for each `ModelConfig.hidden_act` (astrai/model/gemma_config.py)
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
+
+
 class MLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)).
+    """Gated feed-forward: down(act(gate(x)) * up(x)); act is silu (SwiGLU) or Gemma's tanh GELU.
 
     `packed_gate_up`: gate/up packed into one weight for inference (`astrai.model.packed`).
     """
@@ -560,6 +579,7 @@ class MLP(nn.Module):
         self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act = ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed = self.packed_gate_up
@@ -570,5 +590,5 @@ class MLP(nn.Module):
             and packed.serves(self.gate_proj, self.up_proj)
         ):
             gate, up = packed(x)
-            return self.down_proj(F.silu(gate).mul_(up))
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(self.act(gate).mul_(up))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))

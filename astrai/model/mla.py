@@ -20,6 +20,7 @@ from astrai.extension import KVCache, apply_rotary_emb, invariant_rows
 from astrai.extension.mla import latent_attention
 from astrai.model.config import ModelConfig
 from astrai.model.documents import DocumentSpans, training_attention
+from astrai.model.gemma_layers import norm_class
 from astrai.model.layers import Attention, Linear, RMSNorm
 from astrai.model.mla_config import mla_softmax_scale
 
@@ -141,4 +142,4 @@ def make_attention(config: ModelConfig, layer_id: int) -> nn.Module:
     """The self-attention module of block `layer_id`: GQA `Attention` or MLA."""
     if config.attention_type == "mla":
         return MLAttention(config, layer_id)
-    return Attention(config, layer_id)
+    return Attention(config, layer_id, norm_class(config))

@@ -250,6 +250,7 @@ class SharedExpert(MLP):
         self.gate_proj = Linear(hidden, intermediate, bias=False)
         self.up_proj = Linear(hidden, intermediate, bias=False)
         self.down_proj = Linear(intermediate, hidden, bias=False)
+        self.act = F.silu  # experts are SwiGLU (gemma_config refuses another hidden_act)
 
 
 class MoE(nn.Module):

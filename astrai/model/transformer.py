@@ -12,12 +12,12 @@ from torch.utils.checkpoint import checkpoint
 from astrai.extension import KVCache
 from astrai.model.config import ModelConfig
 from astrai.model.documents import DocumentSpans
+from astrai.model.gemma_layers import make_embedding, make_rotary, norm_class
 from astrai.model.head import HeadSettings, TokenScores, head_scores
-from astrai.model.layers import Attention, Linear, RMSNorm, RotaryEmbedding
-from astrai.model.longrope import is_longrope
-from astrai.model.longrope_embedding import LongRopeEmbedding
+from astrai.model.layers import Attention, Linear, RMSNorm
 from astrai.model.mla import make_attention
 from astrai.model.moe import MoE, RouterStats, make_mlp, router_losses, router_stats
+from astrai.model.sandwich import SandwichBlock
 from astrai.vocab import VocabShard
 
 
@@ -26,10 +26,11 @@ class DecoderBlock(nn.Module):
 
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
+        norm = norm_class(config)
         self.layer_id = layer_id
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = norm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = make_attention(config, layer_id)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = norm(config.hidden_size, config.rms_norm_eps)
         self.mlp = make_mlp(config, layer_id)
 
     def forward(
@@ -54,11 +55,12 @@ class PostNormBlock(nn.Module):
 
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
+        norm = norm_class(config)
         self.layer_id = layer_id
         self.self_attn = make_attention(config, layer_id)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = norm(config.hidden_size, config.rms_norm_eps)
         self.mlp = make_mlp(config, layer_id)
-        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_feedforward_layernorm = norm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
         self,
@@ -78,7 +80,11 @@ class PostNormBlock(nn.Module):
 
 
 #: the block type of each `ModelConfig.norm_position`
-BLOCKS: dict[str, type[nn.Module]] = {"pre": DecoderBlock, "post": PostNormBlock}
+BLOCKS: dict[str, type[nn.Module]] = {
+    "pre": DecoderBlock,
+    "post": PostNormBlock,
+    "sandwich": SandwichBlock,  # Gemma 3 (astrai/model/sandwich.py)
+}
 
 
 def document_mask(
@@ -144,12 +150,12 @@ class Transformer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = make_embedding(config)  # Gemma: scaled by sqrt(hidden_size)
         self.layers = nn.ModuleList(
             BLOCKS[config.norm_position](config, i) for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = LongRopeEmbedding(config) if is_longrope(config) else RotaryEmbedding(config)
+        self.norm = norm_class(config)(config.hidden_size, config.rms_norm_eps)
+        self.rotary = make_rotary(config)  # Gemma: one table per layer type; LongRoPE: two
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         # where this process's head rows lie in the vocabulary (tensor parallelism sets a
         # vocabulary-parallel one); every reduction of the chunked head goes through it
@@ -171,7 +177,8 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:
-        """Normal(0, initializer_range) for matrices, zeros for biases, ones for norms."""
+        """Normal(0, initializer_range) for matrices, zeros for biases, the identity scale for
+        norms (ones; zeros for Gemma's 1 + w)."""
         std = self.config.initializer_range
         for module in self.modules():
             if isinstance(module, nn.Linear | nn.Embedding):
@@ -256,9 +263,9 @@ class Transformer(nn.Module):
             else DocumentSpans.from_cu_seqlens(cu_seqlens, b, s)
         )
         # default positions end at s - 1: no device sync (and no torch.compile graph break)
-        cos, sin = self.rotary(positions, s - 1 if position_ids is None else None)
+        tables = self.rotary.layer_tables(positions, s - 1 if position_ids is None else None)
         x = self.embed_tokens(input_ids)
-        for layer in self.layers:
+        for layer, (cos, sin) in zip(self.layers, tables):
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
                 x = checkpoint(layer, x, cos, sin, mask, use_reentrant=False)
             else:
@@ -295,9 +302,9 @@ class Transformer(nn.Module):
         `lm_head` of a row gives its logits; the engine's prompt log-probs apply it to slices
         of these rows, so the full-vocabulary logits of a whole prefill never exist at once.
         """
-        cos, sin = self.rotary(positions, max_position, per_token=True)
+        tables = self.rotary.layer_tables(positions, max_position, per_token=True)
         x = self.embed_tokens(input_ids)
-        for layer in self.layers:
+        for layer, (cos, sin) in zip(self.layers, tables):
             x = layer.forward_cached(x, cos, sin, kv_cache)
         if indices is not None:
             x = x[indices]

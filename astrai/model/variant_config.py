@@ -1,11 +1,11 @@
-"""Checks of the block-variant fields of `ModelConfig` (post-norm blocks, whole-projection
-q/k norm, partial rotary), kept apart so that `config.py` stays torch-free and short."""
+"""Checks of the block-variant fields of `ModelConfig` (post-norm and sandwich blocks,
+whole-projection q/k norm, partial rotary), kept apart so that `config.py` stays torch-free and short."""
 
 from __future__ import annotations
 
 from typing import Any
 
-NORM_POSITIONS = ("pre", "post")
+NORM_POSITIONS = ("pre", "post", "sandwich")
 QK_NORM_SCOPES = ("head", "projection")
 
 

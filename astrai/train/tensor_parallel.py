@@ -93,8 +93,14 @@ def tensor_parallel_problems(config: ModelConfig, size: int, world_size: int = 0
         )
     if config.norm_position != "pre" or config.qk_norm_scope != "head":
         found.append(
-            f"{KEY}={size}: OLMo 2's blocks (model.norm_position={config.norm_position!r}, "
-            f"model.qk_norm_scope={config.qk_norm_scope!r}) have no tensor-parallel plan"
+            f"{KEY}={size}: OLMo 2's and Gemma 3's blocks (model.norm_position="
+            f"{config.norm_position!r}, model.qk_norm_scope={config.qk_norm_scope!r}) have no "
+            "tensor-parallel plan"
+        )
+    elif config.scale_embeddings:
+        found.append(
+            f"{KEY}={size}: Gemma's scaled embeddings (model.scale_embeddings=true) have no "
+            "tensor-parallel plan"
         )
     divisible = {
         "model.num_attention_heads": config.num_attention_heads,

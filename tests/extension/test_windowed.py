@@ -35,6 +35,18 @@ FAMILIES = {
         transformers.MixtralConfig,
         dict(sliding_window=WINDOW, head_dim=16, num_local_experts=4, num_experts_per_tok=2),
     ),
+    # per-layer-type RoPE (the sliding layers' own base) and sandwich blocks
+    "gemma3": (
+        transformers.Gemma3TextConfig,
+        dict(
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention"],
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            rope_theta=20000.0,
+            rope_local_base_freq=500.0,
+        ),
+    ),
 }
 NO_KERNEL = pytest.mark.skipif(
     paged_attention_op() is None, reason="the CPU kernel is not built (make setup)"

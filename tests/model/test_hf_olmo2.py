@@ -60,6 +60,6 @@ def test_variants_without_an_hf_equivalent_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="OLMo 2"):
         save_pretrained(Transformer(cfg), tmp_path, hf_format=True)
     with pytest.raises(ConfigError, match="norm_position"):
-        ModelConfig(vocab_size=64, **SIZES, norm_position="sandwich")
+        ModelConfig(vocab_size=64, **SIZES, norm_position="middle")
     with pytest.raises(ConfigError, match="qk_norm_scope"):
         ModelConfig(vocab_size=64, **SIZES, qk_norm_scope="heads")

@@ -1,8 +1,8 @@
 """The server answering through the OpenAI SDK with a mixture-of-experts model, a
 multi-head latent attention (MLA) model, an OLMo 2 (post-norm), a Phi-4-mini-like
-(partial rotary) and a GPT-OSS-like model (attention sinks, biased experts with the clamped
-SwiGLU, a sliding window shorter than the prompt on one of two layers): the same greedy text
-as full recomputation."""
+(partial rotary), a GPT-OSS-like model (attention sinks, biased experts with the clamped
+SwiGLU, a sliding window shorter than the prompt on one of two layers) and a Gemma 3 (sandwich
+blocks, per-layer-type RoPE) model: the same greedy text as full recomputation."""
 
 from __future__ import annotations
 
@@ -59,6 +59,19 @@ FAMILIES = {
         layer_types=["sliding_attention", "full_attention"],
         hf_model_type="gpt_oss",
     ),
+    # Gemma 3: sandwich blocks of (1 + w) norms, scaled embeddings, GeGLU, a window of 4 on
+    # layer 0 with its own RoPE base (the prompt and answer run past it)
+    "gemma3": dict(
+        norm_position="sandwich",
+        norm_type="gemma",
+        qk_norm=True,
+        scale_embeddings=True,
+        hidden_act="gelu_pytorch_tanh",
+        query_pre_attn_scalar=24.0,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_local_base_freq=500.0,
+    ),
 }
 
 
@@ -72,6 +85,8 @@ def _is_family(model, family: str) -> bool:
     if family == "gpt_oss":
         attn = model.layers[0].self_attn
         return attn.sinks is not None and attn.window == 4 and model.config.swiglu_limit == 1.0
+    if family == "gemma3":
+        return [type(b).__name__ for b in model.layers] == ["SandwichBlock"] * 2
     return model.config.attention_type == "mla"
 
 

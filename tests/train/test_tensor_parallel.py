@@ -221,6 +221,11 @@ def test_models_without_a_plan_are_refused() -> None:
     assert "model.norm_position='post'" in post and KEY in post
     (sinks,) = tensor_parallel_problems(preset("tiny", attention_sinks=True), 2)
     assert "model.attention_sinks=true" in sinks and KEY in sinks
+    gemma3 = preset("tiny", norm_position="sandwich", norm_type="gemma", qk_norm=True)
+    (sandwich,) = tensor_parallel_problems(gemma3, 2)
+    assert "Gemma 3's blocks (model.norm_position='sandwich'" in sandwich and KEY in sandwich
+    (scaled,) = tensor_parallel_problems(preset("tiny", scale_embeddings=True), 2)
+    assert "model.scale_embeddings=true" in scaled
 
 
 def test_preflight_refuses_before_anything_loads() -> None:
