@@ -207,6 +207,8 @@ class ModelConfig:
             raise ConfigError(problem)
         for problem in gpt_oss_problems(self):  # astrai/model/gpt_oss_config.py
             raise ConfigError(problem)
+        for problem in gemma_problems(self):  # astrai/model/gemma_config.py
+            raise ConfigError(problem)
 
     def _check_longrope(self) -> None:
         half = self.rotary_dim() // 2
@@ -223,8 +225,6 @@ class ModelConfig:
                 "ModelConfig.rope_scaling.original_max_position_embeddings: must be a positive "
                 f"int, got {original!r}"
             )
-        for problem in gemma_problems(self):  # astrai/model/gemma_config.py
-            raise ConfigError(problem)
 
     def rotary_dim(self) -> int:
         """Dims of each head that RoPE rotates (all but under `partial_rotary_factor`)."""
