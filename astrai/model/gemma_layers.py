@@ -14,9 +14,10 @@ from torch import nn
 
 from astrai.model.config import ModelConfig
 from astrai.model.gemma_config import local_rope_config
-from astrai.model.layers import RMSNorm, RotaryEmbedding
+from astrai.model.layers import RMSNorm
 from astrai.model.longrope import is_longrope
 from astrai.model.longrope_embedding import LongRopeEmbedding
+from astrai.model.rope import RotaryEmbedding
 
 
 class GemmaRMSNorm(RMSNorm):

@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 
 from astrai.model.config import ModelConfig
-from astrai.model.layers import RotaryEmbedding
 from astrai.model.longrope import longrope_inv_freq
+from astrai.model.rope import RotaryEmbedding
 
 
 class LongRopeEmbedding(RotaryEmbedding):

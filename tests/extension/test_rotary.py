@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from astrai.extension import apply_rotary_emb
-from astrai.model.layers import apply_rotary
+from astrai.model.rope import apply_rotary
 
 
 def test_model_rotates_through_the_extension():

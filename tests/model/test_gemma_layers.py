@@ -17,7 +17,8 @@ from astrai.model.gemma_layers import (
     make_rotary,
     norm_class,
 )
-from astrai.model.layers import ACTIVATIONS, RMSNorm, RotaryEmbedding
+from astrai.model.layers import ACTIVATIONS, RMSNorm
+from astrai.model.rope import RotaryEmbedding
 
 BASE = dict(
     vocab_size=97,

@@ -21,7 +21,7 @@ from safetensors import safe_open
 from astrai.extension.cpu_kernels import paged_attention_op
 from astrai.model import AutoModel, ConfigError, ModelConfig, save_pretrained
 from astrai.model.hub import config_to_hf
-from astrai.model.layers import rope_inv_freq
+from astrai.model.rope import rope_inv_freq
 
 
 def ids(vocab: int = 256, seq: int = 40) -> torch.Tensor:

@@ -17,7 +17,7 @@ from hf_helpers import (
 )
 
 from astrai.model import AutoModel, ConfigError, ModelConfig, Transformer, save_pretrained
-from astrai.model.layers import PartialRotary
+from astrai.model.rope import PartialRotary
 
 PARTIAL = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
 ORIGINAL = 16  # LongRoPE's original context: the tests' sequences cross it

@@ -6,7 +6,7 @@ import transformers
 from transformers.models.gemma3.modeling_gemma3 import Gemma3DecoderLayer
 
 from astrai.model import ModelConfig, SandwichBlock
-from astrai.model.layers import RotaryEmbedding
+from astrai.model.rope import RotaryEmbedding
 
 SIZES = dict(
     vocab_size=97,

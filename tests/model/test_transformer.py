@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from astrai.model import Transformer
-from astrai.model.layers import apply_rotary
+from astrai.model.rope import apply_rotary
 
 
 def test_packed_documents_do_not_attend_across_boundaries(tiny_model):
