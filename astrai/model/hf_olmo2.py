@@ -20,8 +20,6 @@ def config_fields(data: dict[str, Any], model_type: str | None, source: str) -> 
     any other model_type."""
     if model_type not in OLMO2_ARCHITECTURES:
         return {}
-    if data.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"{source}: hidden_act={data['hidden_act']!r} is not supported")
     return dict(qk_norm=True, qk_norm_scope="projection", norm_position="post")
 
 

@@ -48,8 +48,6 @@ def config_fields(data: dict[str, Any], model_type: str | None, source: str) -> 
     window = data.get("sliding_window")
     limit = data.get("max_position_embeddings", 4096)
     windowed = {"sliding_window": window} if window is not None and window < limit else {}
-    if data.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"{source}: hidden_act={data['hidden_act']!r} is not supported")
     partial = rope.get("partial_rotary_factor", data.get("partial_rotary_factor", 1.0))
     fields = dict(partial_rotary_factor=float(partial), attention_bias=False, o_proj_bias=False)
     fields["rope_scaling"] = longrope or None

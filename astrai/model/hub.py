@@ -88,6 +88,12 @@ def config_from_hf(data: dict[str, Any], *, source: str = CONFIG_NAME) -> ModelC
         return hf_deepseek.config_from_hf(data, source=source)
     if data.get("mlp_bias"):
         raise ConfigError(f"{source}: mlp_bias=true is not supported")
+    act = data.get("hidden_act") or "silu"
+    if act != "silu" and model_type not in hf_gemma3.GEMMA3_ARCHITECTURES:  # Gemma: its own
+        raise ConfigError(
+            f"{source}: hidden_act={act!r} is not supported for {model_type} (its MLP is "
+            "SwiGLU here: silu only)"
+        )
     rope_params = dict(data.get("rope_parameters") or {})
     if rope_params and all(isinstance(v, dict) for v in rope_params.values()):
         raise ConfigError(f"{source}: per-layer rope_parameters are not supported")

@@ -107,3 +107,24 @@ def test_unrepresentable_hf_export_is_refused(tmp_path, tiny_config):
     model = Transformer(tiny_config)
     with pytest.raises(ConfigError, match="o_proj_bias"):
         save_pretrained(model, tmp_path, hf_format=True)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral", "olmo2", "phi3", "mixtral"])
+def test_an_activation_other_than_silu_is_refused_naming_it(model_type):
+    """These families' MLPs are SwiGLU here: a checkpoint with another `hidden_act` would load
+    as a different model, so it is refused (Gemma 3 reads its own GeGLU)."""
+    from astrai.model.hub import config_from_hf
+
+    data = dict(
+        model_type=model_type,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_local_experts=2,
+        hidden_act="gelu",
+    )
+    with pytest.raises(ConfigError, match=r"hidden_act='gelu' is not supported"):
+        config_from_hf(data)
+    assert config_from_hf(dict(data, hidden_act="silu")).hidden_act == "silu"
