@@ -55,16 +55,21 @@ def assert_engine_greedy_equals_hf(hf: torch.nn.Module, tmp_path: Path, tokenize
     ) as eng:
         out = eng.run_batch(prompts, max_tokens=n, temperature=0.0, ignore_eos=True)
     for prompt, got in zip(prompts, out):
-        with torch.no_grad():
-            ref = hf.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                do_sample=False,
-                max_new_tokens=n,
-                min_new_tokens=n,
-                pad_token_id=0,
-            )
-        assert got == ref[0, len(prompt) :].tolist()
+        assert got == hf_greedy(hf, prompt, n)
+
+
+def hf_greedy(hf: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    """transformers' own greedy `generate`: exactly `n` new token ids after `prompt`."""
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def assert_lora_trains(hf: torch.nn.Module, tmp_path: Path) -> None:

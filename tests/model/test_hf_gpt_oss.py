@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers
 from hf_helpers import GPT_OSS_WINDOW as WINDOW
-from hf_helpers import assert_export_round_trip, assert_lora_trains
+from hf_helpers import assert_export_round_trip, assert_lora_trains, hf_greedy
 from hf_helpers import build_gpt_oss as build_hf
 from safetensors import safe_open
 
@@ -89,19 +89,6 @@ BACKENDS = [
         ),
     ),
 ]
-
-
-def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        out = hf.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -14,6 +14,7 @@ from hf_helpers import (
     assert_engine_greedy_equals_hf,
     assert_export_round_trip,
     assert_lora_trains,
+    hf_greedy,
 )
 
 from astrai.model import AutoModel, ConfigError, ModelConfig, Transformer, save_pretrained
@@ -108,16 +109,7 @@ def test_engine_rotates_each_token_by_its_own_position_past_the_original_context
         kw = dict(temperature=0.0, ignore_eos=True)
         got_below = eng.run_batch([below], max_tokens=ORIGINAL - len(below), **kw)[0]
         got_across = eng.run_batch([across], max_tokens=12, **kw)[0]
-    with torch.no_grad():
-        ref = hf.generate(
-            torch.tensor([below]),
-            attention_mask=torch.ones(1, len(below), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=ORIGINAL - len(below),
-            min_new_tokens=ORIGINAL - len(below),
-            pad_token_id=0,
-        )
-    assert got_below == ref[0, len(below) :].tolist()
+    assert got_below == hf_greedy(hf, below, ORIGINAL - len(below))
     ours.rotary.forward = per_token_rotary  # the reference: full recomputation per token
     ids = list(across)
     with torch.no_grad():
