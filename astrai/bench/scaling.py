@@ -70,13 +70,10 @@ def _rss_bytes() -> int:
 
 def run_astrai_point(eng: InferenceEngine, work: Work) -> dict[str, Any]:
     """`work` submitted at once to a running engine: its figures, RSS and peak KV in use."""
+    eng.pool.reset_peak_used_tokens()  # the engine is idle between points
     start = time.perf_counter()
     results = [eng.submit(p, max_tokens=n, temperature=0.0, ignore_eos=True) for p, n in work]
-    peak_tokens = 0
     for r in results:
-        while not r.done:
-            peak_tokens = max(peak_tokens, eng.pool.used_tokens)
-            time.sleep(0.002)
         r.wait_completion()
     wall = time.perf_counter() - start
     ttft = [r.task.first_token_at - start for r in results]
@@ -84,7 +81,7 @@ def run_astrai_point(eng: InferenceEngine, work: Work) -> dict[str, Any]:
     return {
         **throughput(tokens, wall, ttft),
         "rss_bytes": _rss_bytes(),
-        "kv_bytes_in_use": peak_tokens * eng.pool.bytes_per_token,
+        "kv_bytes_in_use": eng.pool.peak_used_tokens * eng.pool.bytes_per_token,
     }
 
 

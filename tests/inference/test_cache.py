@@ -129,6 +129,22 @@ def test_paged_without_prefix_cache_frees_pages_at_once():
     assert pool.alloc_task(prompt)[1] == 0
 
 
+def test_the_peak_of_kv_in_use_outlives_the_requests():
+    """The high-water mark the scaling bench reports: kept after the rows are freed, reset
+    to what is held now."""
+    pool = make_pool(mode="paged", page_size=4, kv_tokens=64, enable_radix=False)
+    a, _ = pool.alloc_task(list(range(5)))
+    b, _ = pool.alloc_task(list(range(3)))
+    assert pool.ensure(a, 9) and pool.ensure(b, 3)
+    assert pool.used_tokens == pool.peak_used_tokens == 16
+    pool.free_task(a)
+    assert pool.used_tokens == 4 and pool.peak_used_tokens == 16
+    pool.reset_peak_used_tokens()
+    assert pool.peak_used_tokens == 4
+    pool.free_task(b)
+    assert pool.peak_used_tokens == 4
+
+
 def test_paged_binding_and_prefix_sharing():
     pool = make_pool(mode="paged", page_size=4, kv_tokens=64)
     assert isinstance(pool.prefix, RadixCache)

@@ -232,6 +232,7 @@ class PagePool:
             if enable_radix if enable_radix is not None else page_size > 1:
                 self.prefix = RadixCache(paged.page_allocator, page_size)
         self.page_size = self.allocator.page_size
+        self._peak_used_tokens = 0
         logger.info(
             "KV cache: %s, %d tokens (%.1f MiB), page_size=%d, prefix cache=%s",
             mode,
@@ -275,6 +276,15 @@ class PagePool:
         return self.allocator.used_tokens
 
     @property
+    def peak_used_tokens(self) -> int:
+        """The most KV slots requests held at once since the last `reset_peak_used_tokens`
+        (a high-water mark, as `torch.cuda.max_memory_allocated`: polling misses short peaks)."""
+        return self._peak_used_tokens
+
+    def reset_peak_used_tokens(self) -> None:
+        self._peak_used_tokens = self.used_tokens
+
+    @property
     def cached_tokens(self) -> int:
         return self.prefix.cached_tokens
 
@@ -309,6 +319,7 @@ class PagePool:
         end = self._matchable(len(token_ids), limit)
         shared = self.prefix.match(token_ids[:end], namespace) if end >= 1 else []
         self.allocator.open(row, shared)
+        self._note_peak()
         return row, len(shared) * self.page_size
 
     def shareable_tokens(self, num_tokens: int, limit: int | None = None) -> int:
@@ -326,7 +337,12 @@ class PagePool:
 
     def ensure(self, row: int, length: int) -> bool:
         """Back positions `[0, length)` of `row` with KV slots; False if memory ran out."""
-        return length <= self.max_seq_len and self.allocator.ensure(row, length)
+        backed = length <= self.max_seq_len and self.allocator.ensure(row, length)
+        self._note_peak()
+        return backed
+
+    def _note_peak(self) -> None:
+        self._peak_used_tokens = max(self._peak_used_tokens, self.allocator.used_tokens)
 
     def arrange_rows(self, rows: list[int], prompt_lens: list[int]) -> list[int]:
         """The rows for one admission's requests (the allocator's placement policy)."""
