@@ -272,7 +272,11 @@ class ProjectionRMSNorm(RMSNorm):
     head_dim]`: the statistics span the whole projection, as before OLMo 2's head split."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x.flatten(-2)).view(x.shape)
+        # out of place, in fp32: under tensor parallelism `x` is a DTensor of the local heads
+        # and the mean over the whole projection an all-reduce (astrai.train.tensor_parallel)
+        h = x.flatten(-2).float()
+        h = h * torch.rsqrt((h * h).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * h.to(x.dtype)).view(x.shape)
 
 
 def qk_norms(config: ModelConfig, norm: type[RMSNorm] = RMSNorm) -> tuple[RMSNorm, RMSNorm]:

@@ -2,11 +2,13 @@
 the decoder's matrices split over the "tensor_parallel" dimension of the strategy's mesh
 (Megatron's layout, written as torch DTensor plans as torchtitan's Llama plan does).
 
-Per `DecoderBlock`: q/k/v and gate/up are column-parallel (each rank holds `1/N` of the
-heads and of the intermediate features, so attention and SwiGLU run on local heads and
-features with no communication), o and down are row-parallel (their partial products are
-all-reduced back to the replicated hidden states). Qwen3's q/k norms see the local heads,
-so their weights' gradients sum the heads of every rank; every norm's weight is a DTensor
+Per block (`DecoderBlock`, OLMo 2's `PostNormBlock`, Gemma 3's `SandwichBlock`): q/k/v and
+gate/up are column-parallel (each rank holds `1/N` of the heads and of the intermediate
+features, so attention and SwiGLU or GeGLU run on local heads and features with no
+communication), o and down are row-parallel (their partial products are
+all-reduced back to the replicated hidden states). Per-head q/k norms (Qwen3, Gemma 3) see
+the local heads, so their weights' gradients sum the heads of every rank; OLMo 2's norms over
+the whole projection all-reduce their mean of squares; every norm's weight is a DTensor
 replicated over the tensor-parallel ranks (all parameters on one mesh).
 The token embedding is row-parallel over the vocabulary (torch's masked lookup, then an
 all-reduce); the LM head is column-parallel over the vocabulary (each rank holds `V/N` rows;
@@ -40,7 +42,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from astrai.model.config import ModelConfig
-from astrai.model.layers import Linear
+from astrai.model.layers import Linear, RMSNorm
 from astrai.vocab import VocabShard
 
 log = logging.getLogger(__name__)
@@ -89,17 +91,6 @@ def tensor_parallel_problems(config: ModelConfig, size: int, world_size: int = 0
     if config.attention_sinks:
         found.append(
             f"{KEY}={size}: attention sinks (model.attention_sinks=true, GPT-OSS) have no "
-            "tensor-parallel plan"
-        )
-    if config.norm_position != "pre" or config.qk_norm_scope != "head":
-        found.append(
-            f"{KEY}={size}: OLMo 2's and Gemma 3's blocks (model.norm_position="
-            f"{config.norm_position!r}, model.qk_norm_scope={config.qk_norm_scope!r}) have no "
-            "tensor-parallel plan"
-        )
-    elif config.scale_embeddings:
-        found.append(
-            f"{KEY}={size}: Gemma's scaled embeddings (model.scale_embeddings=true) have no "
             "tensor-parallel plan"
         )
     divisible = {
@@ -151,8 +142,10 @@ class NormParallel(ParallelStyle):
     """A norm whose weight is replicated over the tensor-parallel mesh (a DTensor, so every
     parameter lives on the same mesh: torch's gradient clipping needs that), its input read
     as `input_layout`: `Replicate()` for the hidden states, `Shard(-2)` for column-parallel
-    q or k (`[..., local heads, head_dim]`, Qwen3's q/k norms), whose weight gradient (a sum
-    over heads) then sums the heads of every rank."""
+    q or k (`[..., local heads, head_dim]`): a per-head norm (Qwen3, Gemma 3) runs on the
+    local heads and its weight gradient (a sum over heads) sums the heads of every rank; for a
+    norm over the whole projection (OLMo 2, `qk_norm_scope="projection"`) DTensor all-reduces
+    the mean of squares over the ranks, and the output keeps this rank's heads."""
 
     def __init__(self, input_layout: Placement | None = None) -> None:
         super().__init__()
@@ -171,17 +164,23 @@ class NormParallel(ParallelStyle):
             place = Shard(x.dim() - 2) if layout.is_shard() else layout
             return (DTensor.from_local(x, mesh, [place], run_check=False), *inputs[1:])
 
-        def local(_mod: nn.Module, out: Tensor, _mesh: DeviceMesh) -> Tensor:
+        def local(_mod: nn.Module, out: DTensor, _mesh: DeviceMesh) -> Tensor:
             return out.to_local()
 
         return distribute_module(module, device_mesh, replicate, prepare, local)
 
 
-def block_plan() -> dict[str, ParallelStyle]:
-    """The plan of one `DecoderBlock` (module names relative to it)."""
-    return {
-        "input_layernorm": NormParallel(),
-        "post_attention_layernorm": NormParallel(),
+def block_plan(block: nn.Module) -> dict[str, ParallelStyle]:
+    """The plan of one block (module names relative to it): every norm of the block
+    (`DecoderBlock`'s two, OLMo 2's two post-norms, Gemma 3's sandwich of four) replicated,
+    the q/k norms on the local heads, the projections column- then row-parallel."""
+    norms: dict[str, ParallelStyle] = {
+        name: NormParallel() for name, child in block.named_children() if isinstance(child, RMSNorm)
+    }
+    if block.self_attn.q_norm is not None:
+        heads = Shard(-2)
+        norms |= {"self_attn.q_norm": NormParallel(heads), "self_attn.k_norm": NormParallel(heads)}
+    return norms | {
         "self_attn.q_proj": ColwiseParallel(),
         "self_attn.k_proj": ColwiseParallel(),
         "self_attn.v_proj": ColwiseParallel(),
@@ -208,6 +207,7 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
         model,
         mesh,
         {
+            # (Gemma's ScaledEmbedding too: its scale multiplies the partial sums)
             "embed_tokens": RowwiseParallel(input_layouts=Replicate()),
             # Shard(0) of the weight; the dense path's logits stay sharded on the vocabulary
             # (a DTensor: astrai.vocab_parallel computes their scores)
@@ -217,11 +217,8 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
     )
     if config.tie_word_embeddings:  # both Shard(0) over the vocabulary: one weight again
         model.tie_weights()
-    heads = Shard(-2)
-    norms = {"self_attn.q_norm": NormParallel(heads), "self_attn.k_norm": NormParallel(heads)}
-    plan = block_plan() | (norms if config.qk_norm else {})
     for block in model.layers:
-        parallelize_module(block, mesh, plan)
+        parallelize_module(block, mesh, block_plan(block))
     model.vocab_shard = VocabParallel(mesh, config.vocab_size)
     log.info(
         "tensor parallel: %d blocks and the vocabulary (%d rows per rank) over %d ranks",

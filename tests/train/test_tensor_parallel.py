@@ -124,16 +124,17 @@ def _assert_equal_runs(run: Path, ref: Path) -> str:
 
 # ---------------------------------------------------------------------- processes (slow)
 @pytest.mark.slow
-@pytest.mark.parametrize("tied", ["tied", "untied"])
-def test_split_model_scores_as_the_whole_one(tied: str) -> None:
+@pytest.mark.parametrize("model", ["tied", "untied", "olmo2", "gemma3"])
+def test_split_model_scores_as_the_whole_one(model: str) -> None:
     """Per-token log-probs, entropy, smoothing term and every gradient of the split model
     (both heads: the chunked one through VocabParallel, the dense one from vocabulary-sharded
-    logits) equal the unsplit model's (tests/train/_tp_worker.py)."""
+    logits) equal the unsplit model's (tests/train/_tp_worker.py): Llama/Qwen3 blocks tied and
+    untied, OLMo 2's and Gemma 3's blocks."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.run(
-        [sys.executable, str(HERE / "_tp_worker.py"), str(port), tied],
+        [sys.executable, str(HERE / "_tp_worker.py"), str(port), model],
         capture_output=True,
         text=True,
         timeout=300,
@@ -143,6 +144,9 @@ def test_split_model_scores_as_the_whole_one(tied: str) -> None:
     found = json.loads(proc.stdout.strip().splitlines()[-1])
     for head, diff in found.items():
         assert diff.pop("plain"), f"{head}: the scores must be plain tensors"
+        # gradients relative to the largest one (OLMo 2's and Gemma 3's reach 13-17: their
+        # differences, sums in another order, are ~1e-6 of it)
+        assert diff.pop("grad") <= 2e-6 * max(1.0, diff.pop("grad_scale")), (head, diff)
         assert max(diff.values()) <= 1e-5, (head, diff)
 
 
@@ -216,16 +220,8 @@ def test_models_without_a_plan_are_refused() -> None:
     assert "model.attention_type='mla'" in mla and KEY in mla
     moe = [p for p in tensor_parallel_problems(preset("tiny", num_experts=4), 2) if "expert" in p]
     assert moe and "model.num_experts=4" in moe[0]
-    olmo2 = preset("tiny", norm_position="post", qk_norm=True, qk_norm_scope="projection")
-    (post,) = tensor_parallel_problems(olmo2, 2)
-    assert "model.norm_position='post'" in post and KEY in post
     (sinks,) = tensor_parallel_problems(preset("tiny", attention_sinks=True), 2)
     assert "model.attention_sinks=true" in sinks and KEY in sinks
-    gemma3 = preset("tiny", norm_position="sandwich", norm_type="gemma", qk_norm=True)
-    (sandwich,) = tensor_parallel_problems(gemma3, 2)
-    assert "Gemma 3's blocks (model.norm_position='sandwich'" in sandwich and KEY in sandwich
-    (scaled,) = tensor_parallel_problems(preset("tiny", scale_embeddings=True), 2)
-    assert "model.scale_embeddings=true" in scaled
 
 
 def test_preflight_refuses_before_anything_loads() -> None:
