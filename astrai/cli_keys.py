@@ -97,7 +97,7 @@ _REMOVED = {
     "serve": {
         "tool_call_format": "removed: tool calls are read by one parser family, chosen with "
         "tool_parser=<name> (vLLM's --tool-call-parser names: hermes, the old default, "
-        "llama3_json, mistral, pythonic, qwen3_coder, auto, none, or 'START|END' tags); "
+        "llama3_json, mistral, pythonic, qwen3_coder, openai, auto, none, or 'START|END' tags); "
         "docs/serving.md",
     }
 }

@@ -105,7 +105,9 @@ class SamplingParams:
     adapter the engine has loaded (`astrai.inference.adapters`; None: the base model, or a
     training run's live adapter). `priority` (vLLM's): an int, lower = served sooner, read
     only under the engine's `scheduling_policy="priority"` (`astrai.inference.priority`; a
-    non-zero one under "fcfs" is refused, as vLLM). Frozen (batches reuse).
+    non-zero one under "fcfs" is refused, as vLLM). `skip_special_tokens` (vLLM's): the
+    output's text leaves special tokens out (False: GPT-OSS's harmony markers, which its
+    reasoning parser reads, `astrai.serve.harmony`). Frozen (batches reuse).
     """
 
     temperature: float = 1.0
@@ -129,6 +131,7 @@ class SamplingParams:
     n: int = 1
     adapter: str | None = None
     priority: int = 0
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         stops = self.stop_ids

@@ -36,7 +36,9 @@ class GenerateResult:
 
     def __init__(self, task: Task, tokenizer: AutoTokenizer) -> None:
         self.task = task
-        self._decoder = tokenizer.stream_decoder(skip_special_tokens=True)
+        self._decoder = tokenizer.stream_decoder(
+            skip_special_tokens=task.params.skip_special_tokens
+        )
         self._decode_lock = threading.Lock()
         self._pieces: list[Piece] = []
         self._decoded = 0  # output tokens fed to the decoder

@@ -144,6 +144,8 @@ class OpenAIResponseBuilder(OpenAIStyleBuilder):
         if choice == "required" and not body.tools:
             raise APIError(400, "tool_choice: required needs tools", param="tool_choice")
         kwargs = body.chat_template_kwargs
+        if body.reasoning_effort is not None:  # as vLLM hands it to GPT-OSS's template
+            kwargs = {**(kwargs or {}), "reasoning_effort": body.reasoning_effort}
         messages = [_message(m) for m in body.messages]
         prompt_ids = render_prompt(
             tokenizer, messages, tools, kwargs, add_generation_prompt=body.add_generation_prompt
@@ -153,6 +155,8 @@ class OpenAIResponseBuilder(OpenAIStyleBuilder):
             settings.reasoning_parser, tokenizer, prompt_ids, enabled=thinking
         )
         extra: dict[str, Any] = {} if top is None else {"logprobs": top}
+        if reasoning is not None and not reasoning.skip_special_tokens:
+            extra["skip_special_tokens"] = False  # harmony's markers, read by its splitter
         structured = response_format_constraint(body.response_format, tokenizer)
         if tools and (choice == "required" or isinstance(choice, NamedToolChoice)):
             functions = [t["function"] for t in tools]

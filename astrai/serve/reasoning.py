@@ -1,7 +1,8 @@
 """Reasoning models: the thinking part of the output, split from the answer (vLLM's parsers).
 
-`reasoning_parser` (serve option): ``qwen3``, ``deepseek_r1``, ``auto`` (chosen from the
-chat template) or ``none``. Both parsers read ``<think> ... </think>``:
+`reasoning_parser` (serve option): ``qwen3``, ``deepseek_r1``, ``openai_gptoss``, ``auto``
+(chosen from the chat template) or ``none``. GPT-OSS's harmony channels are
+``openai_gptoss``'s (`astrai.serve.harmony`); the other two read ``<think> ... </think>``:
 
 - ``deepseek_r1``: the template opens ``<think>`` in the prompt, so everything the model
   writes up to ``</think>`` is reasoning (a ``<think>`` it writes itself is dropped).
@@ -39,8 +40,10 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from astrai.serve import harmony
 from astrai.serve.errors import APIError
-from astrai.serve.tool_parsers import Event, OutputParser, ToolCall
+from astrai.serve.harmony import HarmonySplitter
+from astrai.serve.tool_parsers import Event, OutputParser, ToolCall, ToolParserChoice
 
 if TYPE_CHECKING:
     import torch
@@ -48,7 +51,9 @@ if TYPE_CHECKING:
     from astrai.inference.structured import StructuredOutput
     from astrai.tokenizer import AutoTokenizer
 
-REASONING_PARSERS = ("qwen3", "deepseek_r1")
+#: GPT-OSS's harmony format (vLLM's name)
+HARMONY = "openai_gptoss"
+REASONING_PARSERS = ("qwen3", "deepseek_r1", HARMONY)
 REASONING_PARSER_CHOICES = (*REASONING_PARSERS, "auto", "none")
 THINK_START, THINK_END = "<think>", "</think>"
 
@@ -76,9 +81,9 @@ _AUTO: dict[tuple[int, str], str | None] = {}
 
 
 def resolve_reasoning_parser(name: str | None, tokenizer: AutoTokenizer) -> str | None:
-    """`name`, or for ``auto`` the parser the chat template implies: ``qwen3`` when it has
-    an `enable_thinking` switch, ``deepseek_r1`` when its generation prompt opens
-    ``<think>``, else none."""
+    """`name`, or for ``auto`` the parser the chat template implies: ``openai_gptoss`` when
+    it writes harmony channels, ``qwen3`` when it has an `enable_thinking` switch,
+    ``deepseek_r1`` when its generation prompt opens ``<think>``, else none."""
     name = check_reasoning_parser(name)
     if name != "auto":
         return name
@@ -86,7 +91,9 @@ def resolve_reasoning_parser(name: str | None, tokenizer: AutoTokenizer) -> str 
     key = (id(tokenizer), template)
     if key not in _AUTO:
         found: str | None = None
-        if "enable_thinking" in template:
+        if harmony.TEMPLATE_MARKER in template:
+            found = HARMONY
+        elif "enable_thinking" in template:
             found = "qwen3"
         elif THINK_START in template and _prompt_opens_think(
             tokenizer.apply_chat_template(
@@ -96,6 +103,20 @@ def resolve_reasoning_parser(name: str | None, tokenizer: AutoTokenizer) -> str 
             found = "deepseek_r1"
         _AUTO[key] = found
     return _AUTO[key]
+
+
+def check_harmony_parsers(
+    tool_parser: ToolParserChoice | None, reasoning_parser: str | None, tokenizer: AutoTokenizer
+) -> None:
+    """The ``openai`` tool parser reads the calls the harmony reasoning parser cuts out of
+    the raw output: a ValueError naming both settings when it would run without it."""
+    if tool_parser is None or tool_parser.name != "openai":
+        return
+    if resolve_reasoning_parser(reasoning_parser, tokenizer) != HARMONY:
+        raise ValueError(
+            f"tool_parser=openai (GPT-OSS's harmony calls) needs reasoning_parser={HARMONY} "
+            f"(or auto with a harmony chat template); got reasoning_parser={reasoning_parser!r}"
+        )
 
 
 def _prompt_opens_think(text: str) -> bool:
@@ -118,8 +139,19 @@ class Reasoning:
     opened: bool
     budget: int | None = None
 
-    def splitter(self) -> ReasoningSplitter:
-        return ReasoningSplitter(self.opened)
+    def splitter(self) -> ReasoningSplitter | HarmonySplitter:
+        return HarmonySplitter() if self.parser == HARMONY else ReasoningSplitter(self.opened)
+
+    @property
+    def skip_special_tokens(self) -> bool:
+        """Whether the output's text may leave special tokens out (harmony's markers are
+        special tokens its splitter reads)."""
+        return self.parser != HARMONY
+
+    @property
+    def tags(self) -> tuple[str, str]:
+        """The reasoning's opening and closing tags (what a thinking budget forces)."""
+        return (harmony.OPEN, harmony.CLOSE) if self.parser == HARMONY else (THINK_START, THINK_END)
 
 
 def reasoning_for(
@@ -137,7 +169,7 @@ def reasoning_for(
     if name is None or (name == "qwen3" and not enabled):
         return None
     tail = tokenizer.decode(prompt_ids[-16:])  # the generation prompt's end, tags kept
-    opened = name == "deepseek_r1" or _prompt_opens_think(tail)
+    opened = name == "deepseek_r1" or (name != HARMONY and _prompt_opens_think(tail))
     return Reasoning(name, opened, budget)
 
 
@@ -343,11 +375,12 @@ def thinking_budget(
     """The logits processors that enforce `reasoning.budget` (none without one)."""
     if reasoning is None or reasoning.budget is None:
         return ()
+    open_tag, close_tag = reasoning.tags
     return (
         ThinkingBudget(
             reasoning.budget,
-            tuple(tokenizer.encode(THINK_END)),
-            tuple(tokenizer.encode(THINK_START)),
+            tuple(tokenizer.encode(close_tag)),
+            tuple(tokenizer.encode(open_tag)),
             reasoning.opened,
         ),
     )
@@ -361,8 +394,9 @@ def after_reasoning(
     spec: StructuredOutput | None, reasoning: Reasoning | None, tokenizer: AutoTokenizer
 ) -> StructuredOutput | None:
     """`spec`, applied only after the reasoning: any reasoning text, ``</think>``, optional
-    whitespace, then the answer under `spec` (a 400 naming its field if it cannot be
-    composed or compiled)."""
+    whitespace, then the answer under `spec` (harmony: an analysis message, then the final
+    channel's header; `astrai.serve.harmony.reasoning_grammar`). A 400 naming its field if
+    it cannot be composed or compiled."""
     if spec is None or reasoning is None:
         return spec
     from astrai.inference.grammar import grammar_compiler
@@ -378,6 +412,12 @@ def after_reasoning(
             answer = _START_RULE.sub(r"answer_\1:", inner["lark_grammar"])
         else:
             raise ValueError("the constraint cannot be composed with a reasoning")
+        if reasoning.parser == HARMONY:
+            first, rules = harmony.reasoning_grammar(compiler.special_id)
+            lark = f"start: {first} answer_\n{rules}{answer}\n"
+            out = StructuredOutput.lark(lark, field=spec.field)
+            compiler.compile(out)
+            return out
         open_id, close_id = compiler.special_id(THINK_START), compiler.special_id(THINK_END)
         if close_id is not None:
             head = f"<[{open_id}]>" if open_id is not None else json.dumps(THINK_START)

@@ -113,6 +113,12 @@ class TextConfig(_Body):
     format: TextFormat | None = None
 
 
+class ReasoningConfig(_Body):
+    """Responses' `reasoning`: its `effort` goes to the chat template (`reasoning_effort`)."""
+
+    effort: Literal["minimal", "low", "medium", "high"] | None = None
+
+
 class ResponsesRequest(_Body):
     model: str | None = "astrai"
     # Items are read by `input_items`: its errors name `input[i]` and one cause.
@@ -128,6 +134,7 @@ class ResponsesRequest(_Body):
     parallel_tool_calls: bool | None = True
     stream: bool | None = False
     text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
     background: bool | None = False
     metadata: dict[str, str] | None = None
     user: str | None = None
@@ -209,6 +216,8 @@ def chat_request(body: ResponsesRequest, messages: list[dict[str, Any]]) -> Chat
     }
     if body.max_output_tokens is not None:
         fields["max_completion_tokens"] = body.max_output_tokens
+    if body.reasoning is not None and body.reasoning.effort is not None:
+        fields["reasoning_effort"] = body.reasoning.effort
     if body.tools:
         fields["tools"] = [
             {

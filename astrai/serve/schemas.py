@@ -140,6 +140,8 @@ class ChatCompletionRequest(_Body):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = "auto"
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # template variables (enable_thinking)
+    # OpenAI's; handed to the chat template as `reasoning_effort` (GPT-OSS's reads it)
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     structured_outputs: StructuredOutputsParams | None = None  # vLLM's extra body field

@@ -18,7 +18,8 @@ class ServeSettings:
 
     `tool_parser` (vLLM's `--tool-call-parser` names): ``hermes`` (the default,
     ``<tool_call>{json}</tool_call>``, our chat template's format), ``llama3_json``,
-    ``mistral``, ``pythonic``, ``qwen3_coder``, ``auto`` (chosen from the model's chat
+    ``mistral``, ``pythonic``, ``qwen3_coder``, ``openai`` (GPT-OSS's harmony calls, with
+    `reasoning_parser=openai_gptoss`), ``auto`` (chosen from the model's chat
     template), ``none`` (never parse tool calls), or ``"START|END"`` tags of a hermes-style
     format (`astrai.serve.tool_parsers`; GRPO's environments read the same setting).
     `disconnect_poll_s`: how often a non-streaming request checks that its client
@@ -51,7 +52,8 @@ class ServeSettings:
     request_timeout_s: float | None = 300.0
     max_client_batch_size: int = 1024  # pairs per /v1/score request (TEI's name)
     max_tokens_policy: str = "error"
-    # qwen3 | deepseek_r1 | auto (from the chat template) | none: astrai.serve.reasoning
+    # qwen3 | deepseek_r1 | openai_gptoss | auto (from the chat template) | none:
+    # astrai.serve.reasoning
     reasoning_parser: str | None = None
     allow_runtime_lora: bool = False
     allowed_lora_roots: tuple[str, ...] = ()

@@ -72,16 +72,28 @@ def tokenizer(model_dir) -> AutoTokenizer:
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-@pytest.fixture(scope="session")
-def engine(model_dir, tokenizer):
+def scripted_engine(model_dir: Path, tokenizer: AutoTokenizer, end: str) -> InferenceEngine:
+    """An engine over `model_dir`'s weights as a `ScriptedTransformer` whose scripts end with
+    the token `end` (the caller shuts it down)."""
     loaded = AutoModel.from_pretrained(model_dir)
     model = ScriptedTransformer(loaded.config)
     model.load_state_dict(loaded.state_dict())
     model.eval()
-    model.end_id = tokenizer.token_to_id("<|im_end|>")
-    eng = InferenceEngine(
+    model.end_id = tokenizer.token_to_id(end)
+    return InferenceEngine(
         model, tokenizer, max_batch_size=16, max_seq_len=1024, cache_mode="contiguous"
     )
+
+
+@pytest.fixture(scope="session")
+def make_scripted_engine():
+    """`scripted_engine`, for a test module with a tokenizer (and chat template) of its own."""
+    return scripted_engine
+
+
+@pytest.fixture(scope="session")
+def engine(model_dir, tokenizer):
+    eng = scripted_engine(model_dir, tokenizer, "<|im_end|>")
     yield eng
     eng.shutdown()
 

@@ -270,16 +270,16 @@ def test_a_malformed_step_answer_is_the_environments_error(tok, answer, error):
 class Scripted:
     """An engine whose model says `replies[t]` (then its stop token) on turn `t`."""
 
-    def __init__(self, tok, replies, *, reasons=None, max_seq_len=2048) -> None:
+    def __init__(self, tok, replies, *, reasons=None, max_seq_len=2048, stop="<|im_end|>") -> None:
         self.tok, self.replies, self.reasons = tok, replies, reasons or {}
         self.max_seq_len, self.turn, self.prompts = max_seq_len, 0, []
+        self.stop = stop  # None: each reply ends with its own stop token
 
     def run_batch(self, prompts, params, *, seed, return_details):
         text = self.replies[min(self.turn, len(self.replies) - 1)]
         reason = self.reasons.get(self.turn, "stop")
-        ids = self.tok.encode(text) + (
-            [self.tok.token_to_id("<|im_end|>")] if reason == "stop" else []
-        )
+        ends = reason == "stop" and self.stop is not None
+        ids = self.tok.encode(text) + ([self.tok.token_to_id(self.stop)] if ends else [])
         self.turn += 1
         self.prompts.append(prompts)
         return [
@@ -439,3 +439,38 @@ def test_turns_are_read_with_the_parser_the_server_picks_for_the_template(model)
     assert ep.final_text == QWEN3_CODER_CALL
     ep = episode(lambda: Calculator(tool_parser="none"))
     assert (ep.turns, ep.tool_calls) == (1, 0)
+
+
+def test_gpt_oss_turns_are_read_through_their_harmony_channels():
+    """A harmony template (GPT-OSS's shape, tests/tiny_parts.py): `auto` reads the calls with
+    the `openai` parser after the harmony split, as the server does; the analysis is left out
+    of the conversation, the call and the final answer are kept, the transcript is still the
+    template's rendering."""
+    from tiny_parts import harmony_tokenizer
+
+    texts = [f"{p['prompt']} {p['solution']}" for p in arithmetic_problems(60)]
+    tok = harmony_tokenizer(texts * 2, 300)
+    record = {"prompt": "What is 23 + 45?", "answer": "68"}
+    call = (
+        "<|channel|>analysis<|message|>Use the tool.<|end|><|start|>assistant<|channel|>"
+        'commentary to=functions.calc <|constrain|>json<|message|>{"expr": "23 + 45"}<|call|>'
+    )
+    final = (
+        "<|channel|>analysis<|message|>It said 68.<|end|><|start|>assistant<|channel|>final"
+        "<|message|>The answer is 68.<|return|>"
+    )
+    engine = Scripted(tok, [call, final], stop=None)
+    (ep,) = run_episodes(engine, tok, Calculator, [record], SamplingParams(), max_turns=3, seed=0)
+    args = {"expr": "23 + 45"}
+    assert (ep.turns, ep.tool_calls, ep.error) == (2, 1, None)
+    assert ep.messages[1:] == [
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "calc", "arguments": args}}],
+        },
+        {"role": "tool", "content": "68"},
+        {"role": "assistant", "content": "The answer is 68."},
+    ]
+    assert ep.final_text == "The answer is 68."
+    assert tok.encode(call) == ep.completion_ids[: len(tok.encode(call))]

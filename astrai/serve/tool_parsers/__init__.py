@@ -7,6 +7,7 @@
 | `mistral`     | Mistral 7B v0.3, Mixtral, Nemo, Small           | `[TOOL_CALLS][{"name", "arguments"}]`     |
 | `pythonic`    | Llama 3.2 1B/3B, Llama 4 (pythonic templates)   | `[get_weather(city="Paris")]`             |
 | `qwen3_coder` | Qwen3-Coder                                      | `<tool_call><function=f><parameter=p>...` |
+| `openai`      | GPT-OSS (harmony; needs `reasoning_parser=openai_gptoss`) | `<|channel|>commentary to=functions.f<|message|>{...}<|call|>` |
 
 `auto` picks by the chat template's text (`detect`), falling back to hermes; `none`
 parses no calls. `resolve` turns the setting into a `ToolParserChoice`, whose `new` makes
@@ -28,6 +29,7 @@ from astrai.serve.tool_parsers.events import Event, TextDelta, ToolCall
 from astrai.serve.tool_parsers.hermes import HermesToolParser, tagged_parser
 from astrai.serve.tool_parsers.llama3_json import Llama3JsonToolParser
 from astrai.serve.tool_parsers.mistral import MistralToolParser
+from astrai.serve.tool_parsers.openai import OpenAIToolParser
 from astrai.serve.tool_parsers.pythonic import PythonicToolParser
 from astrai.serve.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 from astrai.serve.tool_parsers.stream import OutputParser, StopMatcher
@@ -53,6 +55,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
         HermesToolParser,
         Llama3JsonToolParser,
         MistralToolParser,
+        OpenAIToolParser,
         PythonicToolParser,
         Qwen3CoderToolParser,
     )
@@ -60,7 +63,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
 TOOL_PARSER_CHOICES: tuple[str, ...] = (*TOOL_PARSERS, "auto", "none")
 
 # `auto`: the most specific markers first (a qwen3_coder template also has <tool_call>).
-_DETECT_ORDER = ("pythonic", "qwen3_coder", "mistral", "llama3_json", "hermes")
+_DETECT_ORDER = ("openai", "pythonic", "qwen3_coder", "mistral", "llama3_json", "hermes")
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ from numbers import Real
 from typing import TYPE_CHECKING, Any
 
 from astrai.inference.params import SamplingParams
+from astrai.serve import harmony
 from astrai.serve.tool_parsers import ToolParserChoice, resolve
 from astrai.train.environments.base import Environment, StepResult
 
@@ -124,6 +125,16 @@ def assistant_message(text: str, parser: ToolParserChoice | None) -> dict[str, A
     if calls:
         message["tool_calls"] = calls
     return message
+
+
+def turn_text(tokenizer: AutoTokenizer, ids: list[int], parser: ToolParserChoice | None) -> str:
+    """The text of a model's turn that `assistant_message` reads: decoded without special
+    tokens, except for GPT-OSS (the ``openai`` parser), whose harmony channels are special
+    tokens: its analysis is left out (as its template leaves it out of later turns) and its
+    answer and calls kept, as the server's harmony reasoning parser splits them."""
+    if parser is None or parser.name != "openai":
+        return tokenizer.decode(ids, skip_special_tokens=True)
+    return harmony.split(tokenizer.decode(ids, skip_special_tokens=False))[1]
 
 
 @dataclass(eq=False)
@@ -285,7 +296,7 @@ def _advance(
     ep.logprobs += [float(x) for x in result.logprobs]
     ep.action_mask += [1] * len(ids)
     ep.turns += 1
-    message = assistant_message(tokenizer.decode(ids, skip_special_tokens=True), run.parser)
+    message = assistant_message(turn_text(tokenizer, ids, run.parser), run.parser)
     ep.messages.append(message)
     ep.tool_calls += len(message.get("tool_calls", ()))
     if result.finish_reason == "length":  # a cut turn is not shown to the environment
