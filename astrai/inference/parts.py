@@ -67,7 +67,18 @@ def kv_pool(
         kv_tokens=kv_tokens,
         memory_fraction=memory_fraction,
         enable_radix=prefix_cache,
+        window=model_window(cfg),
     )
+
+
+def model_window(cfg: Any) -> int | None:
+    """The sliding window every layer of `cfg` keeps (the largest), or None when a layer
+    attends to the whole prefix (Gemma 3's global layers): how far back a paged row's KV
+    is read."""
+    windows = [cfg.layer_window(i) for i in range(cfg.num_hidden_layers)]
+    if not windows or any(w is None for w in windows):
+        return None
+    return max(windows)
 
 
 def _check_int8_kv(cfg: Any, param: torch.Tensor) -> None:

@@ -471,6 +471,7 @@ class InferenceScheduler(Admission):
                 t, self.speculative_tokens, self.max_seq_len
             )
             t.spec.budget = k if k and self.pool.ensure(t.row, t.total_len + k) else 0
+            self.pool.release_unread(t.row, t.total_len)  # behind a sliding window
             while not self.pool.ensure(t.row, t.total_len):
                 if len(self._running) == 1:
                     self._finish(

@@ -148,3 +148,44 @@ def test_windowed_attention_reads_only_the_window(monkeypatch):
         scores = torch.einsum("hd,khd->hk", q[j], keys[seen]) * dim**-0.5
         expected = torch.einsum("hk,khd->hd", scores.softmax(-1), values[seen])
         torch.testing.assert_close(out[j], expected)
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+def test_decoding_gives_back_the_pages_behind_the_window(family, stdlib_tokenizer, tmp_path):
+    """Every layer windowed (Mistral): as a request decodes, its row keeps only the pages
+    its window still reads (KV in use stays near the window, not the sequence); greedy output
+    equals transformers' and the prompt's pages, cached when its prefill completed, serve a
+    second request. A model with a global layer (Gemma 3) keeps every page."""
+    tokenizer = stdlib_tokenizer
+    hf = build_hf(family, len(tokenizer))
+    hf.save_pretrained(tmp_path)
+    ours = AutoModel.from_pretrained(tmp_path).eval()
+    rng = random.Random(5)
+    prompt = [rng.randrange(300) for _ in range(30)]
+    seen: list[int] = []
+    with InferenceEngine(
+        ours,
+        tokenizer,
+        cache_mode="paged",
+        page_size=4,
+        prefix_cache=True,
+        max_batch_size=2,
+        max_seq_len=64,
+        start=False,
+    ) as eng:
+
+        def spy(ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+            seen.append(eng.pool.used_tokens)  # the row's KV at each sampled token
+            return logits
+
+        kw = dict(max_tokens=20, temperature=0.0, ignore_eos=True)
+        (first,) = eng.run_batch([prompt], logits_processors=(spy,), **kw)
+        (again,) = eng.run_batch([prompt], **kw)
+        assert eng.get_stats()["cached_prompt_tokens"] >= 28  # the prompt's 7 whole pages
+        assert eng.pool.all_free()
+    assert first == again == hf_greedy(hf, prompt, 20)
+    assert seen[0] >= 32  # after the prefill: the whole prompt
+    if family == "mistral":  # the window (6) rounded out to pages, plus the page being filled
+        assert max(seen[3:]) <= 12, seen
+    else:
+        assert seen[-1] >= 48, seen

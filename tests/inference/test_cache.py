@@ -145,6 +145,35 @@ def test_the_peak_of_kv_in_use_outlives_the_requests():
     assert pool.peak_used_tokens == 4
 
 
+def test_a_windowed_row_gives_back_the_pages_behind_its_window():
+    """Window 6, pages of 4: at length 15 the query at 14 reads positions 9.. (page 2 on),
+    so pages 0 and 1 go back; a prefix-cached page stays in the cache; the row is no longer
+    cacheable from position 0; freeing the row returns the rest once."""
+    pool = make_pool(mode="paged", page_size=4, kv_tokens=64, window=6)
+    prompt = list(range(9))
+    a, _ = pool.alloc_task(prompt)
+    assert pool.ensure(a, 9)
+    pool.cache_task(a, prompt)  # its prefill completed: pages 0 and 1 are indexed
+    b, cached = pool.alloc_task(prompt)  # a second request shares them
+    assert cached == 8 and pool.ensure(b, 9)
+    assert pool.ensure(a, 15) and pool.used_tokens == 20  # a: 4 pages, b: 1 own page
+    pool.release_unread(a, 14)  # the query at 13 reads 8..: page 2 is still read
+    pool.release_unread(a, 15)
+    assert pool.used_tokens == 20  # pages 0 and 1 are b's too
+    assert pool.allocator.pages(a) == []  # no longer a prefix from position 0
+    pool.release_unread(b, 9)  # the query at 8 reads 3..: nothing wholly behind it
+    assert pool.used_tokens == 20
+    pool.free_task(b)
+    assert pool.used_tokens == 8  # a's pages 2 and 3
+    assert pool.prefix.match(prompt) != []  # the cached prefix outlived both references
+    pool.free_task(a)
+    assert pool.all_free() and pool.used_tokens == 0
+    contiguous = make_pool(window=6)
+    c, _ = contiguous.alloc_task(prompt)
+    contiguous.release_unread(c, 30)  # a contiguous row owns its slots: nothing to give back
+    assert contiguous.used_tokens == 32
+
+
 def test_paged_binding_and_prefix_sharing():
     pool = make_pool(mode="paged", page_size=4, kv_tokens=64)
     assert isinstance(pool.prefix, RadixCache)

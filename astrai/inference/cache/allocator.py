@@ -1,14 +1,21 @@
 """Which KV slots back each request row: the two cache modes as two allocator types.
 
 `KVAllocator` is the one interface the pool talks to (SGLang's allocator seam):
-`can_hold` / `open` / `ensure` / `free` / `pages` / `used_tokens` / `holds_nothing`, and
-`arrange` (the mode's own admission order of rows). Both write the request-to-token table,
+`can_hold` / `open` / `ensure` / `free` / `pages` / `used_tokens` / `holds_nothing`,
+`arrange` (the mode's own admission order of rows) and `release_unread` (pages a sliding
+window will never read again). Both write the request-to-token table,
 position -> physical slot, of the rows they back.
 
 - `ContiguousAllocator`: row `r` owns the fixed slots `r * max_seq_len + position`; nothing
   is allocated while serving and no page is ever shared.
 - `PagedAllocator`: rows take pages of `page_size` tokens on demand from a `PageAllocator`
   (free set, reference counts, LRU of prefix-cached pages), so a prefix cache can share them.
+
+A sliding-window model (every layer windowed: `window`) reads only the last `window`
+positions of a row, so a paged row gives back the pages wholly before its window as it
+decodes (`release_unread`, vLLM's sliding-window manager's rule): they keep their place in
+the row as holes (the kernels never read them) and the row's prefix is no longer cacheable
+past them (its prompt's pages entered the prefix cache when its prefill completed).
 
 A page is owned by the requests that reference it (ref count) and, optionally, by the
 prefix cache. A page that no request references goes back to the free set, unless the
@@ -23,6 +30,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
+
+_HOLE = -1  # a released page's place in its row
 
 
 class PageAllocator:
@@ -166,6 +175,11 @@ class KVAllocator(ABC):
         """Rows for the requests of one admission, given in admission order (default: as is)."""
         return rows
 
+    def release_unread(self, row: int, length: int) -> None:
+        """`row` is `length` long and its next queries start at position `length - 1`: give
+        back what no query will read again (default: nothing; every position stays read)."""
+        return None
+
 
 class ContiguousAllocator(KVAllocator):
     """Each row owns `max_seq_len` fixed slots: a linear table, nothing allocated later."""
@@ -222,13 +236,19 @@ class ContiguousAllocator(KVAllocator):
 class PagedAllocator(KVAllocator):
     """Rows take `page_size`-token pages on demand from a shared `PageAllocator`."""
 
-    def __init__(self, table: torch.Tensor, num_pages: int, page_size: int) -> None:
+    def __init__(
+        self, table: torch.Tensor, num_pages: int, page_size: int, window: int | None = None
+    ) -> None:
         super().__init__(table)
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
+        if window is not None and window <= 0:
+            raise ValueError(f"window must be positive, got {window}")
         self.page_size = page_size
+        self.window = window  # every layer's (the largest): None, a layer attends fully
         self.page_allocator = PageAllocator(num_pages)
-        self._rows: dict[int, list[int]] = {}
+        self._rows: dict[int, list[int]] = {}  # released pages are holes: _HOLE
+        self._released: dict[int, int] = {}  # row -> leading pages released
 
     def can_hold(self, num_tokens: int, reserve_pages: int = 0) -> bool:
         need = -(-num_tokens // self.page_size) + reserve_pages
@@ -253,12 +273,27 @@ class PagedAllocator(KVAllocator):
         return True
 
     def free(self, row: int) -> None:
-        pages = self._rows.pop(row)
+        pages = self._rows.pop(row)[self._released.pop(row, 0) :]
         if pages:  # leaf pages first, so they are older in the LRU than the prefix they extend
             self.page_allocator.unref(pages[::-1])
 
     def pages(self, row: int) -> list[int]:
-        return self._rows[row]
+        """The row's pages from position 0; none once its window released the first."""
+        return [] if self._released.get(row) else self._rows[row]
+
+    def release_unread(self, row: int, length: int) -> None:
+        """Pages wholly before the window of the query at `length - 1` go back (their
+        references dropped: the prefix cache may still hold them)."""
+        if self.window is None:
+            return
+        pages, done = self._rows[row], self._released.get(row, 0)
+        until = min(max(length - self.window, 0) // self.page_size, len(pages))
+        if until <= done:
+            return
+        gone = pages[done:until]
+        pages[done:until] = [_HOLE] * len(gone)
+        self._released[row] = until
+        self.page_allocator.unref(gone[::-1])
 
     @property
     def used_tokens(self) -> int:

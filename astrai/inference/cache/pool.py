@@ -161,7 +161,9 @@ class PagePool:
     otherwise (paged KV is gathered, and gathering whole token rows is faster).
     `latent_dim` (MLA) stores one vector of that width per token and layer instead of K and
     V per kv head (`num_kv_heads` / `head_dim` are then ignored); `bytes_per_token` is the
-    per-token KV size either way.
+    per-token KV size either way. `window` (every layer's sliding window, the largest; None
+    if a layer attends fully): a paged row gives back the pages its window left behind as
+    it decodes (`release_unread`, allocator.py).
     """
 
     def __init__(
@@ -181,6 +183,7 @@ class PagePool:
         enable_radix: bool | None = None,
         head_major: bool | None = None,
         latent_dim: int | None = None,
+        window: int | None = None,
     ) -> None:
         if mode not in ("contiguous", "paged"):
             raise ValueError(f"cache mode must be 'contiguous' or 'paged', got {mode!r}")
@@ -227,7 +230,7 @@ class PagePool:
         if mode == "contiguous":
             self.allocator = ContiguousAllocator(table)
         else:
-            paged = PagedAllocator(table, size // page_size, page_size)
+            paged = PagedAllocator(table, size // page_size, page_size, window)
             self.allocator = paged
             if enable_radix if enable_radix is not None else page_size > 1:
                 self.prefix = RadixCache(paged.page_allocator, page_size)
@@ -343,6 +346,11 @@ class PagePool:
 
     def _note_peak(self) -> None:
         self._peak_used_tokens = max(self._peak_used_tokens, self.allocator.used_tokens)
+
+    def release_unread(self, row: int, length: int) -> None:
+        """`row` is `length` long, its next query at `length - 1`: the pages no query will
+        read again go back (sliding-window models, paged rows; otherwise nothing)."""
+        self.allocator.release_unread(row, length)
 
     def arrange_rows(self, rows: list[int], prompt_lens: list[int]) -> list[int]:
         """The rows for one admission's requests (the allocator's placement policy)."""
