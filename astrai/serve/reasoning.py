@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 from astrai.serve import harmony
 from astrai.serve.errors import APIError
 from astrai.serve.harmony import HarmonySplitter
-from astrai.serve.tool_parsers import Event, OutputParser, ToolCall, ToolParserChoice
+from astrai.serve.tool_parsers import Event, OutputParser, ToolCall
 
 if TYPE_CHECKING:
     import torch
@@ -105,18 +105,16 @@ def resolve_reasoning_parser(name: str | None, tokenizer: AutoTokenizer) -> str 
     return _AUTO[key]
 
 
-def check_harmony_parsers(
-    tool_parser: ToolParserChoice | None, reasoning_parser: str | None, tokenizer: AutoTokenizer
-) -> None:
+def check_harmony_parsers(tool_parser: str | None, reasoning_parser: str | None) -> None:
     """The ``openai`` tool parser reads the calls the harmony reasoning parser cuts out of
-    the raw output: a ValueError naming both settings when it would run without it."""
-    if tool_parser is None or tool_parser.name != "openai":
+    the raw output: a ValueError naming both settings when it would run without it
+    (`reasoning_parser` as resolved; ``auto`` is checked once the template is known)."""
+    if tool_parser != "openai" or reasoning_parser in (HARMONY, "auto"):
         return
-    if resolve_reasoning_parser(reasoning_parser, tokenizer) != HARMONY:
-        raise ValueError(
-            f"tool_parser=openai (GPT-OSS's harmony calls) needs reasoning_parser={HARMONY} "
-            f"(or auto with a harmony chat template); got reasoning_parser={reasoning_parser!r}"
-        )
+    raise ValueError(
+        f"tool_parser=openai (GPT-OSS's harmony calls) needs reasoning_parser={HARMONY} "
+        f"(or auto with a harmony chat template); got reasoning_parser={reasoning_parser!r}"
+    )
 
 
 def _prompt_opens_think(text: str) -> bool:

@@ -108,9 +108,10 @@ class ServeSettings:
         self.allowed_lora_roots = tuple(self.allowed_lora_roots or ())
         if self.allow_runtime_lora:
             AdapterRoots.of(self.allowed_lora_roots)  # a ValueError naming allowed_lora_roots
-        from astrai.serve.reasoning import check_reasoning_parser
+        from astrai.serve.reasoning import check_harmony_parsers, check_reasoning_parser
 
         check_reasoning_parser(self.reasoning_parser)  # a ValueError naming its choices
+        check_harmony_parsers(self.tool_parser, self.reasoning_parser)
         from astrai.serve.tool_parsers import resolve
 
         resolve(self.tool_parser)  # a ValueError naming tool_parser and its choices

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from astrai.serve.adapters import ServedModels
 from astrai.serve.errors import APIError
 from astrai.serve.protocol import RequestContext
-from astrai.serve.reasoning import check_harmony_parsers
+from astrai.serve.reasoning import check_harmony_parsers, resolve_reasoning_parser
 from astrai.serve.settings import ServeSettings
 from astrai.serve.tool_parsers import resolve as resolve_tool_parser
 
@@ -45,7 +45,10 @@ class ServerState:
         self.tool_parser = resolve_tool_parser(
             settings.tool_parser, getattr(engine.tokenizer, "chat_template", None)
         )
-        check_harmony_parsers(self.tool_parser, settings.reasoning_parser, engine.tokenizer)
+        check_harmony_parsers(
+            self.tool_parser.name if self.tool_parser is not None else None,
+            resolve_reasoning_parser(settings.reasoning_parser, engine.tokenizer),
+        )
         self.draining = False
         self.inflight: set[RequestContext] = set()
         self.requests_total = 0

@@ -115,9 +115,15 @@ def test_auto_reads_harmony_off_the_template(harmony_engine):
     assert app.state.astrai.tool_parser.name == "openai"
 
 
-def test_the_openai_tool_parser_needs_the_harmony_reasoning_parser(harmony_engine):
-    with pytest.raises(ValueError, match=r"tool_parser=openai .* needs reasoning_parser=openai_gp"):
-        create_app(harmony_engine, ServeSettings(tool_parser="openai"))
+def test_the_openai_tool_parser_needs_the_harmony_reasoning_parser(engine):
+    """Refused in the settings (before any model loads), and for `auto` once the template
+    is known (the suite's ChatML template is no harmony template)."""
+    need = r"tool_parser=openai .* needs reasoning_parser=openai_gptoss"
+    with pytest.raises(ValueError, match=need):
+        ServeSettings(tool_parser="openai")
+    settings = ServeSettings(tool_parser="openai", reasoning_parser="auto")
+    with pytest.raises(ValueError, match=need):
+        create_app(engine, settings)
 
 
 def test_reasoning_and_answer_plain_and_streamed(url, say, harmony_engine):
