@@ -56,9 +56,12 @@ HARMONY_TEMPLATE = """
 """
 
 
-def harmony_tokenizer(texts: list[str], vocab_size: int) -> Any:
-    """A BPE on `texts` with harmony's markers as special tokens, `<|return|>` and
-    `<|call|>` as stop tokens and `HARMONY_TEMPLATE`."""
+def harmony_tokenizer(
+    texts: list[str], vocab_size: int, stops: tuple[str, ...] = tuple(HARMONY_STOPS)
+) -> Any:
+    """A BPE on `texts` with harmony's markers as special tokens, `stops` as its extra stop
+    tokens (gpt-oss's first generation_config.json names only `<|return|>`; the server adds
+    `<|call|>` for harmony requests) and `HARMONY_TEMPLATE`."""
     from astrai.tokenizer import AutoTokenizer
     from astrai.tokenizer.tokens import DEFAULT_SPECIAL_TOKENS
 
@@ -70,7 +73,7 @@ def harmony_tokenizer(texts: list[str], vocab_size: int) -> Any:
         eos_token=trained.eos_token,
         pad_token=trained.pad_token,
         chat_template=HARMONY_TEMPLATE,
-        extra_stop_tokens=HARMONY_STOPS,
+        extra_stop_tokens=list(stops),
     )
 
 

@@ -136,8 +136,8 @@ class AnthropicResponseBuilder(ResponseBuilder):
         reasoning = reasoning_for(
             settings.reasoning_parser, tokenizer, prompt_ids, enabled=thinking, budget=budget
         )
-        if reasoning is not None and not reasoning.skip_special_tokens:
-            extra["skip_special_tokens"] = False  # harmony's markers, read by its splitter
+        if reasoning is not None:  # harmony: its markers kept in the text, its stop tokens
+            extra.update(reasoning.sampling_fields(tokenizer))
         if "structured" in extra:  # a forced call comes after the thinking
             extra["structured"] = after_reasoning(extra["structured"], reasoning, tokenizer)
         budget_cap = thinking_budget(reasoning, tokenizer)

@@ -17,17 +17,20 @@ tool calls and the user-visible preambles before them) and, for a tool call, the
 Text before any header (an output a structured-output grammar wrote) is answer.
 
 The markers are special tokens, so such requests are decoded with
-``skip_special_tokens=False`` (`Reasoning.skip_special_tokens`) and `HarmonySplitter` takes
-them out: analysis text is reasoning, final and preamble text is content, and each call is
-handed on to the tool-call parser in the one spelling every astrai parser's forced calls
-share, ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` (the ``openai`` tool parser
-reads it; tools.md).
+``skip_special_tokens=False`` (`sampling_fields`, which also stops at ``<|call|>``) and
+`HarmonySplitter` takes them out: analysis text is reasoning, final and preamble text is
+content, and each call is handed on to the tool-call parser in the one spelling every astrai
+parser's forced calls share, ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` (the
+``openai`` tool parser reads it; docs/serving.md).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from astrai.tokenizer import AutoTokenizer
 
 START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
 CONSTRAIN, RETURN, CALL = "<|constrain|>", "<|return|>", "<|call|>"
@@ -44,6 +47,16 @@ BRIDGE = START + "assistant" + CHANNEL + "final" + MESSAGE
 
 # A header longer than this with no <|message|> is not a header: its text is content.
 _MAX_HEADER = 256
+
+
+def sampling_fields(tokenizer: AutoTokenizer) -> dict[str, Any]:
+    """What a harmony request's `SamplingParams` need: the markers kept in the text, and
+    `<|return|>` and `<|call|>` among the stop tokens (a call waits for its result; gpt-oss's
+    first generation_config.json names only `<|return|>` and `<|endoftext|>`), as vLLM adds
+    them for its harmony models."""
+    stops = set(tokenizer.stop_ids)
+    stops.update(i for t in (RETURN, CALL) if (i := tokenizer.token_to_id(t)) is not None)
+    return {"skip_special_tokens": False, "stop_ids": frozenset(stops)}
 
 
 def read_header(header: str) -> tuple[str, str]:
@@ -128,12 +141,16 @@ class HarmonySplitter:
         buf = self._buf
         if self._state in ("head", "between"):
             s = buf.lstrip()
+            ended = next((t for t in TERMINATORS if t != START and s.startswith(t)), None)
+            if ended is not None:  # a stop token after a message's end: no text
+                self._buf = s[len(ended) :]
+                return True
             for opener in (START, CHANNEL, "to="):
                 if s.startswith(opener):
                     self._buf = s[len(START) :] if opener == START else s
                     self._state = "header"
                     return True
-            if not s or any(o.startswith(s) for o in (START, CHANNEL, "to=")):
+            if not s or any(o.startswith(s) for o in (START, CHANNEL, "to=", *TERMINATORS)):
                 return False  # nothing yet, or the start of a header: wait
             self._open("content", "")  # text outside any header: the answer
             return True

@@ -155,8 +155,8 @@ class OpenAIResponseBuilder(OpenAIStyleBuilder):
             settings.reasoning_parser, tokenizer, prompt_ids, enabled=thinking
         )
         extra: dict[str, Any] = {} if top is None else {"logprobs": top}
-        if reasoning is not None and not reasoning.skip_special_tokens:
-            extra["skip_special_tokens"] = False  # harmony's markers, read by its splitter
+        if reasoning is not None:  # harmony: its markers kept in the text, its stop tokens
+            extra.update(reasoning.sampling_fields(tokenizer))
         structured = response_format_constraint(body.response_format, tokenizer)
         if tools and (choice == "required" or isinstance(choice, NamedToolChoice)):
             functions = [t["function"] for t in tools]

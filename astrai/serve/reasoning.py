@@ -140,11 +140,10 @@ class Reasoning:
     def splitter(self) -> ReasoningSplitter | HarmonySplitter:
         return HarmonySplitter() if self.parser == HARMONY else ReasoningSplitter(self.opened)
 
-    @property
-    def skip_special_tokens(self) -> bool:
-        """Whether the output's text may leave special tokens out (harmony's markers are
-        special tokens its splitter reads)."""
-        return self.parser != HARMONY
+    def sampling_fields(self, tokenizer: AutoTokenizer) -> dict[str, Any]:
+        """`SamplingParams` fields the parser needs (harmony: its markers kept in the text,
+        its stop tokens; `astrai.serve.harmony.sampling_fields`)."""
+        return harmony.sampling_fields(tokenizer) if self.parser == HARMONY else {}
 
     @property
     def tags(self) -> tuple[str, str]:

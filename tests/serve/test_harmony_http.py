@@ -2,7 +2,7 @@
 both picked by `auto` from the chat template), through the real SDKs.
 
 The tokenizer (tests/tiny_parts.py's `harmony_tokenizer`) has harmony's markers as special
-tokens, `<|return|>` and `<|call|>` as stop tokens, and a chat template in the shape of
+tokens, `<|return|>` as its stop token (the server adds `<|call|>`), and a chat template in the shape of
 gpt-oss's (a system message with the reasoning effort, a developer message with the tools,
 `<|start|>assistant` as the generation prompt).
 The scripted model (conftest) writes exact harmony outputs; expected values come from the
@@ -52,7 +52,7 @@ TOOLS = [
 
 @pytest.fixture(scope="module")
 def harmony_dir(tmp_path_factory, save_model_dir):
-    tok = harmony_tokenizer(stdlib_texts(), STDLIB_VOCAB)
+    tok = harmony_tokenizer(stdlib_texts(), STDLIB_VOCAB, stops=("<|return|>",))
     where = save_model_dir(tmp_path_factory.mktemp("harmony"), tok, **TINY_SHAPE)
     loaded = AutoTokenizer.from_pretrained(where)  # the stop tokens travel with the directory
     return where, loaded
@@ -141,11 +141,15 @@ def test_reasoning_and_answer_plain_and_streamed(url, say, harmony_engine):
     assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == want
 
 
-def test_a_tool_call_plain_and_streamed(url, say):
+def test_a_tool_call_plain_and_streamed(url, say, harmony_engine):
     say(CALL)
     plain, chunks = _both(url, max_tokens=200, tools=TOOLS)
     choice = plain.choices[0]
     assert choice.finish_reason == "tool_calls"
+    # generation stopped at <|call|> (the tokenizer's own stops name only <|return|>)
+    tok = harmony_engine.tokenizer
+    assert tok.token_to_id("<|call|>") not in tok.stop_ids
+    assert plain.usage.completion_tokens == len(tok.encode(CALL))
     assert not choice.message.content
     assert choice.message.reasoning_content == "Need the weather."
     (call,) = choice.message.tool_calls
@@ -214,6 +218,8 @@ def test_reasoning_effort_reaches_the_template(harmony_engine):
     prompt = tok.decode(prepared.prompts[0])
     assert "Reasoning: high" in prompt and prompt.endswith("<|start|>assistant")
     assert prepared.params.skip_special_tokens is False
+    assert tok.token_to_id("<|call|>") in prepared.params.stop_ids
+    assert set(tok.stop_ids) <= prepared.params.stop_ids
     plain = OpenAIResponseBuilder().prepare(
         ChatCompletionRequest(model="m", messages=MSG), tok, ServeSettings()
     )

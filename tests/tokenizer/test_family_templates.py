@@ -1,6 +1,7 @@
-"""The chat templates of Qwen3, Llama 3.1, Mistral and DeepSeek-V3 render in astrai exactly
-as in transformers' `apply_chat_template` (text and ids), with tools, tool calls, tool
-results and thinking, and `tool_parser=auto` picks each family's parser from its text.
+"""The chat templates of Qwen3, Llama 3.1, Mistral, DeepSeek-V3 and GPT-OSS render in astrai
+exactly as in transformers' `apply_chat_template` (text and ids), with tools, tool calls,
+tool results and thinking, and `tool_parser=auto` picks each family's parser from its text
+(and `reasoning_parser=auto` GPT-OSS's harmony parser).
 
 The templates are local copies (tests/tokenizer/family_templates/), never downloaded:
 - qwen3.jinja: Qwen/Qwen3-8B's `chat_template` (tokenizer_config.json,
@@ -9,6 +10,9 @@ The templates are local copies (tests/tokenizer/family_templates/), never downlo
   (https://github.com/vllm-project/vllm, commit 545227602f25).
 - mistral.jinja: vLLM examples/tool_chat_template_mistral.jinja (commit 2d4b302af306).
 - deepseekv3.jinja: vLLM examples/tool_chat_template_deepseekv3.jinja (commit 7531ada7db29).
+- gpt_oss.jinja: openai/gpt-oss-20b's chat_template.jinja (https://huggingface.co/openai/
+  gpt-oss-20b, "Update chat_template.jinja (#94)"), from a GitHub mirror of that repository
+  (EchoCog/gpt-oss-20b, commit cbf31f62664d); Apache-2.0.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import pytest
 import transformers
 from tokenizer_cases import corpus_texts
 
+from astrai.serve.reasoning import resolve_reasoning_parser
 from astrai.serve.tool_parsers import detect
 from astrai.tokenizer import AutoTokenizer
 
@@ -69,6 +74,13 @@ FAMILIES = {
             "<｜tool▁output▁end｜>",
         ],
         "hermes",  # no DeepSeek parser: auto falls back to hermes
+    ),
+    "gpt_oss": (
+        "gpt_oss.jinja",
+        "<|startoftext|>",
+        "<|return|>",
+        ["<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|call|>"],
+        "openai",
     ),
 }
 
@@ -203,3 +215,30 @@ def test_renderings_carry_the_calls_and_thinking(family):
 def test_auto_picks_the_family_parser(family):
     name, ours, _ = family
     assert detect(ours.chat_template) == FAMILIES[name][4]
+    harmony = resolve_reasoning_parser("auto", ours) == "openai_gptoss"
+    assert harmony is (name == "gpt_oss")
+
+
+def test_gpt_oss_renders_harmony_messages():
+    """The harmony shapes the server's parser reads: the generation prompt opens an
+    assistant message, a call goes to `functions.NAME` on the commentary channel with its
+    JSON arguments and ends with `<|call|>`, its result comes from `functions.NAME`, and the
+    reasoning effort reaches the system message."""
+    template = (HERE / "gpt_oss.jinja").read_text(encoding="utf-8")
+    tok = AutoTokenizer.train(
+        corpus_texts()[:4],
+        400,
+        special_tokens=["<|startoftext|>", "<|return|>", "<pad>"],
+        bos_token="<|startoftext|>",
+        eos_token="<|return|>",
+        pad_token="<pad>",
+        chat_template=template,
+    )
+    messages, _ = conversations("gpt_oss")["tool_call_and_result"]
+    text = tok.apply_chat_template(
+        messages, tools=TOOLS, add_generation_prompt=True, reasoning_effort="high"
+    )
+    call = "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>"
+    assert call + json.dumps(ARGS, ensure_ascii=False) + "<|call|>" in text
+    assert "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>" in text
+    assert "Reasoning: high" in text and text.endswith("<|start|>assistant")
