@@ -141,16 +141,12 @@ class HarmonySplitter:
         buf = self._buf
         if self._state in ("head", "between"):
             s = buf.lstrip()
-            ended = next((t for t in TERMINATORS if t != START and s.startswith(t)), None)
-            if ended is not None:  # a stop token after a message's end: no text
-                self._buf = s[len(ended) :]
-                return True
             for opener in (START, CHANNEL, "to="):
                 if s.startswith(opener):
                     self._buf = s[len(START) :] if opener == START else s
                     self._state = "header"
                     return True
-            if not s or any(o.startswith(s) for o in (START, CHANNEL, "to=", *TERMINATORS)):
+            if not s or any(o.startswith(s) for o in (START, CHANNEL, "to=")):
                 return False  # nothing yet, or the start of a header: wait
             self._open("content", "")  # text outside any header: the answer
             return True

@@ -49,6 +49,13 @@ CASES = {
         "Checking." + tool_call_text("functions.get_weather", "{}"),
         False,
     ),
+    "a stop marker after a message's end is no text": (
+        "<|channel|>final<|message|>Done.<|end|><|return|>"
+        "<|start|>assistant<|channel|>final<|message|> More.",
+        "",
+        "Done. More.",
+        False,
+    ),
     "no header: all answer": ("A plain answer <| with a stray bracket.", "", None, False),
     "reasoning that never ends": (
         "<|channel|>analysis<|message|>Still thin",
