@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from astrai.tokenizer import AutoTokenizer
 
 START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
-CONSTRAIN, RETURN, CALL = "<|constrain|>", "<|return|>", "<|call|>"
+RETURN, CALL = "<|return|>", "<|call|>"
 #: gpt-oss's third stop token (its text is kept with the markers: it ends a message too)
 ENDOFTEXT = "<|endoftext|>"
 #: what ends a message's text (a ``<|start|>`` without an ``<|end|>`` opens the next one)
@@ -42,8 +42,6 @@ TERMINATORS = (END, RETURN, CALL, START, ENDOFTEXT)
 OPEN, CLOSE = CHANNEL + "analysis" + MESSAGE, END
 #: a chat template with this marker writes harmony (`reasoning_parser=auto`)
 TEMPLATE_MARKER = CHANNEL
-#: between the reasoning's end and the answer, as the model writes it
-BRIDGE = START + "assistant" + CHANNEL + "final" + MESSAGE
 
 # A header longer than this with no <|message|> is not a header: its text is content.
 _MAX_HEADER = 256
