@@ -29,6 +29,8 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
+from astrai.serve.tool_parsers.events import held_suffix
+
 if TYPE_CHECKING:
     from astrai.tokenizer import AutoTokenizer
 
@@ -82,15 +84,6 @@ def tool_call_text(recipient: str, arguments: str) -> str:
     except ValueError:
         args = arguments
     return "<tool_call>" + json.dumps({"name": name, "arguments": args}) + "</tool_call>"
-
-
-def _held(text: str) -> int:
-    """Length of the longest suffix of `text` that may be the start of a terminator."""
-    for k in range(min(len(text), max(map(len, TERMINATORS)) - 1), 0, -1):
-        tail = text[-k:]
-        if any(t.startswith(tail) for t in TERMINATORS):
-            return k
-    return 0
 
 
 class HarmonySplitter:
@@ -168,7 +161,7 @@ class HarmonySplitter:
         # body
         hit = min(((i, t) for t in TERMINATORS if (i := buf.find(t)) >= 0), default=None)
         if hit is None:
-            k = _held(buf)
+            k = held_suffix(buf, TERMINATORS)
             self._emit(out, buf[: len(buf) - k])
             self._buf = buf[len(buf) - k :]
             return False

@@ -44,6 +44,7 @@ from astrai.serve import harmony
 from astrai.serve.errors import APIError
 from astrai.serve.harmony import HarmonySplitter
 from astrai.serve.tool_parsers import Event, OutputParser, ToolCall
+from astrai.serve.tool_parsers.events import held_suffix
 
 if TYPE_CHECKING:
     import torch
@@ -222,7 +223,7 @@ class ReasoningSplitter:
                     self._buf, self._state = buf[i + len(THINK_END) :], "gap"
                     self.end_at = self._raw - len(self._buf)
                     continue
-                k = _partial_tag(buf, THINK_END)
+                k = held_suffix(buf, (THINK_END,))
                 self._put(out, True, buf[: len(buf) - k])
                 self._buf = buf[len(buf) - k :]
                 return out
@@ -254,14 +255,6 @@ class ReasoningSplitter:
     def _put(out: list[tuple[bool, str]], reasoning: bool, text: str) -> None:
         if text:
             out.append((reasoning, text))
-
-
-def _partial_tag(text: str, tag: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
 
 
 class ReasoningOutputParser:
