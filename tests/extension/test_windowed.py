@@ -81,6 +81,20 @@ def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
+def paged_engine(model, tokenizer, max_batch_size: int) -> InferenceEngine:
+    """Pages of 4 (smaller than the window) with the radix prefix cache."""
+    return InferenceEngine(
+        model,
+        tokenizer,
+        cache_mode="paged",
+        page_size=4,
+        prefix_cache=True,
+        max_batch_size=max_batch_size,
+        max_seq_len=64,
+        start=False,
+    )
+
+
 @pytest.mark.parametrize(("family", "backend"), CASES)
 def test_engine_greedy_equals_transformers_past_the_window(
     family, backend, stdlib_tokenizer, tmp_path, monkeypatch
@@ -96,16 +110,7 @@ def test_engine_greedy_equals_transformers_past_the_window(
     second = [shared + [rng.randrange(300) for _ in range(rng.randint(1, 9))] for _ in range(3)]
     monkeypatch.setenv("ASTR_BACKEND", backend)
     kw = dict(max_tokens=10, temperature=0.0, ignore_eos=True)
-    with InferenceEngine(
-        ours,
-        tokenizer,
-        cache_mode="paged",
-        page_size=4,
-        prefix_cache=True,
-        max_batch_size=4,
-        max_seq_len=64,
-        start=False,
-    ) as eng:
+    with paged_engine(ours, tokenizer, max_batch_size=4) as eng:
         out = eng.run_batch(first, **kw)
         out += eng.run_batch(second, **kw)
         assert eng.get_stats()["cached_prompt_tokens"] >= 12 * len(second)  # prefix reused
@@ -163,16 +168,7 @@ def test_decoding_gives_back_the_pages_behind_the_window(family, stdlib_tokenize
     rng = random.Random(5)
     prompt = [rng.randrange(300) for _ in range(30)]
     seen: list[int] = []
-    with InferenceEngine(
-        ours,
-        tokenizer,
-        cache_mode="paged",
-        page_size=4,
-        prefix_cache=True,
-        max_batch_size=2,
-        max_seq_len=64,
-        start=False,
-    ) as eng:
+    with paged_engine(ours, tokenizer, max_batch_size=2) as eng:
 
         def spy(ids: list[int], logits: torch.Tensor) -> torch.Tensor:
             seen.append(eng.pool.used_tokens)  # the row's KV at each sampled token
